@@ -1,0 +1,15 @@
+"""lightning_zinf: ZeRO-Infinity as a PyTorch Lightning strategy.
+
+Importing the package registers ``Trainer(strategy="zero_infinity")`` (importing it again is
+harmless). The engine underneath, :class:`ZeroEngine`, needs no Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zinf.config import PrefetchConfig
+from lightning_zinf.engine import ZeroEngine, meta_parameters
+from lightning_zinf.strategy import ZeroInfinityStrategy
+
+__all__ = ["PrefetchConfig", "ZeroEngine", "ZeroInfinityStrategy", "meta_parameters"]
+
+ZeroInfinityStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,5 @@
+"""Communication: the collectives the engine uses and the bytes they move."""
+
+from lightning_zinf.comm.collectives import Collectives, CommBytes, Handle
+
+__all__ = ["Collectives", "CommBytes", "Handle"]

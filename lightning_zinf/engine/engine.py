@@ -1,0 +1,393 @@
+"""The ZeRO-3 engine: partitions a model into units and drives gather, release and reduce-scatter.
+
+Free of Lightning: any training loop can use it (the strategy in ``lightning_zinf.strategy`` is a
+thin adapter). The method is ZeRO stage 3 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", SC'20, §5.3: parameters, gradients and optimizer states all
+partitioned) with ZeRO-Infinity's bandwidth-centric partitioning and trace-based prefetch
+(Rajbhandari et al., SC'21, arXiv 2104.07857, §6).
+
+One step, as the hooks drive it:
+
+1. Forward: a module's pre-hook gathers its unit (and units of parameters it shares with another
+   module), gathering the next units of the trace ahead; its post-hook releases the unit and
+   registers a hook on its outputs' gradients.
+2. Backward: that output hook re-gathers the unit before the module's backward runs. When autograd
+   has accumulated the gradient of every trainable parameter of a flat group, the group's flat
+   gradient is reduce-scattered (mean over ranks) and added to this rank's fp32 gradient shard;
+   the full gradients are freed and the unit released. A callback at the end of backward flushes
+   what is left.
+3. Step: the user's optimizer steps the fp32 master shards (:meth:`ZeroEngine.shard_optimizer`),
+   then :meth:`ZeroEngine.after_step` casts them into the compute-dtype shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Hashable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_zinf.comm import Collectives, Handle
+from lightning_zinf.config import PrefetchConfig
+from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
+from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
+from lightning_zinf.engine.trace import Tracer
+
+__all__ = ["ZeroEngine", "Unit"]
+
+_RELEASED, _INFLIGHT, _GATHERED = "released", "inflight", "gathered"
+# Reduce-scatters allowed in flight before the oldest is waited on: enough to overlap with the
+# backward compute, few enough that full-size fp32 gradients do not pile up.
+_MAX_PENDING_REDUCES = 2
+
+
+class Unit:
+    """A unit at run time: its flat groups and its gather state.
+
+    Attributes:
+        index: Position in :attr:`ZeroEngine.units` (the id recorded in traces).
+        name: The owning module's qualified name.
+        groups: One :class:`FlatGroup` per (dtype, requires_grad) among its parameters.
+        numel: Parameter elements in the unit.
+        persistent: Stays gathered for the whole run (small units and the root's own parameters).
+    """
+
+    def __init__(self, index: int, name: str, groups: list[FlatGroup], persistent: bool) -> None:
+        self.index = index
+        self.name = name
+        self.groups = groups
+        self.numel = sum(g.numel for g in groups)
+        self.persistent = persistent
+        self.state = _RELEASED
+        self.handles: list[Handle] = []
+        self.forward_depth = 0
+        self.held = False
+        self.reduced_groups = 0
+
+
+class ZeroEngine:
+    """Partition ``module`` in place across the ranks of ``group`` and install the ZeRO-3 hooks.
+
+    Parameters keep their identity (an optimizer or a tied reference still finds them) but between
+    uses their ``.data`` is an empty tensor: only this rank's shard of each unit is resident. Use
+    :meth:`gathered` to read or edit full values outside forward/backward.
+
+    A model whose parameters are on the meta device (built under
+    :func:`~lightning_zinf.engine.partition.meta_parameters`) is initialised unit by unit with each
+    module's ``reset_parameters()``, from rank 0's random state, so no rank ever holds it whole. A
+    model with real parameters is partitioned as it is, from rank 0's values (like DDP's broadcast).
+
+    Args:
+        module: The model. Its buffers are moved to ``device`` and stay replicated on every rank.
+        block_classes: Module classes (or class names) whose whole subtree is one unit, e.g. a
+            transformer block. Default: each module's own parameters are a unit.
+        prefetch: Prefetch and persistence settings.
+        device: Where shards, gathered parameters and gradient shards live (the compute device).
+        group: The data-parallel process group (default: the world, or one local rank without
+            ``torch.distributed``).
+        auto_pass: Start a new trace pass at every forward of ``module`` itself. Drivers that call
+            :meth:`begin_pass` themselves (the Lightning strategy) set this to ``False``.
+
+    Raises:
+        ValueError: the model has no parameters; a module built on the meta device has no
+            ``reset_parameters()``; a ``block_classes`` entry is malformed.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        block_classes: Sequence[Union[str, type]] = (),
+        prefetch: PrefetchConfig = PrefetchConfig(),
+        device: Union[str, torch.device] = "cpu",
+        group: Optional[dist.ProcessGroup] = None,
+        auto_pass: bool = True,
+    ) -> None:
+        self.module = module
+        self.device = torch.device(device)
+        self.comm = Collectives(group)
+        self.prefetch = prefetch
+        self.auto_pass = auto_pass
+        self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
+        specs, uses = plan_units(module, block_classes)
+        self.units = self._partition(specs)
+        self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
+        self._ahead: dict[int, Unit] = {}
+        self._pending: list[tuple[Handle, Tensor, Tensor, FlatGroup]] = []
+        self._backward_end_queued = False
+        for buffer_owner in module.modules():
+            for name, buf in buffer_owner._buffers.items():
+                if buf is not None:
+                    buffer_owner._buffers[name] = buf.to(self.device)
+        self._hooks = self._install_hooks()
+        self._gather_all([u for u in self.units if u.persistent])
+
+    # --- construction -----------------------------------------------------------------------------
+    def _partition(self, specs: list[UnitSpec]) -> list[Unit]:
+        on_meta = any(p.is_meta for spec in specs for _, p in spec.params)
+        names = {m: n for n, m in self.module.named_modules()}
+        slots = parameter_slots(self.module) if on_meta else {}
+        own_rng = torch.get_rng_state()
+        if on_meta:
+            start = init_rng_state(specs)
+            torch.set_rng_state(self.comm.all_gather_object(own_rng if start is None else start)[0])
+        units = []
+        try:
+            for index, spec in enumerate(specs):
+                if on_meta:
+                    materialize(spec, names, slots)
+                groups = [self._flat_group(members, not on_meta) for members in _split_by_kind(spec.params)]
+                persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold
+                units.append(Unit(index, spec.name, groups, persistent))
+        finally:
+            if on_meta:
+                torch.set_rng_state(own_rng)
+        return units
+
+    def _flat_group(self, members: list[tuple[str, nn.Parameter]], from_rank0: bool) -> FlatGroup:
+        params = [p for _, p in members]
+        source = torch.cat([p.detach().reshape(-1) for p in params]).to(self.device)
+        if from_rank0:
+            # Ranks must shard identical values: rank 0's, as DDP broadcasts them at construction.
+            # Materialised units need no broadcast: every rank drew them from rank 0's RNG state.
+            self.comm.broadcast(source)
+        return FlatGroup([n for n, _ in members], params, source, self.comm, self.device)
+
+    def _install_hooks(self) -> list[Any]:
+        hooks: list[Any] = []
+        for module in self._uses:
+            hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            # always_call: checkpointing stops a recomputation by raising inside a module's forward;
+            # the post-hook must still end that use of the unit.
+            hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+        for unit in self.units:
+            for group in unit.groups:
+                if group.trainable:
+                    for index, p in enumerate(group.params):
+                        hook = functools.partial(self._on_grad, unit, group, index)
+                        hooks.append(p.register_post_accumulate_grad_hook(hook))
+        return hooks
+
+    # --- public API -------------------------------------------------------------------------------
+    @property
+    def groups(self) -> list[FlatGroup]:
+        """All flat groups, unit by unit."""
+        return [g for u in self.units for g in u.groups]
+
+    def begin_pass(self, kind: Hashable) -> None:
+        """Mark the start of a forward (+ backward) pass of ``kind`` (e.g. ``"train"``, ``"eval"``).
+
+        Finishes the previous pass: waits for gathers still in flight and releases units gathered
+        ahead but never used. Every rank must call it at the same points.
+        """
+        self._settle(boundary=True)
+        self.tracer.begin_pass(kind)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place).
+
+        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
+        """
+        return shard_optimizer(optimizer, self.groups)
+
+    def master_fragments(self) -> list[Tensor]:
+        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
+        return [f for g in self.groups if g.trainable for f in g.fragments]
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32)."""
+        return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
+
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: cast masters into compute shards, re-gather persistent units."""
+        self._settle(boundary=True)
+        for group in self.groups:
+            group.after_step()
+        self._gather_all([u for u in self.units if u.persistent])
+
+    @contextmanager
+    def gathered(self, write_back: bool = False) -> Iterator[None]:
+        """Gather every unit for the duration of the block (like FSDP's ``summon_full_params``).
+
+        Args:
+            write_back: Copy edits made to the full parameters inside the block back into the shards
+                on exit. Every rank must make the same edits.
+        """
+        self._settle()
+        units = [u for u in self.units if not u.persistent]
+        for unit in units:
+            unit.forward_depth += 1
+        try:
+            self._gather_all(units)
+            yield
+            if write_back:
+                for group in self.groups:
+                    group.write_back()
+        finally:
+            for unit in units:
+                unit.forward_depth -= 1
+                self._maybe_release(unit)
+
+    def release_all(self) -> None:
+        """Wait for outstanding collectives and release every non-persistent unit."""
+        self._settle()
+
+    def remove_hooks(self) -> None:
+        """Detach the engine from the model (the parameters stay partitioned)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # --- gather / release -------------------------------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        unit.handles = [g.start_gather() for g in unit.groups]
+        unit.state = _INFLIGHT
+
+    def _wait_gather(self, unit: Unit) -> None:
+        if unit.state != _INFLIGHT:
+            return
+        for handle in unit.handles:
+            handle.wait()
+        for group in unit.groups:
+            group.finish_gather()
+        unit.handles, unit.state = [], _GATHERED
+
+    def _gather_all(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit.state != _INFLIGHT:
+                self._start_gather(unit)
+        for unit in units:
+            self._wait_gather(unit)
+
+    def _acquire(self, unit: Unit) -> None:
+        upcoming = self.tracer.request(unit.index)
+        self._ahead.pop(unit.index, None)
+        if unit.state == _RELEASED:
+            self._start_gather(unit)
+        if upcoming:
+            self._gather_ahead(upcoming)
+        self._wait_gather(unit)
+
+    def _gather_ahead(self, upcoming: list[int]) -> None:
+        budget = self.prefetch.bucket_size - sum(u.numel for u in self._ahead.values())
+        for index in upcoming:
+            unit = self.units[index]
+            if unit.state != _RELEASED or index in self._ahead:
+                continue
+            if unit.numel > budget:
+                break
+            self._start_gather(unit)
+            self._ahead[index] = unit
+            budget -= unit.numel
+
+    def _maybe_release(self, unit: Unit) -> None:
+        if (
+            unit.state == _GATHERED
+            and not unit.persistent
+            and unit.forward_depth == 0
+            and not unit.held
+            and unit.index not in self._ahead
+        ):
+            for group in unit.groups:
+                group.release()
+            unit.state = _RELEASED
+
+    def _settle(self, boundary: bool = False) -> None:
+        """Finish every collective in flight and release what no pass is using.
+
+        At a pass boundary no module is running, so use counts left over from a forward that
+        raised (and was caught by user code) are cleared rather than keeping stale units gathered.
+        """
+        self._drain_reduces()
+        self._ahead.clear()
+        for unit in self.units:
+            if boundary:
+                unit.forward_depth, unit.held, unit.reduced_groups = 0, False, 0
+            self._wait_gather(unit)
+            self._maybe_release(unit)
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.auto_pass and module is self.module:
+            self.begin_pass((module.training, torch.is_grad_enabled()))
+        for unit in self._uses[module]:
+            unit.forward_depth += 1
+            self._acquire(unit)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        units = self._uses[module]
+        for unit in units:
+            unit.forward_depth -= 1
+        if torch.is_grad_enabled():
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            if outputs:
+                hook = functools.partial(self._pre_backward, units)
+                torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
+        for unit in units:
+            self._maybe_release(unit)
+
+    def _pre_backward(self, units: list[Unit], grad: Any) -> None:
+        self._queue_backward_end()
+        for unit in units:
+            unit.held = True
+            self._acquire(unit)
+
+    def _on_grad(self, unit: Unit, group: FlatGroup, index: int, param: Tensor) -> None:
+        self._queue_backward_end()
+        if not group.mark_ready(index):
+            return
+        self._reduce(group)
+        unit.reduced_groups += 1
+        # A unit with frozen groups stays held until the end of backward: no gradient hook says
+        # when autograd is done with its frozen parameters.
+        if unit.reduced_groups == len(unit.groups):
+            unit.reduced_groups, unit.held = 0, False
+            self._maybe_release(unit)
+
+    def _queue_backward_end(self) -> None:
+        if not self._backward_end_queued:
+            self._backward_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _backward_end(self) -> None:
+        """Flush partially complete gradients, finish the reduce-scatters, release held units."""
+        self._backward_end_queued = False
+        for unit in self.units:
+            for group in unit.groups:
+                if group.trainable and group.any_ready:
+                    self._reduce(group)
+        self._drain_reduces()
+        for unit in self.units:
+            if unit.held:
+                unit.held, unit.reduced_groups = False, 0
+                self._maybe_release(unit)
+
+    # --- gradients --------------------------------------------------------------------------------
+    def _reduce(self, group: FlatGroup) -> None:
+        handle, out, flat = group.start_reduce()
+        self._pending.append((handle, out, flat, group))
+        while len(self._pending) > _MAX_PENDING_REDUCES:
+            self._finish_reduce(self._pending.pop(0))
+
+    def _drain_reduces(self) -> None:
+        while self._pending:
+            self._finish_reduce(self._pending.pop(0))
+
+    @staticmethod
+    def _finish_reduce(pending: tuple[Handle, Tensor, Tensor, FlatGroup]) -> None:
+        handle, out, _flat, group = pending
+        handle.wait()
+        group.accumulate(out)
+
+
+def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split a unit's parameters into runs of one dtype and one ``requires_grad``, order kept."""
+    kinds: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+    for name, p in params:
+        kinds.setdefault((p.dtype, p.requires_grad), []).append((name, p))
+    return list(kinds.values())

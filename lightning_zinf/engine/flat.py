@@ -1,0 +1,173 @@
+"""Flat buffers: one unit's parameters of one dtype laid end to end, and this rank's shard of them.
+
+Layout (ZeRO stage 3, Rajbhandari et al. SC'20 §5; ZeRO-Infinity §5.1.1 bandwidth-centric
+partitioning): the ``numel`` elements of the group's parameters are concatenated in order and padded
+with zeros to ``W * shard_numel`` elements, ``shard_numel = ceil(numel / W)``. Rank ``r`` owns
+elements ``[r * shard_numel, (r + 1) * shard_numel)``. Every parameter is split across all ranks, so
+a gather uses every rank's link at once.
+
+A gather all-gathers the shards into ``full`` and points each parameter's ``.data`` at its slice of
+``full``. A release sets ``.data`` to an empty tensor and shrinks ``full``'s storage to zero bytes;
+tensors autograd saved during forward (``weight.t()`` and the like) are views of that storage, so
+they hold no memory while released and see the re-gathered values in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zinf.comm import Collectives, Handle
+
+__all__ = ["FlatGroup"]
+
+
+class FlatGroup:
+    """One unit's parameters of one dtype and one ``requires_grad`` value, sharded over ranks.
+
+    Args:
+        names: Qualified parameter names (for messages and checkpoints), same order as ``params``.
+        params: The parameters; all of one dtype and ``requires_grad``; real (not meta) tensors.
+        source: Their values, flattened and concatenated (``numel`` elements, any device), or
+            ``None`` to read them from ``params``.
+        comm: The data-parallel collectives.
+        device: Where the shard, the gather buffer and the fp32 master and gradient shards live.
+
+    Attributes:
+        shard: This rank's ``shard_numel`` elements of the flat buffer, in the parameters' dtype.
+        full: The gather buffer of ``W * shard_numel`` elements; zero bytes of storage when released.
+        master: The fp32 master shard stepped by the optimizer (``shard`` itself when the dtype is
+            fp32), or ``None`` for frozen groups and before :meth:`make_master`.
+        fragments: Per parameter, the 1-D view of ``master`` that this rank owns (possibly empty).
+        grad_shard: fp32 gradient shard accumulated over micro-batches, or ``None`` before the first.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        source: Optional[Tensor],
+        comm: Collectives,
+        device: torch.device,
+    ) -> None:
+        self.names = names
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.dtype = params[0].dtype
+        self.trainable = params[0].requires_grad
+        self.comm = comm
+        self.device = device
+        world = comm.world_size
+        self.shard_numel = -(-self.numel // world)
+        self.padded_numel = self.shard_numel * world
+        self.shard_start = comm.rank * self.shard_numel
+
+        if source is None:
+            source = torch.cat([p.detach().reshape(-1) for p in params])
+        start, stop = self.shard_start, min(self.shard_start + self.shard_numel, self.numel)
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        if stop > start:
+            self.shard[: stop - start].copy_(source[start:stop])
+        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.master: Optional[Tensor] = None
+        self.fragments: list[Tensor] = []
+        self.grad_shard: Optional[Tensor] = None
+        self._ready = [False] * len(params)
+        self.release()
+
+    # --- gather / release -------------------------------------------------------------------------
+    def start_gather(self) -> Handle:
+        """Allocate the gather buffer and start all-gathering the shards into it (asynchronously)."""
+        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        return self.comm.all_gather(self.full, self.shard, async_op=True)
+
+    def finish_gather(self) -> None:
+        """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
+        for p, offset, numel, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = self.full[offset : offset + numel].view(shape)
+
+    def release(self) -> None:
+        """Free the gathered buffer; parameters become empty tensors until the next gather."""
+        for p in self.params:
+            p.data = self._empty
+        self.full.untyped_storage().resize_(0)
+
+    def write_back(self) -> None:
+        """Copy this rank's slice of the gathered buffer into the shard (and the fp32 master).
+
+        Used after user code edited gathered parameters; every rank must have made the same edit.
+        """
+        self.shard.copy_(self.full[self.shard_start : self.shard_start + self.shard_numel])
+        if self.master is not None and self.master is not self.shard:
+            self.master.copy_(self.shard)
+
+    # --- optimizer state --------------------------------------------------------------------------
+    def make_master(self) -> None:
+        """Create the fp32 master shard and the per-parameter fragments the optimizer steps."""
+        if self.master is None:
+            self.master = self.shard if self.dtype == torch.float32 else self.shard.float()
+        self.fragments = [self.master[lo:hi] for lo, hi in self._owned_ranges()]
+
+    def _owned_ranges(self) -> list[tuple[int, int]]:
+        """Per parameter, the [lo, hi) range of this rank's shard that holds its elements."""
+        ranges = []
+        for offset, numel in zip(self.offsets, self.numels):
+            lo = min(max(offset - self.shard_start, 0), self.shard_numel)
+            hi = min(max(offset + numel - self.shard_start, lo), self.shard_numel)
+            ranges.append((lo, hi))
+        return ranges
+
+    def after_step(self) -> None:
+        """Cast the stepped fp32 master back into the compute-dtype shard."""
+        if self.master is not None and self.master is not self.shard:
+            self.shard.copy_(self.master)
+
+    # --- gradients --------------------------------------------------------------------------------
+    def mark_ready(self, index: int) -> bool:
+        """Note that parameter ``index`` has its gradient; True once every parameter has one."""
+        self._ready[index] = True
+        return all(self._ready)
+
+    @property
+    def any_ready(self) -> bool:
+        return any(self._ready)
+
+    def start_reduce(self) -> tuple[Handle, Tensor, Tensor]:
+        """Flatten the parameters' gradients (zeros where missing), free them, start the reduce-scatter.
+
+        Returns:
+            ``(handle, out, flat)``: wait on ``handle``, then pass ``out`` (fp32, ``shard_numel``
+            elements: the mean over ranks of this rank's slice) to :meth:`accumulate`. ``flat`` must
+            stay alive until the handle completes.
+        """
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+        for p, offset, numel in zip(self.params, self.offsets, self.numels):
+            if p.grad is not None:
+                flat[offset : offset + numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self._ready = [False] * len(self.params)
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        return self.comm.reduce_scatter_mean(out, flat, async_op=True), out, flat
+
+    def accumulate(self, reduced: Tensor) -> None:
+        """Add a reduced gradient slice to the fp32 gradient shard and expose it to the optimizer.
+
+        After ``optimizer.zero_grad()`` (fragments' ``.grad`` set to ``None``, or zeroed in place)
+        the next call starts a fresh accumulation.
+        """
+        fresh = self.grad_shard is None or not self.fragments or self.fragments[0].grad is None
+        if fresh:
+            if self.grad_shard is None:
+                self.grad_shard = reduced
+            else:
+                self.grad_shard.copy_(reduced)
+        else:
+            self.grad_shard.add_(reduced)  # type: ignore[union-attr]
+        for fragment, (lo, hi) in zip(self.fragments, self._owned_ranges()):
+            fragment.grad = self.grad_shard[lo:hi]  # type: ignore[index]

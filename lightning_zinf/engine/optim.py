@@ -1,0 +1,100 @@
+"""The user's optimizer, stepped on fp32 master shards (ZeRO stage 3 optimizer-state partitioning).
+
+The optimizer object the user built (and any LR scheduler bound to it) is kept: its param groups
+are re-pointed, parameter by parameter, at the fragment of the fp32 master shard this rank owns.
+Hyper-parameters per group (weight decay off for norms, say) carry over unchanged. This is exact
+for *elementwise* optimizers (SGD, Adam, AdamW, RMSprop...), whose update of one element depends
+only on that element's gradient and state.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zinf.comm import Collectives
+from lightning_zinf.engine.flat import FlatGroup
+
+__all__ = ["shard_optimizer", "clip_grad_norm_"]
+
+# Optimizers whose update mixes elements of one tensor (factored or matrix-wise statistics, line
+# search over the whole model): stepping them on shards would change the mathematics.
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "Shampoo", "SOAP", "Lamb", "LARS")
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, groups: Iterable[FlatGroup]) -> torch.optim.Optimizer:
+    """Re-point ``optimizer`` at this rank's fp32 master fragments, in place, and return it.
+
+    Args:
+        optimizer: A freshly built torch optimizer over the model's parameters (no state yet).
+        groups: The engine's flat groups; trainable ones get master shards if they have none.
+
+    Returns:
+        The same optimizer object, now over 1-D fp32 fragments (some possibly empty).
+
+    Raises:
+        ValueError: the optimizer is not elementwise, already has state, or holds a tensor that is
+            not a trainable parameter of the partitioned model.
+    """
+    name = type(optimizer).__name__
+    if name in _NOT_ELEMENTWISE:
+        raise ValueError(
+            f"{name} is not an elementwise optimizer: its update of one element depends on other "
+            "elements of the tensor, so it cannot step ZeRO shards. Use SGD, Adam, AdamW, RMSprop or "
+            "another elementwise torch optimizer."
+        )
+    if len(optimizer.state) > 0:
+        raise ValueError(
+            f"The {name} optimizer already has state; build it in `configure_optimizers` (before any "
+            "step) so the strategy can move it onto the fp32 master shards."
+        )
+    fragment_of: dict[int, Tensor] = {}
+    for group in groups:
+        if group.trainable:
+            group.make_master()
+            fragment_of.update({id(p): f for p, f in zip(group.params, group.fragments)})
+    for param_group in optimizer.param_groups:
+        fragments = []
+        for p in param_group["params"]:
+            if id(p) in fragment_of:
+                fragments.append(fragment_of[id(p)])
+            elif isinstance(p, nn.Parameter) and not p.requires_grad:
+                continue  # frozen parameters are never stepped; plain torch would skip them too
+            else:
+                raise ValueError(
+                    f"The {name} optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "trainable parameter of the partitioned model. Build the optimizer from "
+                    "`self.parameters()` (or a subset) inside `configure_optimizers`."
+                )
+        param_group["params"] = fragments
+    return optimizer
+
+
+def clip_grad_norm_(fragments: Iterable[Tensor], max_norm: float, comm: Collectives) -> Tensor:
+    """Scale gradient shards so the global L2 norm over all ranks is at most ``max_norm``.
+
+    Same result as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the squared norms of
+    the shards are summed over ranks (one all-reduce of one fp32 scalar), and every shard is
+    multiplied by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Args:
+        fragments: This rank's fp32 master fragments; those without ``.grad`` are skipped.
+        max_norm: The largest allowed global norm (> 0).
+        comm: The data-parallel collectives.
+
+    Returns:
+        The global norm before clipping, a 0-d fp32 tensor. As in torch, a non-finite norm makes
+        the gradients non-finite too (a mixed-precision loss scaler then skips the step).
+    """
+    grads = [f.grad for f in fragments if f.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total += g.float().pow(2).sum()
+    norm = comm.all_reduce_sum(total).sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm

@@ -1,0 +1,105 @@
+"""The prefetch trace: the order in which units are gathered in one pass, recorded and replayed.
+
+ZeRO-Infinity §6.2 (overlap-centric design) prefetches the parameters the next operators need
+while the current one computes; DeepSpeed learns that order from a recorded trace. Here a *pass* is
+one forward (and its backward, when training) of one *kind* (``"train"``, ``"eval"``...). The first
+pass of a kind records the order of gather requests. At the start of the next pass every rank
+compares a hash of its recording with the others' (one small collective); if all agree the trace is
+replayed, otherwise prefetch stays off for that kind, since prefetching differently on different
+ranks would mismatch the collectives.
+
+During replay each request is checked against the trace. A mismatch (data-dependent control flow)
+stops prefetching for the rest of the pass and re-records the trace in the next pass of that kind:
+the engine then gathers on demand, which is always correct.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+from lightning_zinf.comm import Collectives
+
+__all__ = ["Tracer"]
+
+log = logging.getLogger(__name__)
+
+_RECORD, _REPLAY, _OFF = "record", "replay", "off"
+
+
+@dataclass
+class _Trace:
+    state: str = _RECORD
+    order: list[int] = field(default_factory=list)
+    recording: list[int] = field(default_factory=list)
+    validated: bool = False
+
+
+class Tracer:
+    """Records and replays the unit order of each kind of pass.
+
+    Args:
+        comm: Used once per recorded trace to check that all ranks recorded the same order.
+        enabled: ``False`` never replays (every gather is on demand).
+    """
+
+    def __init__(self, comm: Collectives, enabled: bool = True) -> None:
+        self.comm = comm
+        self.enabled = enabled
+        self._traces: dict[Hashable, _Trace] = {}
+        self._current: Optional[_Trace] = None
+        self._cursor = 0
+        self._diverged = False
+        self.invalidations = 0
+
+    def begin_pass(self, kind: Hashable) -> None:
+        """Start a pass of ``kind``; finishes the previous pass (validating a fresh recording).
+
+        Every rank must call this at the same points (it may run a collective).
+        """
+        self._finish()
+        trace = self._traces.setdefault(kind, _Trace())
+        if trace.state == _RECORD:
+            trace.recording = []
+        self._current, self._cursor, self._diverged = trace, 0, False
+
+    def _finish(self) -> None:
+        trace = self._current
+        if trace is None or trace.state != _RECORD or not trace.recording:
+            return
+        digest = zlib.crc32(",".join(map(str, trace.recording)).encode())
+        agreed = len(set(self.comm.all_gather_object(digest))) == 1
+        if not agreed:
+            log.warning(
+                "lightning_zinf: ranks gathered units in different orders during one pass; prefetch "
+                "is off for this kind of pass (gathering on demand). Every rank must run the same "
+                "modules in the same order."
+            )
+        trace.order, trace.recording = trace.recording, []
+        trace.state = _REPLAY if agreed and self.enabled else _OFF
+        self._current = None
+
+    def request(self, unit: int) -> list[int]:
+        """Note a gather request for ``unit``.
+
+        Returns:
+            The units the trace says come next, in order (the caller gathers ahead along them within
+            its budget); empty while recording, after a divergence, or with prefetch off.
+        """
+        trace = self._current
+        if trace is None or self._diverged:
+            return []
+        if trace.state == _RECORD:
+            trace.recording.append(unit)
+            return []
+        if trace.state != _REPLAY:
+            return []
+        if self._cursor >= len(trace.order) or trace.order[self._cursor] != unit:
+            self._diverged = True
+            self.invalidations += 1
+            trace.state, trace.recording = _RECORD, []
+            return []
+        self._cursor += 1
+        return trace.order[self._cursor :]

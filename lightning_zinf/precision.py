@@ -1,0 +1,76 @@
+"""Lightning precision plugins that know gradients are sharded.
+
+Lightning picks a generic plugin for a third-party strategy (``Precision``, ``MixedPrecision`` or
+``HalfPrecision``). Two of its behaviours are wrong for ZeRO shards: clipping by norm computes the
+norm of this rank's shard only, and fp16 loss scaling would let one rank skip a step another takes.
+:func:`to_zero_precision` swaps in subclasses that clip by the global norm and scale with torch's
+``ShardedGradScaler`` (which all-reduces the found-inf flag).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Union
+
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim import Optimizer
+from typing_extensions import override
+
+if TYPE_CHECKING:
+    from lightning_zinf.engine import ZeroEngine
+
+__all__ = ["ZeroPrecision", "ZeroMixedPrecision", "ZeroHalfPrecision", "to_zero_precision"]
+
+SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+class _GlobalNormClipping:
+    """Clip by the L2 norm over every rank's gradient shards (``Trainer(gradient_clip_val=...)``)."""
+
+    engine: Optional["ZeroEngine"] = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        if self.engine is None:
+            raise RuntimeError("The zero_infinity strategy has not set up its engine yet; clipping needs it.")
+        self.engine.clip_grad_norm_(float(clip_val))
+
+
+class ZeroPrecision(_GlobalNormClipping, Precision):
+    """fp32 training (``"32-true"``) with global-norm clipping."""
+
+
+class ZeroMixedPrecision(_GlobalNormClipping, MixedPrecision):
+    """Autocast training (``"bf16-mixed"``, ``"16-mixed"``) with global-norm clipping; fp16 uses a
+    ``ShardedGradScaler`` so every rank agrees on skipping a step with inf/nan gradients."""
+
+
+class ZeroHalfPrecision(_GlobalNormClipping, HalfPrecision):
+    """Parameters in bf16/fp16 (``"bf16-true"``, ``"16-true"``); fp32 master shards in the optimizer."""
+
+
+def to_zero_precision(plugin: Precision) -> Precision:
+    """Translate one of Lightning's generic precision plugins into its sharding-aware subclass.
+
+    Args:
+        plugin: The plugin Lightning chose from ``Trainer(precision=...)``, or one of ours.
+
+    Returns:
+        A :class:`ZeroPrecision`, :class:`ZeroMixedPrecision` or :class:`ZeroHalfPrecision`.
+
+    Raises:
+        TypeError: a plugin for another precision (``"64-true"``, transformer-engine, a custom one).
+    """
+    if isinstance(plugin, _GlobalNormClipping):
+        return plugin
+    if type(plugin) is Precision:
+        return ZeroPrecision()
+    if type(plugin) is MixedPrecision:
+        scaler = ShardedGradScaler(device=plugin.device) if plugin.scaler is not None else None
+        return ZeroMixedPrecision(plugin.precision, plugin.device, scaler=scaler)  # type: ignore[arg-type]
+    if type(plugin) is HalfPrecision:
+        return ZeroHalfPrecision(plugin.precision)  # type: ignore[arg-type]
+    raise TypeError(
+        f"The zero_infinity strategy does not support {type(plugin).__name__} "
+        f"(precision={getattr(plugin, 'precision', '?')!r}). Use Trainer(precision=...) with one of "
+        f"{', '.join(SUPPORTED)}."
+    )

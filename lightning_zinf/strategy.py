@@ -1,0 +1,320 @@
+"""``ZeroInfinityStrategy``: the Lightning glue around :class:`~lightning_zinf.engine.ZeroEngine`.
+
+Everything about sharding lives in the engine; this module only maps Lightning's lifecycle onto it:
+``configure_model`` runs with parameters on the meta device, ``setup`` partitions the model and
+moves the user's optimizer onto the fp32 master shards, each ``*_step`` starts a trace pass, and
+``optimizer_step`` finishes with the engine's post-step work.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Generator, Optional, Sequence
+
+import torch
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zinf.config import PrefetchConfig, coerce_config
+from lightning_zinf.engine import ZeroEngine, meta_parameters
+from lightning_zinf.precision import to_zero_precision
+
+__all__ = ["ZeroInfinityStrategy"]
+
+
+class ZeroInfinityStrategy(ParallelStrategy):
+    """ZeRO stage 3 data parallelism for Lightning: parameters, gradients and optimizer states are
+    partitioned across all ranks (Rajbhandari et al., ZeRO, SC'20 §5; ZeRO-Infinity, SC'21 §5-6).
+
+    Use ``Trainer(strategy="zero_infinity")`` after ``import lightning_zinf``, or pass an instance to
+    set options. Build the model in ``LightningModule.configure_model`` so it is partitioned unit by
+    unit as it is built and never exists whole on one rank (its modules' ``reset_parameters()``
+    initialise it); a model built in ``__init__`` is partitioned at setup from rank 0's values.
+    The optimizer from ``configure_optimizers`` (any elementwise torch optimizer) and its LR
+    schedulers work unchanged; the strategy steps it on fp32 master shards.
+
+    Outside forward/backward, parameters are empty tensors; read or edit full values inside
+    :meth:`gathered_parameters`.
+
+    Args:
+        block_classes: Module classes (or their names, e.g. ``["Block"]``) whose whole subtree is
+            gathered as one unit; typically the transformer block. Default: every module's own
+            parameters are a unit.
+        prefetch: A :class:`~lightning_zinf.PrefetchConfig` (or a mapping of its fields).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: As for
+            any Lightning ``ParallelStrategy``; the Trainer sets them.
+        process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
+        timeout: How long a collective may wait for other ranks before failing (a rank that died or
+            diverged then ends the run with an error instead of a hang).
+
+    Raises:
+        ValueError: an invalid option value (the message names the field and what is allowed).
+    """
+
+    strategy_name = "zero_infinity"
+
+    def __init__(
+        self,
+        *,
+        block_classes: Sequence[str | type] = (),
+        prefetch: Optional[PrefetchConfig] = None,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: timedelta = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if isinstance(block_classes, (str, type)):
+            block_classes = [block_classes]
+        self.block_classes = tuple(block_classes)
+        self.prefetch = coerce_config(PrefetchConfig, prefetch)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._engine: Optional[ZeroEngine] = None
+        self.num_nodes = 1
+
+    # --- topology ---------------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """True: Lightning then gives each rank its own slice of the data (``DistributedSampler``)."""
+        return True
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def engine(self) -> ZeroEngine:
+        """The engine partitioning the LightningModule (available after setup)."""
+        if self._engine is None:
+            raise RuntimeError("The zero_infinity engine exists only after the Trainer has set up the model.")
+        return self._engine
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else to_zero_precision(Precision())
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if precision_plugin is None else to_zero_precision(precision_plugin)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if _IS_INTERACTIVE:
+            # Re-running sys.argv is impossible in a notebook; fork is Lightning's interactive launcher.
+            self._launcher = _MultiProcessingLauncher(self, start_method="fork")
+        else:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # --- model ------------------------------------------------------------------------------------
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Parameters created inside (``configure_model``) go to the meta device until setup."""
+        with meta_parameters():
+            yield
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if self._engine is None or self._engine.module is not self.model:
+            self._engine = ZeroEngine(
+                self.model,
+                block_classes=self.block_classes,
+                prefetch=self.prefetch,
+                device=self.root_device,
+                auto_pass=False,
+            )
+        self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @override
+    def model_to_device(self) -> None:
+        """Nothing to move: the engine placed shards and buffers on ``root_device`` at setup."""
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        self.optimizers = [self.engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
+
+    @contextmanager
+    def gathered_parameters(self, write_back: bool = False) -> Generator[None, None, None]:
+        """Every parameter at its full value inside the block (collective: call on all ranks).
+
+        Args:
+            write_back: Keep edits made inside the block (every rank must make the same edits).
+        """
+        with self.engine.gathered(write_back=write_back):
+            yield
+
+    # --- steps ------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.begin_pass("train")
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.begin_pass("validate")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.begin_pass("test")
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.begin_pass("predict")
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional["pl.LightningModule" | torch.nn.Module] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.engine.after_step()
+        return output
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradients are reduce-scattered every micro-batch and accumulated in fp32 shards, which
+        costs no memory for full gradients; there is no synchronisation to skip."""
+        with nullcontext():
+            yield
+
+    # --- collectives ------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Optional[Any] = None, reduce_op: Optional[ReduceOp | str] = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # --- checkpoints (the sharded checkpoint issue) ----------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "zero_infinity checkpoints are not implemented yet (sharded checkpoints are the next "
+            "milestone). Use Trainer(enable_checkpointing=False) for now."
+        )
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        self.lightning_module_state_dict()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.lightning_module_state_dict()
+
+    # --- teardown / registration ------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        # Unlike the base class, keep the model where it is: its state lives in the shards, and a
+        # following validate/test/predict reuses the engine.
+        if self._engine is not None:
+            self._engine.release_all()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"zero_infinity"``; safe to call again (re-importing in a notebook)."""
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="ZeRO-3 partitioning of parameters, gradients and optimizer states (lightning_zinf)",
+            override=True,
+        )

@@ -1,0 +1,95 @@
+"""Run a function on W real processes joined by a gloo process group, and collect what each returns.
+
+Processes come from a ``forkserver`` that has already imported torch and Lightning, so each rank
+starts in well under a second and inherits no OpenMP state from the pytest process. A rank that
+raises, dies or outlives the timeout fails the test with that rank's traceback; the other ranks
+are killed rather than left hanging.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lightning_zinf"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, init_pg: bool, args: tuple, out: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        out.put((rank, True, buffer.getvalue()))
+    except BaseException:  # report everything, including SystemExit from a library
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world: int, *args: Any, init_pg: bool = True, timeout: float = 300.0
+) -> list[Any]:
+    """Call ``fn(rank, world, *args)`` on ``world`` processes and return the results by rank.
+
+    Args:
+        fn: A module-level (picklable) function. Its return value must be ``torch.save``-able.
+        world: Number of ranks.
+        init_pg: Initialise a gloo process group before calling ``fn`` (``False`` for Lightning
+            runs, which initialise their own from the same environment variables).
+        timeout: Seconds all ranks together may take.
+
+    Raises:
+        RuntimeError: a rank raised (its traceback is in the message), died, or timed out.
+    """
+    out = _CTX.Queue()
+    port = _free_port()
+    procs = [
+        _CTX.Process(target=_worker, args=(fn, rank, world, port, init_pg, args, out), daemon=True)
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, ok, payload = out.get(timeout=timeout)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                raise RuntimeError(f"ranks {dead or 'all'} gave no result within {timeout:.0f} s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

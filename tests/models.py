@@ -1,0 +1,115 @@
+"""Small models for the tests, each exercising one thing the engine must get right."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class MLP(nn.Module):
+    """Three Linear layers; ``frozen=True`` freezes the first, ``buffer=True`` adds a running mean."""
+
+    def __init__(self, d: int = 16, hidden: int = 48, out: int = 8, frozen: bool = False, buffer: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, out)
+        if frozen:
+            self.fc1.requires_grad_(False)
+        self.use_buffer = buffer
+        if buffer:
+            self.register_buffer("shift", torch.linspace(-1.0, 1.0, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_buffer:
+            x = x - self.shift
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+class TwiceMLP(MLP):
+    """Calls ``fc2`` twice in one forward (a module reused within a pass)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        h = torch.tanh(self.fc2(h))
+        return self.fc3(h)
+
+
+class BranchMLP(MLP):
+    """Takes a different branch on odd steps: the gather order changes between steps."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.alt = nn.Linear(48, 48)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh((self.alt if self.step % 2 else self.fc2)(h))
+        return self.fc3(h)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(y)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A tiny causal GPT with tied input/output embeddings (``head.weight is wte.weight``).
+
+    ``checkpointing=True`` wraps every block in ``torch.utils.checkpoint`` (non-reentrant).
+    """
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 2, seq: int = 16,
+                 checkpointing: bool = False):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.checkpointing = checkpointing
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return self.head(self.ln_f(x))
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy for the GPT (token targets) or mean squared error for the MLPs."""
+    out = model(x)
+    if out.dim() == 3:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+    return F.mse_loss(out.float(), y)
+
+
+def make_batch(kind: str, step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic global batch for ``step`` (the same on every rank and in the reference)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if kind == "gpt":
+        tokens = torch.randint(0, 64, (batch, 17), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(batch, 16, generator=g), torch.randn(batch, 8, generator=g)
