@@ -118,6 +118,7 @@ class ZeroEngine:
         self.units = self._partition(specs)
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
         self._ahead: dict[int, Unit] = {}
+        self.gathered_ahead = 0  # units gathered by prefetch, over the run (for tests and monitoring)
         self._pending: list[tuple[Handle, Tensor, Tensor, FlatGroup]] = []
         self._backward_end_queued = False
         for buffer_owner in module.modules():
@@ -160,6 +161,8 @@ class ZeroEngine:
 
     def _install_hooks(self) -> list[Any]:
         hooks: list[Any] = []
+        if self.auto_pass:
+            hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         for module in self._uses:
             hooks.append(module.register_forward_pre_hook(self._pre_forward))
             # always_call: checkpointing stops a recomputation by raising inside a module's forward;
@@ -283,6 +286,7 @@ class ZeroEngine:
                 break
             self._start_gather(unit)
             self._ahead[index] = unit
+            self.gathered_ahead += 1
             budget -= unit.numel
 
     def _maybe_release(self, unit: Unit) -> None:
@@ -312,9 +316,10 @@ class ZeroEngine:
             self._maybe_release(unit)
 
     # --- hooks ------------------------------------------------------------------------------------
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.begin_pass((module.training, torch.is_grad_enabled()))
+
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self.auto_pass and module is self.module:
-            self.begin_pass((module.training, torch.is_grad_enabled()))
         for unit in self._uses[module]:
             unit.forward_depth += 1
             self._acquire(unit)

@@ -1,0 +1,88 @@
+"""Bad input gets a clear error that names the problem and the fix."""
+
+from __future__ import annotations
+
+import importlib
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+
+import lightning_zinf
+from lightning_zinf import PrefetchConfig, ZeroEngine, ZeroInfinityStrategy, meta_parameters
+from tests import models
+
+
+def test_unknown_strategy_option() -> None:
+    with pytest.raises(TypeError, match="prefech"):
+        ZeroInfinityStrategy(prefech={"bucket_size": 10})  # type: ignore[call-arg]
+
+
+def test_unknown_prefetch_field_suggests_the_right_one() -> None:
+    with pytest.raises(ValueError, match="no option 'bucket_sise'.*Did you mean 'bucket_size'"):
+        ZeroInfinityStrategy(prefetch={"bucket_sise": 10})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field", [({"bucket_size": -1}, "bucket_size"), ({"persistence_threshold": 1.5}, "persistence_threshold"),
+                      ({"enabled": "yes"}, "enabled")]
+)
+def test_invalid_prefetch_value_names_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"PrefetchConfig\.{field}=.*allowed values are"):
+        PrefetchConfig(**kwargs)
+
+
+def test_unknown_preset_name() -> None:
+    with pytest.raises(ValueError, match="zero_infinty"):
+        L.Trainer(strategy="zero_infinty", accelerator="cpu", devices=2)
+
+
+def test_registration_is_idempotent() -> None:
+    importlib.reload(lightning_zinf)
+    importlib.reload(lightning_zinf)
+    trainer = L.Trainer(strategy="zero_infinity", accelerator="cpu", devices=2, logger=False)
+    assert type(trainer.strategy).__name__ == "ZeroInfinityStrategy"
+
+
+def test_unsupported_precision() -> None:
+    with pytest.raises(TypeError, match="does not support DoublePrecision.*32-true"):
+        L.Trainer(strategy="zero_infinity", accelerator="cpu", devices=2, precision="64-true")
+
+
+def test_model_without_parameters() -> None:
+    with pytest.raises(ValueError, match="has no parameters to partition"):
+        ZeroEngine(nn.Sequential(nn.ReLU(), nn.Dropout()))
+
+
+class _NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+def test_meta_module_without_reset_parameters() -> None:
+    with meta_parameters():
+        model = nn.Sequential(nn.Linear(4, 4), _NoReset())
+    with pytest.raises(ValueError, match=r"Module '1' \(_NoReset\).*no `reset_parameters\(\)`.*scale"):
+        ZeroEngine(model)
+
+
+def test_non_elementwise_optimizer() -> None:
+    model = models.MLP()
+    engine = ZeroEngine(model)
+    with pytest.raises(ValueError, match="LBFGS is not an elementwise optimizer"):
+        engine.shard_optimizer(torch.optim.LBFGS(model.parameters()))
+
+
+def test_optimizer_over_foreign_tensor() -> None:
+    model = models.MLP()
+    engine = ZeroEngine(model)
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"shape \(3,\) that is not a trainable parameter"):
+        engine.shard_optimizer(torch.optim.SGD([*model.parameters(), stray], lr=0.1))
+
+
+def test_bad_block_class_entry() -> None:
+    with pytest.raises(ValueError, match="block_classes entries must be class names or classes"):
+        ZeroEngine(models.GPT(), block_classes=[3])  # type: ignore[list-item]
