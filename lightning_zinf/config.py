@@ -33,7 +33,8 @@ class PrefetchConfig:
 
     Attributes:
         enabled: Gather ahead along the trace. ``False`` gathers every unit on demand.
-        bucket_size: Most parameter elements (a count, not bytes) gathered ahead of use at once.
+        bucket_size: Most parameter elements (a count, not bytes) gathered ahead of use at once;
+            the next unit is always gathered ahead, even when it alone is larger.
             DeepSpeed's ``stage3_prefetch_bucket_size``.
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many

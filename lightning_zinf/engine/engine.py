@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.config import PrefetchConfig
+from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
@@ -119,7 +120,8 @@ class ZeroEngine:
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
         self._ahead: dict[int, Unit] = {}
         self.gathered_ahead = 0  # units gathered by prefetch, over the run (for tests and monitoring)
-        self._pending: list[tuple[Handle, Tensor, Tensor, FlatGroup]] = []
+        self._pending: list[tuple[Handle, list[Tensor], FlatGroup]] = []
+        self.pool = BufferPool(self.device)
         self._backward_end_queued = False
         for buffer_owner in module.modules():
             for name, buf in buffer_owner._buffers.items():
@@ -277,12 +279,14 @@ class ZeroEngine:
         self._wait_gather(unit)
 
     def _gather_ahead(self, upcoming: list[int]) -> None:
+        """Start gathering the next released units of the trace, within the bucket budget; the
+        first one always (a unit larger than the budget would otherwise never be prefetched)."""
         budget = self.prefetch.bucket_size - sum(u.numel for u in self._ahead.values())
         for index in upcoming:
             unit = self.units[index]
             if unit.state != _RELEASED or index in self._ahead:
                 continue
-            if unit.numel > budget:
+            if unit.numel > budget and self._ahead:
                 break
             self._start_gather(unit)
             self._ahead[index] = unit
@@ -341,6 +345,9 @@ class ZeroEngine:
         for unit in units:
             unit.held = True
             self._acquire(unit)
+            for group in unit.groups:
+                if group.trainable:
+                    group.prepare_grads(self.pool)
 
     def _on_grad(self, unit: Unit, group: FlatGroup, index: int, param: Tensor) -> None:
         self._queue_backward_end()
@@ -362,10 +369,11 @@ class ZeroEngine:
     def _backward_end(self) -> None:
         """Flush partially complete gradients, finish the reduce-scatters, release held units."""
         self._backward_end_queued = False
-        for unit in self.units:
-            for group in unit.groups:
-                if group.trainable and group.any_ready:
-                    self._reduce(group)
+        for group in self.groups:
+            if group.trainable and group.any_ready:
+                self._reduce(group)
+            elif group.grads_prepared:
+                group.discard_grads(self.pool)
         self._drain_reduces()
         for unit in self.units:
             if unit.held:
@@ -374,8 +382,8 @@ class ZeroEngine:
 
     # --- gradients --------------------------------------------------------------------------------
     def _reduce(self, group: FlatGroup) -> None:
-        handle, out, flat = group.start_reduce()
-        self._pending.append((handle, out, flat, group))
+        handle, buffers = group.start_reduce(self.pool)
+        self._pending.append((handle, buffers, group))
         while len(self._pending) > _MAX_PENDING_REDUCES:
             self._finish_reduce(self._pending.pop(0))
 
@@ -383,11 +391,12 @@ class ZeroEngine:
         while self._pending:
             self._finish_reduce(self._pending.pop(0))
 
-    @staticmethod
-    def _finish_reduce(pending: tuple[Handle, Tensor, Tensor, FlatGroup]) -> None:
-        handle, out, _flat, group = pending
+    def _finish_reduce(self, pending: tuple[Handle, list[Tensor], FlatGroup]) -> None:
+        handle, buffers, group = pending
         handle.wait()
-        group.accumulate(out)
+        group.accumulate(buffers[0])
+        for buffer in buffers:
+            self.pool.give(buffer)
 
 
 def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
+from lightning_zinf.engine.buffers import BufferPool
 
 __all__ = ["FlatGroup"]
 
@@ -79,6 +80,8 @@ class FlatGroup:
         self.fragments: list[Tensor] = []
         self.grad_shard: Optional[Tensor] = None
         self._ready = [False] * len(params)
+        self._grad_flat: Optional[Tensor] = None
+        self._grad_views: list[Tensor] = []
         self.release()
 
     # --- gather / release -------------------------------------------------------------------------
@@ -129,6 +132,18 @@ class FlatGroup:
             self.shard.copy_(self.master)
 
     # --- gradients --------------------------------------------------------------------------------
+    def prepare_grads(self, pool: BufferPool) -> None:
+        """Before the unit's backward: point every ``p.grad`` at its slice of one zeroed flat buffer,
+        so autograd accumulates gradients in place, already laid out for the reduce-scatter
+        (DeepSpeed's contiguous gradients). Idempotent within one backward."""
+        if self._grad_flat is not None:
+            return
+        flat = pool.take(self.padded_numel, self.dtype).zero_()
+        self._grad_views = [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        for p, view in zip(self.params, self._grad_views):
+            p.grad = view
+        self._grad_flat = flat
+
     def mark_ready(self, index: int) -> bool:
         """Note that parameter ``index`` has its gradient; True once every parameter has one."""
         self._ready[index] = True
@@ -138,22 +153,42 @@ class FlatGroup:
     def any_ready(self) -> bool:
         return any(self._ready)
 
-    def start_reduce(self) -> tuple[Handle, Tensor, Tensor]:
-        """Flatten the parameters' gradients (zeros where missing), free them, start the reduce-scatter.
+    @property
+    def grads_prepared(self) -> bool:
+        return self._grad_flat is not None
+
+    def start_reduce(self, pool: BufferPool) -> tuple[Handle, list[Tensor]]:
+        """Start reduce-scattering the flat gradient (zeros where a parameter got none) and free the
+        full gradients.
 
         Returns:
-            ``(handle, out, flat)``: wait on ``handle``, then pass ``out`` (fp32, ``shard_numel``
-            elements: the mean over ranks of this rank's slice) to :meth:`accumulate`. ``flat`` must
-            stay alive until the handle completes.
+            ``(handle, buffers)``: wait on ``handle``, then call :meth:`accumulate` with
+            ``buffers[0]`` (fp32, ``shard_numel`` elements: the mean over ranks of this rank's
+            slice) and give all ``buffers`` back to ``pool``.
         """
-        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
-        for p, offset, numel in zip(self.params, self.offsets, self.numels):
-            if p.grad is not None:
-                flat[offset : offset + numel].copy_(p.grad.reshape(-1))
-                p.grad = None
+        if self._grad_flat is None:
+            self.prepare_grads(pool)  # no pre-backward hook ran (a parameter used outside a module)
+        flat, views = self._grad_flat, self._grad_views
+        for p, view in zip(self.params, views):
+            if p.grad is not None and p.grad is not view:  # autograd replaced our view
+                view.copy_(p.grad)
+            p.grad = None
+        self._grad_flat, self._grad_views = None, []
         self._ready = [False] * len(self.params)
-        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
-        return self.comm.reduce_scatter_mean(out, flat, async_op=True), out, flat
+        if self.dtype != torch.float32:  # reduce in fp32 whatever the compute dtype
+            flat32 = pool.take(self.padded_numel, torch.float32).copy_(flat)
+            pool.give(flat)
+            flat = flat32
+        out = pool.take(self.shard_numel, torch.float32)
+        return self.comm.reduce_scatter_mean(out, flat, async_op=True), [out, flat]
+
+    def discard_grads(self, pool: BufferPool) -> None:
+        """Drop a prepared flat gradient that received nothing in this backward."""
+        if self._grad_flat is not None:
+            for p in self.params:
+                p.grad = None
+            pool.give(self._grad_flat)
+            self._grad_flat, self._grad_views = None, []
 
     def accumulate(self, reduced: Tensor) -> None:
         """Add a reduced gradient slice to the fp32 gradient shard and expose it to the optimizer.
@@ -161,13 +196,12 @@ class FlatGroup:
         After ``optimizer.zero_grad()`` (fragments' ``.grad`` set to ``None``, or zeroed in place)
         the next call starts a fresh accumulation.
         """
-        fresh = self.grad_shard is None or not self.fragments or self.fragments[0].grad is None
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(reduced)
+        fresh = not self.fragments or self.fragments[0].grad is None
         if fresh:
-            if self.grad_shard is None:
-                self.grad_shard = reduced
-            else:
-                self.grad_shard.copy_(reduced)
+            self.grad_shard.copy_(reduced)
         else:
-            self.grad_shard.add_(reduced)  # type: ignore[union-attr]
+            self.grad_shard.add_(reduced)
         for fragment, (lo, hi) in zip(self.fragments, self._owned_ranges()):
-            fragment.grad = self.grad_shard[lo:hi]  # type: ignore[index]
+            fragment.grad = self.grad_shard[lo:hi]

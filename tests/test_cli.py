@@ -1,0 +1,95 @@
+"""The ``zinf`` command: LightningCLI with the strategy given by name or by class path in YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests import models
+from tests.harness import run_distributed
+
+
+class TinyLit(L.LightningModule):
+    """Records what the CLI built, so the rank can report it."""
+
+    seen: dict = {}
+
+    def __init__(self, hidden: int = 48) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.model: torch.nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = models.MLP(hidden=self.hidden)
+
+    def training_step(self, batch, batch_idx):
+        loss = models.loss_fn(self.model, *batch)
+        TinyLit.seen.setdefault("losses", []).append(loss.item())
+        return loss
+
+    def on_fit_end(self) -> None:
+        strategy = self.trainer.strategy
+        TinyLit.seen.update(strategy=type(strategy).__name__, blocks=list(getattr(strategy, "block_classes", [])),
+                            bucket=getattr(getattr(strategy, "prefetch", None), "bucket_size", None))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=4)
+
+
+_BY_NAME = """
+trainer:
+  strategy: zero_infinity
+  accelerator: cpu
+  devices: 2
+  max_steps: 3
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+model:
+  class_path: tests.test_cli.TinyLit
+"""
+
+_BY_CLASS_PATH = """
+trainer:
+  strategy:
+    class_path: lightning_zinf.ZeroInfinityStrategy
+    init_args:
+      block_classes: [MLP]
+      prefetch: {bucket_size: 1000}
+  accelerator: cpu
+  devices: 2
+  max_steps: 3
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+model:
+  class_path: tests.test_cli.TinyLit
+  init_args: {hidden: 32}
+"""
+
+
+def _zinf_fit(rank: int, world: int, config: str) -> dict:
+    from lightning_zinf.cli import main
+
+    main(["fit", "--config", config])
+    return TinyLit.seen
+
+
+@pytest.mark.parametrize("text, blocks, bucket", [(_BY_NAME, [], 50_000_000), (_BY_CLASS_PATH, ["MLP"], 1000)],
+                         ids=["by-name", "by-class-path"])
+def test_zinf_fit_from_yaml(tmp_path: Path, text: str, blocks: list, bucket: int) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    seen = run_distributed(_zinf_fit, 2, str(config), init_pg=False)[0]
+    assert seen["strategy"] == "ZeroInfinityStrategy"
+    assert seen["blocks"] == blocks and seen["bucket"] == bucket
+    assert len(seen["losses"]) == 3 and all(torch.isfinite(torch.tensor(seen["losses"])))
