@@ -35,7 +35,8 @@ class PrefetchConfig:
         enabled: Gather ahead along the trace. ``False`` gathers every unit on demand.
         bucket_size: Most parameter elements (a count, not bytes) gathered ahead of use at once;
             the next unit is always gathered ahead, even when it alone is larger.
-            DeepSpeed's ``stage3_prefetch_bucket_size``.
+            DeepSpeed's ``stage3_prefetch_bucket_size`` (whose default is 5e7; 1e7 cost no speed and
+            saved ≈190 MiB per rank on the 91M GPT benchmark, see examples/benchmarks/RESULTS.md).
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many
             tiny collectives for biases and norms. DeepSpeed's ``stage3_param_persistence_threshold``.
@@ -45,7 +46,7 @@ class PrefetchConfig:
     """
 
     enabled: bool = True
-    bucket_size: int = 50_000_000
+    bucket_size: int = 10_000_000
     persistence_threshold: int = 100_000
 
     def __post_init__(self) -> None:

@@ -45,36 +45,24 @@ class TinyLit(L.LightningModule):
         return DataLoader(TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)), batch_size=4)
 
 
-_BY_NAME = """
-trainer:
-  strategy: zero_infinity
+_TRAINER = """
   accelerator: cpu
   devices: 2
   max_steps: 3
   logger: false
   enable_checkpointing: false
   enable_progress_bar: false
+  default_root_dir: {root}
 model:
   class_path: tests.test_cli.TinyLit
 """
-
-_BY_CLASS_PATH = """
-trainer:
+_BY_NAME = "trainer:\n  strategy: zero_infinity" + _TRAINER
+_BY_CLASS_PATH = """trainer:
   strategy:
     class_path: lightning_zinf.ZeroInfinityStrategy
     init_args:
       block_classes: [MLP]
-      prefetch: {bucket_size: 1000}
-  accelerator: cpu
-  devices: 2
-  max_steps: 3
-  logger: false
-  enable_checkpointing: false
-  enable_progress_bar: false
-model:
-  class_path: tests.test_cli.TinyLit
-  init_args: {hidden: 32}
-"""
+      prefetch: {{bucket_size: 1000}}""" + _TRAINER + "  init_args: {{hidden: 32}}\n"
 
 
 def _zinf_fit(rank: int, world: int, config: str) -> dict:
@@ -84,11 +72,11 @@ def _zinf_fit(rank: int, world: int, config: str) -> dict:
     return TinyLit.seen
 
 
-@pytest.mark.parametrize("text, blocks, bucket", [(_BY_NAME, [], 50_000_000), (_BY_CLASS_PATH, ["MLP"], 1000)],
+@pytest.mark.parametrize("text, blocks, bucket", [(_BY_NAME, [], 10_000_000), (_BY_CLASS_PATH, ["MLP"], 1000)],
                          ids=["by-name", "by-class-path"])
 def test_zinf_fit_from_yaml(tmp_path: Path, text: str, blocks: list, bucket: int) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(text)
+    config.write_text(text.format(root=tmp_path))
     seen = run_distributed(_zinf_fit, 2, str(config), init_pg=False)[0]
     assert seen["strategy"] == "ZeroInfinityStrategy"
     assert seen["blocks"] == blocks and seen["bucket"] == bucket
