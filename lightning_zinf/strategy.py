@@ -36,6 +36,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zinf.checkpoint import load_sharded, save_sharded
 from lightning_zinf.config import PrefetchConfig, coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.precision import to_zero_precision
@@ -280,21 +281,64 @@ class ZeroInfinityStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # --- checkpoints (the sharded checkpoint issue) ----------------------------------------------
+    # --- checkpoints ------------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load after setup: the checkpoint fills the shards and optimizer states the setup created."""
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """Optimizer tensors are in the shard files; :meth:`load_checkpoint` restores them."""
+        return False
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "zero_infinity checkpoints are not implemented yet (sharded checkpoints are the next "
-            "milestone). Use Trainer(enable_checkpointing=False) for now."
-        )
+        """The model's buffers (replicated on every rank); parameters live in the shard files."""
+        assert self.lightning_module is not None
+        params = {name for name, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in params}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Hyper-parameters per param group; per-element state goes to the shard files."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        self.lightning_module_state_dict()
+        """Write a sharded checkpoint directory at ``filepath`` (see :mod:`lightning_zinf.checkpoint`)."""
+        if storage_options is not None:
+            raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
+        with_optimizer = "optimizer_states" in checkpoint
+        save_sharded(self.engine, self.optimizers if with_optimizer else [], self.broadcast(filepath), checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return self.lightning_module_state_dict()
+        """Load shards (at this or another world size) and return Lightning's state for its loops.
+
+        Raises:
+            CheckpointError: not a checkpoint, a missing or corrupt shard file, or another model's.
+        """
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        meta = load_sharded(self.engine, self.optimizers, self.broadcast(checkpoint_path), load_optimizer=fitting)
+        for optimizer, saved in zip(self.optimizers, meta.get("optimizer_states", []) if fitting else []):
+            for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+                group.update(hyper)
+        return meta
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Restore buffers; the parameters were loaded into the shards by :meth:`load_checkpoint`."""
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(checkpoint.get("state_dict", {}), strict=False)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Nothing: :meth:`load_checkpoint` restored the optimizers."""
 
     # --- teardown / registration ------------------------------------------------------------------
     @override

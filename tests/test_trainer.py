@@ -80,10 +80,7 @@ class LitGPT(L.LightningModule):
 
 
 def _trainer(strategy, devices: int, **overrides) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=devices,
+    settings = dict(
         max_steps=STEPS,
         val_check_interval=3,
         gradient_clip_val=0.5,
@@ -92,8 +89,8 @@ def _trainer(strategy, devices: int, **overrides) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        **overrides,
     )
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, **{**settings, **overrides})
 
 
 def _run(lit: LitGPT, trainer: L.Trainer) -> dict:

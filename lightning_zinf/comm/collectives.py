@@ -112,6 +112,11 @@ class Collectives:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
+    def barrier(self) -> None:
+        """Wait until every rank of the group has reached this call."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, indexed by rank (small control data: trace hashes, RNG states)."""
         if self.world_size == 1:

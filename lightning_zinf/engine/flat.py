@@ -115,9 +115,9 @@ class FlatGroup:
         """Create the fp32 master shard and the per-parameter fragments the optimizer steps."""
         if self.master is None:
             self.master = self.shard if self.dtype == torch.float32 else self.shard.float()
-        self.fragments = [self.master[lo:hi] for lo, hi in self._owned_ranges()]
+        self.fragments = [self.master[lo:hi] for lo, hi in self.owned_ranges()]
 
-    def _owned_ranges(self) -> list[tuple[int, int]]:
+    def owned_ranges(self) -> list[tuple[int, int]]:
         """Per parameter, the [lo, hi) range of this rank's shard that holds its elements."""
         ranges = []
         for offset, numel in zip(self.offsets, self.numels):
@@ -203,5 +203,5 @@ class FlatGroup:
             self.grad_shard.copy_(reduced)
         else:
             self.grad_shard.add_(reduced)
-        for fragment, (lo, hi) in zip(self.fragments, self._owned_ranges()):
+        for fragment, (lo, hi) in zip(self.fragments, self.owned_ranges()):
             fragment.grad = self.grad_shard[lo:hi]

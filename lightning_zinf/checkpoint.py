@@ -1,0 +1,300 @@
+"""Sharded checkpoints: every rank writes its own shards, any world size can read them back.
+
+A checkpoint is a directory::
+
+    meta.pt                   rank 0: the caller's state (Lightning's loops, callbacks, schedulers,
+                              buffers...) plus ``"zinf"``: the layout of every flat group (parameter
+                              names, shapes, dtype, offsets), the world size that wrote it, the
+                              optimizer-state keys and a SHA-256 checksum of every shard file
+    rank_00000.safetensors    rank r's shards: per flat group ``g``, ``g.param`` (its shard in the
+    rank_00001.safetensors    parameter dtype), ``g.master`` (fp32 master, when separate) and
+    ...                       ``g.opt<o>.<key>`` (optimizer ``o``'s per-element state, laid out
+                              like the shard); per-parameter scalar state (Adam's ``step``) as
+                              ``g.opt<o>.<key>.scalar``, one value per parameter
+
+Because every per-element tensor is stored in the flat layout of its group, a rank of any new world
+size computes which elements it owns and reads just those byte ranges of the old files
+(safetensors reads slices without loading whole tensors). Writes go to a temporary directory
+beside the target that is renamed into place only when every rank has written, so a crash during a
+save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+from torch import Tensor
+
+from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.engine.flat import FlatGroup
+
+__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint", "CheckpointError", "META_FILE"]
+
+META_FILE = "meta.pt"
+FORMAT = "lightning_zinf.sharded"
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, corrupt, or of a different model."""
+
+
+def shard_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def is_sharded_checkpoint(path: os.PathLike) -> bool:
+    """True if ``path`` is a directory written by :func:`save_sharded`."""
+    return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
+
+
+# --- layout -----------------------------------------------------------------------------------------
+def _layout(engine: ZeroEngine) -> list[dict[str, Any]]:
+    return [
+        {
+            "unit": unit.name,
+            "names": group.names,
+            "shapes": [list(s) for s in group.shapes],
+            "dtype": str(group.dtype).removeprefix("torch."),
+            "numel": group.numel,
+            "trainable": group.trainable,
+        }
+        for unit in engine.units
+        for group in unit.groups
+    ]
+
+
+def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], path: Path) -> None:
+    if len(saved) != len(current):
+        raise CheckpointError(
+            f"{path} holds {len(saved)} flat groups but the model has {len(current)}: it was saved from a "
+            "different model (or with different block_classes)."
+        )
+    for old, new in zip(saved, current):
+        for key in ("names", "shapes", "dtype", "trainable"):
+            if old[key] != new[key]:
+                raise CheckpointError(
+                    f"{path} was saved from a different model: unit '{new['unit']}' has {key} "
+                    f"{new[key]} in the model but {old[key]} in the checkpoint."
+                )
+
+
+# --- save -------------------------------------------------------------------------------------------
+def _owner_of(optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple[int, torch.optim.Optimizer]]:
+    """Fragment id -> (optimizer index, optimizer)."""
+    return {
+        id(fragment): (o, optimizer)
+        for o, optimizer in enumerate(optimizers)
+        for param_group in optimizer.param_groups
+        for fragment in param_group["params"]
+    }
+
+
+def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]]) -> dict[str, Tensor]:
+    tensors = {f"{i}.param": group.shard}
+    if group.master is not None and group.master is not group.shard:
+        tensors[f"{i}.master"] = group.master
+    ranges = group.owned_ranges()
+    for j, fragment in enumerate(group.fragments):
+        if id(fragment) not in owners:
+            continue
+        o, optimizer = owners[id(fragment)]
+        for key, value in optimizer.state.get(fragment, {}).items():
+            if not isinstance(value, Tensor):
+                continue
+            if value.dim() == 0:
+                name = f"{i}.opt{o}.{key}.scalar"
+                if name not in tensors:
+                    tensors[name] = torch.full((len(group.params),), float("nan"), dtype=torch.float64)
+                tensors[name][j] = value.double()
+            elif value.shape == fragment.shape:
+                name = f"{i}.opt{o}.{key}"
+                if name not in tensors:
+                    tensors[name] = torch.zeros(group.shard_numel, dtype=value.dtype, device=value.device)
+                lo, hi = ranges[j]
+                tensors[name][lo:hi] = value
+    return tensors
+
+
+def save_sharded(
+    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, meta: dict[str, Any]
+) -> None:
+    """Write a sharded checkpoint of ``engine``'s model and ``optimizers`` to the directory ``path``.
+
+    Collective: every rank must call it with the same ``path``. An existing checkpoint at ``path``
+    is replaced only after the new one is complete.
+
+    Args:
+        engine: The engine partitioning the model.
+        optimizers: Optimizers sharded by ``engine`` (their per-element state is saved); may be empty.
+        path: Target directory.
+        meta: Picklable state saved by rank 0 in ``meta.pt`` (e.g. Lightning's checkpoint dict
+            without weights and optimizer tensors).
+
+    Raises:
+        FileExistsError: ``path`` exists and is not a checkpoint written by this package.
+        OSError: the directory cannot be written (full disk, permissions); the previous checkpoint
+            at ``path``, if any, is untouched.
+    """
+    path = Path(path)
+    comm = engine.comm
+    if path.exists() and not is_sharded_checkpoint(path):
+        raise FileExistsError(
+            f"{path} exists and is not a lightning_zinf checkpoint; refusing to replace it. Choose another path."
+        )
+    staging = path.parent / f".{path.name}.zinf-partial"
+    if comm.rank == 0:
+        if staging.exists():
+            shutil.rmtree(staging)  # our own leftover from an interrupted save
+        staging.mkdir(parents=True)
+    comm.barrier()
+
+    engine.release_all()
+    owners = _owner_of(list(optimizers))
+    tensors: dict[str, Tensor] = {}
+    for i, group in enumerate(engine.groups):
+        tensors.update(_group_tensors(i, group, owners))
+    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    (staging / shard_file(comm.rank)).write_bytes(data)
+    checksums = comm.all_gather_object(hashlib.sha256(data).hexdigest())
+
+    if comm.rank == 0:
+        zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
+                "groups": _layout(engine), "sha256": checksums}
+        torch.save({**meta, "zinf": zinf}, staging / META_FILE)
+        old = path.parent / f".{path.name}.zinf-old"
+        if path.exists():
+            path.rename(old)
+        staging.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    comm.barrier()
+
+
+# --- load -------------------------------------------------------------------------------------------
+class _ShardReader:
+    """Reads element ranges of flat tensors spread over the old ranks' files."""
+
+    def __init__(self, path: Path, zinf: dict[str, Any]) -> None:
+        self.path = path
+        self.world = zinf["world_size"]
+        self.sha256 = zinf["sha256"]
+        self._files: dict[int, Any] = {}
+
+    def _file(self, rank: int) -> Any:
+        if rank not in self._files:
+            file = self.path / shard_file(rank)
+            if not file.is_file():
+                raise CheckpointError(f"Shard file {file} is missing: the checkpoint is incomplete.")
+            digest = hashlib.sha256(file.read_bytes()).hexdigest()
+            if digest != self.sha256[rank]:
+                raise CheckpointError(f"Shard file {file} is corrupt or truncated (its SHA-256 does not match meta.pt).")
+            self._files[rank] = safe_open(str(file), framework="pt")
+        return self._files[rank]
+
+    def has(self, key: str) -> bool:
+        return key in self._file(0).keys()
+
+    def read(self, key: str, lo: int, hi: int, old_shard: int) -> Tensor:
+        """Elements ``[lo, hi)`` of the flat tensor ``key`` (old shards of ``old_shard`` elements)."""
+        pieces = []
+        for rank in range(lo // old_shard, -(-hi // old_shard)):
+            start = max(lo, rank * old_shard) - rank * old_shard
+            stop = min(hi, (rank + 1) * old_shard) - rank * old_shard
+            pieces.append(self._file(rank).get_slice(key)[start:stop])
+        return torch.cat(pieces) if pieces else torch.empty(0)
+
+
+def load_sharded(
+    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, load_optimizer: bool = True
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_sharded`, at this or any other world size.
+
+    Each rank reads only the byte ranges of the old shard files that overlap its own shards.
+    Collective: every rank must call it.
+
+    Args:
+        engine: The engine partitioning the same model.
+        optimizers: The engine's sharded optimizers, in the order they were saved.
+        path: The checkpoint directory.
+        load_optimizer: Restore optimizer state (and fp32 masters); ``False`` loads weights only.
+
+    Returns:
+        The ``meta`` dict that was saved (with the ``"zinf"`` layout entry).
+
+    Raises:
+        CheckpointError: ``path`` is not a checkpoint, a shard file is missing or corrupt, or the
+            checkpoint was saved from a different model.
+    """
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(
+            f"{path} is not a lightning_zinf checkpoint (expected a directory with {META_FILE} and one "
+            "rank_*.safetensors file per rank)."
+        )
+    try:
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise CheckpointError(f"{path / META_FILE} cannot be read ({error}); the checkpoint is corrupt.") from error
+    zinf = meta.get("zinf", {})
+    if zinf.get("format") != FORMAT:
+        raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
+    _check_layout(zinf["groups"], _layout(engine), path)
+    reader = _ShardReader(path, zinf)
+    owners = _owner_of(list(optimizers))
+    engine.release_all()
+    for i, (group, saved) in enumerate(zip(engine.groups, zinf["groups"])):
+        old_shard = -(-saved["numel"] // zinf["world_size"])
+        lo, hi = group.shard_start, min(group.shard_start + group.shard_numel, group.numel)
+        group.shard.zero_()
+        group.shard[: hi - lo].copy_(reader.read(f"{i}.param", lo, hi, old_shard))
+        if load_optimizer and group.master is not None and group.master is not group.shard:
+            source = f"{i}.master" if reader.has(f"{i}.master") else f"{i}.param"
+            group.master[: hi - lo].copy_(reader.read(source, lo, hi, old_shard))
+        elif group.master is not None and group.master is not group.shard:
+            group.master.copy_(group.shard)
+        if load_optimizer:
+            _load_group_state(i, group, owners, reader, lo, hi, old_shard)
+    engine.after_step()  # re-gather persistent units from the loaded shards
+    return meta
+
+
+def _load_group_state(
+    i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]], reader: _ShardReader,
+    lo: int, hi: int, old_shard: int,
+) -> None:
+    ranges = group.owned_ranges()
+    keys = reader._file(0).keys()
+    flat: dict[str, Tensor] = {}
+    for j, fragment in enumerate(group.fragments):
+        if id(fragment) not in owners:
+            continue
+        o, optimizer = owners[id(fragment)]
+        prefix = f"{i}.opt{o}."
+        state: dict[str, Tensor] = {}
+        for key in keys:
+            if not key.startswith(prefix):
+                continue
+            name = key[len(prefix):]
+            if name.endswith(".scalar"):
+                value = reader.read(key, 0, len(group.params), len(group.params))[j]
+                if not torch.isnan(value):
+                    state[name.removesuffix(".scalar")] = value.to(torch.float32)
+                continue
+            if name not in flat:
+                data = reader.read(key, lo, hi, old_shard)
+                flat[name] = torch.zeros(group.shard_numel, dtype=data.dtype, device=group.device)
+                flat[name][: hi - lo].copy_(data)
+            a, b = ranges[j]
+            state[name] = flat[name][a:b]
+        if state:
+            optimizer.state[fragment] = state
+        else:
+            optimizer.state.pop(fragment, None)

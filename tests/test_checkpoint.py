@@ -1,0 +1,160 @@
+"""Sharded checkpoints: exact resume, resume at another world size, atomic saves, bad input.
+
+Each uninterrupted run trains 2 epochs of 5 steps and keeps its ModelCheckpoint directories; a
+resumed run starts from the step-5 checkpoint (of a run at the same or another world size) and must
+reproduce steps 6-10 of the uninterrupted run: bit for bit at the same world size, within fp32
+tolerance at another (the reduce-scatter sums in another order).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, save_sharded
+from lightning_zinf import ZeroEngine
+from tests import models
+from tests.harness import run_distributed
+from tests.test_trainer import GLOBAL_BATCH, LitGPT, _tokens, _trainer
+
+EPOCH_STEPS = 5
+
+
+class LitEpochs(LitGPT):
+    def train_dataloader(self):
+        return self._loader(_tokens(GLOBAL_BATCH * EPOCH_STEPS, 1))
+
+
+def _fit(rank: int, world: int, root: str, ckpt: str | None, manual: str | None) -> dict:
+    lit = LitEpochs(GLOBAL_BATCH // world)
+    callback = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)
+    trainer = _trainer("zero_infinity", world, max_steps=-1, max_epochs=2, limit_val_batches=0,
+                       enable_checkpointing=True, callbacks=[callback], default_root_dir=root)
+    trainer.fit(lit, ckpt_path=ckpt)
+    if manual:
+        trainer.save_checkpoint(manual)
+    with trainer.strategy.gathered_parameters():
+        weights = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    return {"losses": lit.train_losses, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory) -> dict[int, tuple[Path, dict]]:
+    """Uninterrupted 10-step runs at world sizes 1, 2 and 4, with their checkpoint directories."""
+    runs = {}
+    for world in (1, 2, 4):
+        root = tmp_path_factory.mktemp(f"full{world}")
+        runs[world] = (root, run_distributed(_fit, world, str(root), None, str(root / "manual.ckpt"))[0])
+    return runs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_resume_is_bit_exact(full_runs, tmp_path: Path, world: int) -> None:
+    root, full = full_runs[world]
+    step5 = root / "epoch=0-step=5.ckpt"
+    assert is_sharded_checkpoint(step5) and is_sharded_checkpoint(root / "epoch=1-step=10.ckpt")
+    assert len(list(step5.glob("rank_*.safetensors"))) == world
+    resumed = run_distributed(_fit, world, str(tmp_path), str(step5), None)[0]
+    assert len(full["losses"]) == 2 * EPOCH_STEPS and len(resumed["losses"]) == EPOCH_STEPS
+    assert resumed["losses"] == full["losses"][EPOCH_STEPS:]
+    for name, value in full["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
+
+
+@pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4), (2, 1)])
+def test_resume_at_another_world_size(full_runs, tmp_path: Path, saved: int, resumed: int) -> None:
+    root, _ = full_runs[saved]
+    out = run_distributed(_fit, resumed, str(tmp_path), str(root / "epoch=0-step=5.ckpt"), None)[0]
+    reference = full_runs[resumed][1]  # the uninterrupted run at the new world size
+    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(reference["losses"][EPOCH_STEPS:]),
+                               rtol=1e-5, atol=0)
+
+
+def test_manual_save_checkpoint_resumes(full_runs, tmp_path: Path) -> None:
+    """``trainer.save_checkpoint`` after fit (step 10) loads into a new run that has nothing left to
+    do: the weights it ends with are the saved ones, exactly."""
+    root, full = full_runs[2]
+    out = run_distributed(_fit, 2, str(tmp_path), str(root / "manual.ckpt"), None)[0]
+    assert out["losses"] == []
+    for name, value in full["weights"].items():
+        assert torch.equal(out["weights"][name], value), name
+
+
+# --- bad input, engine level (one process) -----------------------------------------------------------
+def _saved_engine(path: Path) -> tuple[ZeroEngine, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = ZeroEngine(model)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    models.loss_fn(model, *models.make_batch("mlp", 0, 4)).backward()
+    optimizer.step()
+    engine.after_step()
+    save_sharded(engine, [optimizer], path, {"note": "test"})
+    return engine, optimizer
+
+
+def test_round_trip_restores_weights_and_state(tmp_path: Path) -> None:
+    engine, optimizer = _saved_engine(tmp_path / "ckpt")
+    torch.manual_seed(1)
+    other_model = models.MLP()
+    other = ZeroEngine(other_model)
+    other_opt = other.shard_optimizer(torch.optim.AdamW(other_model.parameters(), lr=1e-2))
+    assert load_sharded(other, [other_opt], tmp_path / "ckpt")["note"] == "test"
+    for a, b in zip(engine.groups, other.groups):
+        assert torch.equal(a.shard, b.shard)
+    for a, b in zip(engine.master_fragments(), other.master_fragments()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[a][key], other_opt.state[b][key])
+
+
+def test_different_model_is_rejected(tmp_path: Path) -> None:
+    _saved_engine(tmp_path / "ckpt")
+    wider = ZeroEngine(models.MLP(hidden=64))
+    with pytest.raises(CheckpointError, match=r"different model: unit 'fc1' has shapes"):
+        load_sharded(wider, [], tmp_path / "ckpt")
+
+
+def test_missing_and_truncated_shard_files(tmp_path: Path) -> None:
+    engine, _ = _saved_engine(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "rank_00000.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"rank_00000.safetensors is corrupt or truncated"):
+        load_sharded(engine, [], tmp_path / "ckpt")
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"rank_00000.safetensors is missing"):
+        load_sharded(engine, [], tmp_path / "ckpt")
+
+
+def test_not_a_checkpoint(tmp_path: Path) -> None:
+    engine = ZeroEngine(models.MLP())
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CheckpointError, match=r"plain is not a lightning_zinf checkpoint"):
+        load_sharded(engine, [], tmp_path / "plain")
+    (tmp_path / "file.ckpt").write_text("x")
+    with pytest.raises(FileExistsError, match="not a lightning_zinf checkpoint; refusing to replace"):
+        save_sharded(engine, [], tmp_path / "file.ckpt", {})
+
+
+def test_failed_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A save that dies after writing part of the new checkpoint leaves the old one loadable."""
+    engine, optimizer = _saved_engine(tmp_path / "ckpt")
+    before = [g.shard.clone() for g in engine.groups]
+    for group in engine.groups:
+        group.shard.add_(1.0)
+
+    def crash(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(torch, "save", crash)  # dies while writing meta.pt, after the shard files
+    with pytest.raises(OSError, match="No space left"):
+        save_sharded(engine, [optimizer], tmp_path / "ckpt", {})
+    monkeypatch.undo()
+    load_sharded(engine, [optimizer], tmp_path / "ckpt")
+    for group, old in zip(engine.groups, before):
+        assert torch.equal(group.shard, old)
+    assert sorted(os.listdir(tmp_path)) == [".ckpt.zinf-partial", "ckpt"]
