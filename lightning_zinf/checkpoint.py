@@ -35,7 +35,7 @@ from torch import Tensor
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
 
-__all__ = ["save_sharded", "load_sharded", "is_sharded_checkpoint", "CheckpointError", "META_FILE"]
+__all__ = ["save_sharded", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "CheckpointError", "META_FILE"]
 
 META_FILE = "meta.pt"
 FORMAT = "lightning_zinf.sharded"
@@ -298,3 +298,116 @@ def _load_group_state(
             optimizer.state[fragment] = state
         else:
             optimizer.state.pop(fragment, None)
+
+
+# --- plain (unpartitioned) state dicts ------------------------------------------------------------------
+class _Source:
+    """Read parameter slices from a ``.safetensors`` file (lazily) or from an in-memory mapping."""
+
+    def __init__(self, source: os.PathLike | str | dict[str, Tensor]) -> None:
+        if isinstance(source, dict):
+            self.where, self._mapping, self._file = "the state dict", source, None
+        else:
+            self.where, self._mapping = str(source), None
+            if not Path(source).is_file():
+                raise CheckpointError(f"{source} does not exist (expected a .safetensors file).")
+            self._file = safe_open(str(source), framework="pt")
+
+    def keys(self) -> set[str]:
+        return set(self._mapping) if self._mapping is not None else set(self._file.keys())
+
+    def shape(self, key: str) -> list[int]:
+        if self._mapping is not None:
+            return list(self._mapping[key].shape)
+        return list(self._file.get_slice(key).get_shape())
+
+    def full(self, key: str) -> Tensor:
+        """The whole tensor (for small entries such as buffers)."""
+        return self._mapping[key] if self._mapping is not None else self._file.get_tensor(key)
+
+    def flat_range(self, key: str, lo: int, hi: int) -> Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor, reading only the rows that hold them."""
+        if self._mapping is not None:
+            return self._mapping[key].reshape(-1)[lo:hi]
+        shape = self.shape(key)
+        if len(shape) <= 1:
+            return self._file.get_slice(key)[lo:hi].reshape(-1)
+        row = 1
+        for size in shape[1:]:
+            row *= size
+        first, last = lo // row, -(-hi // row)
+        rows = self._file.get_slice(key)[first:last].reshape(-1)
+        return rows[lo - first * row : hi - first * row]
+
+
+def load_full_state_dict(
+    engine: ZeroEngine,
+    source: os.PathLike | str | dict[str, Tensor],
+    *,
+    prefix: str = "",
+    strict: bool = True,
+) -> list[str]:
+    """Load a plain, unpartitioned state dict into the partitioned model; each rank reads only the
+    elements of its own shards (from a ``.safetensors`` file, only the rows that hold them), so no
+    rank ever holds the whole model. For starting fine-tuning from pretrained weights.
+
+    Collective only in its last step (persistent units are re-gathered): call it on every rank.
+
+    Args:
+        engine: The engine partitioning the model.
+        source: A ``.safetensors`` file (e.g. a Hugging Face ``model.safetensors``) or a mapping of
+            names to full tensors.
+        prefix: Where the pretrained model sits inside ``engine.module``: parameter ``prefix + key``
+            of the partitioned model takes ``source[key]`` (e.g. ``"model."`` for a LightningModule
+            holding the network as ``self.model``). Parameters outside the prefix are left as they are.
+        strict: Raise if a parameter under ``prefix`` has no entry in ``source`` or ``source`` has
+            entries matching no parameter or buffer.
+
+    Returns:
+        The keys of ``source`` that matched nothing (empty when ``strict``).
+
+    Raises:
+        CheckpointError: the file does not exist, a shape differs, or (``strict``) keys are missing
+            or unexpected; the message names them.
+    """
+    src = _Source(source)
+    available = src.keys()
+    aliases: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        if name.startswith(prefix):
+            aliases.setdefault(id(p), []).append(name[len(prefix):])
+    used: set[str] = set()
+    missing: list[str] = []
+    for group in engine.groups:
+        lo_shard = group.shard_start
+        for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
+            names = aliases.get(id(p), [])
+            key = next((n for n in names if n in available), None)
+            if key is None:
+                missing.extend(names[:1])
+                continue
+            used.update(n for n in names if n in available)
+            if src.shape(key) != list(shape):
+                raise CheckpointError(
+                    f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {list(shape)}."
+                )
+            lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
+            hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
+            if hi > lo:
+                values = src.flat_range(key, lo - offset, hi - offset)
+                group.shard[lo - lo_shard : hi - lo_shard].copy_(values)
+                if group.master is not None and group.master is not group.shard:
+                    group.master[lo - lo_shard : hi - lo_shard].copy_(values)
+    buffers = {n[len(prefix):]: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)}
+    matched_buffers = {key: src.full(key) for key in available & set(buffers)}
+    if matched_buffers:
+        engine.module.load_state_dict({buffers[k]: v for k, v in matched_buffers.items()}, strict=False)
+    unexpected = sorted(available - used - set(matched_buffers))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{src.where} does not match the model under prefix {prefix!r}: missing {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}. Pass strict=False to load what matches."
+        )
+    engine.after_step()  # the shards changed: re-gather persistent units
+    return unexpected

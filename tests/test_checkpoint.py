@@ -158,3 +158,47 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> N
     for group, old in zip(engine.groups, before):
         assert torch.equal(group.shard, old)
     assert sorted(os.listdir(tmp_path)) == [".ckpt.zinf-partial", "ckpt"]
+
+
+# --- loading a plain state dict into the partitioned model ------------------------------------------
+def _load_pretrained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    from lightning_zinf import meta_parameters
+    from lightning_zinf.checkpoint import load_full_state_dict
+
+    holder = torch.nn.Module()
+    with meta_parameters():
+        holder.model = models.GPT()
+    engine = ZeroEngine(holder)
+    load_full_state_dict(engine, path, prefix="model.")
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in holder.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_load_pretrained_safetensors_into_partitioned_model(tmp_path: Path, world: int) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(7)
+    pretrained = models.GPT()
+    state = {k: v for k, v in pretrained.state_dict().items() if k != "head.weight"}  # tied: stored once
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded = run_distributed(_load_pretrained, world, str(tmp_path / "model.safetensors"))[0]
+    for name, value in pretrained.state_dict().items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_load_pretrained_rejects_mismatches(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    from lightning_zinf.checkpoint import load_full_state_dict
+
+    save_file({k: v for k, v in models.MLP(hidden=64).state_dict().items()}, str(tmp_path / "m.safetensors"))
+    engine = ZeroEngine(models.MLP(buffer=True))
+    shift = torch.full((16,), 3.0)
+    load_full_state_dict(engine, {**models.MLP().state_dict(), "shift": shift})  # buffers load too
+    assert torch.equal(engine.module.shift, shift)
+    with pytest.raises(CheckpointError, match=r"'fc1.weight' has shape \[64, 16\] but the model's parameter has \[48, 16\]"):
+        load_full_state_dict(engine, tmp_path / "m.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing \['fc3.bias'\]"):
+        load_full_state_dict(engine, {k: v for k, v in models.MLP().state_dict().items() if k != "fc3.bias"})
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_full_state_dict(engine, tmp_path / "nope.safetensors")
