@@ -202,3 +202,21 @@ def test_load_pretrained_rejects_mismatches(tmp_path: Path) -> None:
         load_full_state_dict(engine, {k: v for k, v in models.MLP().state_dict().items() if k != "fc3.bias"})
     with pytest.raises(CheckpointError, match="does not exist"):
         load_full_state_dict(engine, tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_consolidate_matches_the_trained_model(full_runs, tmp_path: Path, suffix: str) -> None:
+    from safetensors.torch import load_file
+
+    from lightning_zinf.consolidate import main
+
+    root, full = full_runs[4]
+    out = tmp_path / f"model{suffix}"
+    main([str(root / "epoch=1-step=10.ckpt"), str(out), "--strip-prefix", "model."])
+    state = load_file(str(out)) if suffix == ".safetensors" else torch.load(out, weights_only=True)
+    plain = models.GPT()
+    plain.load_state_dict(state, strict=True)  # every name of the plain model, tied head included
+    assert set(state) == set(plain.state_dict())
+    for name, value in plain.named_parameters():
+        assert torch.equal(value, full["weights"][f"model.{name}"]), name
+    assert torch.equal(plain.head.weight, plain.wte.weight)
