@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -20,6 +21,10 @@ import torch
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lightning_zinf"])
+
+
+class RankDied(RuntimeError):
+    """A rank's process ended without reporting a result (killed, crashed)."""
 
 
 def _free_port() -> int:
@@ -66,7 +71,8 @@ def run_distributed(
         timeout: Seconds all ranks together may take.
 
     Raises:
-        RuntimeError: a rank raised (its traceback is in the message), died, or timed out.
+        RankDied: a rank's process ended without a result (the others are killed).
+        RuntimeError: a rank raised (its traceback is in the message) or the ranks timed out.
     """
     out = _CTX.Queue()
     port = _free_port()
@@ -77,13 +83,18 @@ def run_distributed(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
             try:
-                rank, ok, payload = out.get(timeout=timeout)
+                rank, ok, payload = out.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                raise RuntimeError(f"ranks {dead or 'all'} gave no result within {timeout:.0f} s") from None
+                dead = {r: p.exitcode for r, p in enumerate(procs) if not p.is_alive() and r not in results}
+                if dead:  # a rank that died without reporting (killed, segfault) ends the run now
+                    raise RankDied(f"rank(s) died without a result, exit codes {dead}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no result from every rank within {timeout:.0f} s") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

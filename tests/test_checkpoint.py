@@ -85,9 +85,9 @@ def test_manual_save_checkpoint_resumes(full_runs, tmp_path: Path) -> None:
 
 
 # --- bad input, engine level (one process) -----------------------------------------------------------
-def _saved_engine(path: Path) -> tuple[ZeroEngine, torch.optim.Optimizer]:
+def _saved_engine(path: Path, frozen: bool = False) -> tuple[ZeroEngine, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = models.MLP()
+    model = models.MLP(frozen=frozen)
     engine = ZeroEngine(model)
     optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     models.loss_fn(model, *models.make_batch("mlp", 0, 4)).backward()
@@ -97,15 +97,17 @@ def _saved_engine(path: Path) -> tuple[ZeroEngine, torch.optim.Optimizer]:
     return engine, optimizer
 
 
-def test_round_trip_restores_weights_and_state(tmp_path: Path) -> None:
-    engine, optimizer = _saved_engine(tmp_path / "ckpt")
+@pytest.mark.parametrize("frozen", [False, True])
+def test_round_trip_restores_weights_and_state(tmp_path: Path, frozen: bool) -> None:
+    engine, optimizer = _saved_engine(tmp_path / "ckpt", frozen)
     torch.manual_seed(1)
-    other_model = models.MLP()
+    other_model = models.MLP(frozen=frozen)
     other = ZeroEngine(other_model)
     other_opt = other.shard_optimizer(torch.optim.AdamW(other_model.parameters(), lr=1e-2))
     assert load_sharded(other, [other_opt], tmp_path / "ckpt")["note"] == "test"
+    assert any(not g.trainable for g in other.groups) == frozen
     for a, b in zip(engine.groups, other.groups):
-        assert torch.equal(a.shard, b.shard)
+        assert torch.equal(a.shard, b.shard)  # frozen parameters included
     for a, b in zip(engine.master_fragments(), other.master_fragments()):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optimizer.state[a][key], other_opt.state[b][key])
@@ -220,3 +222,50 @@ def test_consolidate_matches_the_trained_model(full_runs, tmp_path: Path, suffix
     for name, value in plain.named_parameters():
         assert torch.equal(value, full["weights"][f"model.{name}"]), name
     assert torch.equal(plain.head.weight, plain.wte.weight)
+
+
+def _save_then_die(rank: int, world: int, path: str) -> None:
+    """Save once, change the weights, then die (SIGKILL) halfway through writing the next save."""
+    import signal
+
+    engine, optimizer = _saved_engine(Path(path))
+    for group in engine.groups:
+        group.shard.add_(1.0)
+    original = Path.write_bytes
+
+    def write_half_then_die(self: Path, data: bytes) -> int:
+        original(self, data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 0
+
+    Path.write_bytes = write_half_then_die  # type: ignore[method-assign]
+    save_sharded(engine, [optimizer], path, {})
+
+
+def test_killed_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    from tests.harness import RankDied
+
+    with pytest.raises(RankDied, match="exit codes {0: -9}"):
+        run_distributed(_save_then_die, 1, str(tmp_path / "ckpt"))
+    engine, optimizer = _saved_engine(tmp_path / "expected")  # the same weights as the first save
+    torch.manual_seed(3)
+    fresh_model = models.MLP()
+    fresh = ZeroEngine(fresh_model)
+    fresh_opt = fresh.shard_optimizer(torch.optim.AdamW(fresh_model.parameters(), lr=1e-2))
+    load_sharded(fresh, [fresh_opt], tmp_path / "ckpt")
+    for got, want in zip(fresh.groups, engine.groups):
+        assert torch.equal(got.shard, want.shard)
+
+
+def _top_k(rank: int, world: int, root: str) -> list[str]:
+    lit = LitEpochs(GLOBAL_BATCH // world)
+    keep_last = ModelCheckpoint(dirpath=root, monitor="step", mode="max", save_top_k=1, every_n_epochs=1)
+    trainer = _trainer("zero_infinity", world, max_steps=-1, max_epochs=2, limit_val_batches=0,
+                       enable_checkpointing=True, callbacks=[keep_last], default_root_dir=root)
+    trainer.fit(lit)
+    return sorted(os.listdir(root))
+
+
+def test_model_checkpoint_top_k_removes_old_directories(tmp_path: Path) -> None:
+    assert run_distributed(_top_k, 2, str(tmp_path))[0] == ["epoch=1-step=10.ckpt"]
+    assert is_sharded_checkpoint(tmp_path / "epoch=1-step=10.ckpt")
