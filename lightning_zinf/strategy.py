@@ -184,7 +184,9 @@ class ZeroInfinityStrategy(ParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if self._engine is None or self._engine.module is not self.model:
+        # A model already partitioned (fit then test, or a second Trainer) keeps its engine.
+        self._engine = getattr(self.model, "_zinf_engine", None)
+        if self._engine is None:
             self._engine = ZeroEngine(
                 self.model,
                 block_classes=self.block_classes,

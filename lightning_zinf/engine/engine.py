@@ -22,14 +22,14 @@ One step, as the hooks drive it:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import contextmanager
-from typing import Any, Hashable, Iterator, Optional, Sequence, Union
+from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.config import PrefetchConfig
@@ -109,6 +109,11 @@ class ZeroEngine:
         group: Optional[dist.ProcessGroup] = None,
         auto_pass: bool = True,
     ) -> None:
+        if getattr(module, "_zinf_engine", None) is not None:
+            raise ValueError(
+                f"{type(module).__name__} is already partitioned by a ZeroEngine; reuse that engine "
+                "(`module._zinf_engine`) instead of building a second one over empty parameters."
+            )
         self.module = module
         self.device = torch.device(device)
         self.comm = Collectives(group)
@@ -128,6 +133,7 @@ class ZeroEngine:
                 if buf is not None:
                     buffer_owner._buffers[name] = buf.to(self.device)
         self._hooks = self._install_hooks()
+        module._zinf_engine = self  # type: ignore[assignment]
         self._gather_all([u for u in self.units if u.persistent])
 
     # --- construction -----------------------------------------------------------------------------
@@ -135,6 +141,7 @@ class ZeroEngine:
         on_meta = any(p.is_meta for spec in specs for _, p in spec.params)
         names = {m: n for n, m in self.module.named_modules()}
         slots = parameter_slots(self.module) if on_meta else {}
+        shapes = {id(p): p.shape for p in self.module.parameters()}
         own_rng = torch.get_rng_state()
         if on_meta:
             start = init_rng_state(specs)
@@ -143,7 +150,7 @@ class ZeroEngine:
         try:
             for index, spec in enumerate(specs):
                 if on_meta:
-                    materialize(spec, names, slots)
+                    materialize(spec, names, slots, shapes)
                 groups = [self._flat_group(members, not on_meta) for members in _split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold
                 units.append(Unit(index, spec.name, groups, persistent))
@@ -191,7 +198,37 @@ class ZeroEngine:
         ahead but never used. Every rank must call it at the same points.
         """
         self._settle(boundary=True)
+        self._check_requires_grad()
         self.tracer.begin_pass(kind)
+
+    def _check_requires_grad(self) -> None:
+        for group in self.groups:
+            for name, p in zip(group.names, group.params):
+                if p.requires_grad != group.trainable:
+                    raise RuntimeError(
+                        f"Parameter '{name}' was {'trainable' if group.trainable else 'frozen'} when the model "
+                        f"was partitioned and is now {'trainable' if p.requires_grad else 'frozen'}. Freeze or "
+                        "unfreeze parameters before the strategy sets up (in `__init__` or `configure_model`); "
+                        "changing it later (e.g. a fine-tuning callback that unfreezes) is not supported yet."
+                    )
+
+    def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
+        """Gather ``param``'s unit whenever ``module`` runs, for a parameter that ``module``'s forward
+        uses although another module owns it (``F.linear(x, self.emb.weight)``). Without this the
+        parameter is an empty tensor there (DeepSpeed's ``register_external_parameter``).
+
+        Raises:
+            ValueError: ``param`` is not a parameter of the partitioned model.
+        """
+        owner = next((u for u in self.units for g in u.groups if any(p is param for p in g.params)), None)
+        if owner is None:
+            raise ValueError("register_external_parameter: the tensor is not a parameter of the partitioned model.")
+        uses = self._uses.setdefault(module, [])
+        if not uses:
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+        if owner not in uses:
+            uses.append(owner)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Re-point a freshly built optimizer at this rank's fp32 master shards (in place).
@@ -313,9 +350,13 @@ class ZeroEngine:
         """
         self._drain_reduces()
         self._ahead.clear()
+        if boundary:
+            self._backward_end_queued = False  # its callback died with a backward that raised
         for unit in self.units:
             if boundary:
                 unit.forward_depth, unit.held, unit.reduced_groups = 0, False, 0
+                for group in unit.groups:
+                    group.discard_grads(self.pool)
             self._wait_gather(unit)
             self._maybe_release(unit)
 
@@ -328,17 +369,25 @@ class ZeroEngine:
             unit.forward_depth += 1
             self._acquire(unit)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         units = self._uses[module]
         for unit in units:
             unit.forward_depth -= 1
+        tensors = list(_tensors_in(output))
+        released = {g.full.untyped_storage().data_ptr() for u in units if not u.persistent for g in u.groups}
+        if any(t.untyped_storage().data_ptr() in released for t in tensors):
+            # An output that is a view of a parameter (learned queries) would point into storage
+            # the release below frees: hand out a copy instead.
+            output = _map_tensors(output, lambda t: t.clone() if t.untyped_storage().data_ptr() in released else t)
+            tensors = list(_tensors_in(output))
         if torch.is_grad_enabled():
-            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            outputs = [t for t in tensors if t.requires_grad]
             if outputs:
                 hook = functools.partial(self._pre_backward, units)
                 torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
         for unit in units:
             self._maybe_release(unit)
+        return output
 
     def _pre_backward(self, units: list[Unit], grad: Any) -> None:
         self._queue_backward_end()
@@ -397,6 +446,41 @@ class ZeroEngine:
         group.accumulate(buffers[0])
         for buffer in buffers:
             self.pool.give(buffer)
+
+
+def _tensors_in(obj: Any) -> Iterator[Tensor]:
+    """Every tensor in a module output: nested tuples, lists, mappings (Hugging Face ModelOutput
+    included) and dataclasses."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name))
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with every tensor ``t`` found by :func:`_tensors_in` replaced by ``fn(t)``."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        mapped = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[str, nn.Parameter]]]:

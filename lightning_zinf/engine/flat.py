@@ -82,6 +82,7 @@ class FlatGroup:
         self._ready = [False] * len(params)
         self._grad_flat: Optional[Tensor] = None
         self._grad_views: list[Tensor] = []
+        self._consumed = True
         self.release()
 
     # --- gather / release -------------------------------------------------------------------------
@@ -106,16 +107,20 @@ class FlatGroup:
 
         Used after user code edited gathered parameters; every rank must have made the same edit.
         """
-        self.shard.copy_(self.full[self.shard_start : self.shard_start + self.shard_numel])
+        new = self.full[self.shard_start : self.shard_start + self.shard_numel]
+        changed = new != self.shard
         if self.master is not None and self.master is not self.shard:
-            self.master.copy_(self.shard)
+            # Only edited elements: copying the whole shard would round unedited fp32 masters.
+            self.master[changed] = new[changed].float()
+        self.shard[changed] = new[changed]
 
     # --- optimizer state --------------------------------------------------------------------------
     def make_master(self) -> None:
         """Create the fp32 master shard and the per-parameter fragments the optimizer steps."""
         if self.master is None:
             self.master = self.shard if self.dtype == torch.float32 else self.shard.float()
-        self.fragments = [self.master[lo:hi] for lo, hi in self.owned_ranges()]
+        if not self.fragments:  # once: several optimizers may each hold some of them
+            self.fragments = [self.master[lo:hi] for lo, hi in self.owned_ranges()]
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """Per parameter, the [lo, hi) range of this rank's shard that holds its elements."""
@@ -127,9 +132,11 @@ class FlatGroup:
         return ranges
 
     def after_step(self) -> None:
-        """Cast the stepped fp32 master back into the compute-dtype shard."""
+        """Cast the stepped fp32 master back into the compute-dtype shard; the gradients are
+        consumed (the next backward starts a fresh accumulation, as after ``zero_grad``)."""
         if self.master is not None and self.master is not self.shard:
             self.shard.copy_(self.master)
+        self._consumed = True
 
     # --- gradients --------------------------------------------------------------------------------
     def prepare_grads(self, pool: BufferPool) -> None:
@@ -138,11 +145,13 @@ class FlatGroup:
         (DeepSpeed's contiguous gradients). Idempotent within one backward."""
         if self._grad_flat is not None:
             return
-        flat = pool.take(self.padded_numel, self.dtype).zero_()
-        self._grad_views = [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        self._new_grad_buffer(pool)
         for p, view in zip(self.params, self._grad_views):
             p.grad = view
-        self._grad_flat = flat
+
+    def _new_grad_buffer(self, pool: BufferPool) -> None:
+        self._grad_flat = pool.take(self.padded_numel, self.dtype).zero_()
+        self._grad_views = [self._grad_flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def mark_ready(self, index: int) -> bool:
         """Note that parameter ``index`` has its gradient; True once every parameter has one."""
@@ -167,7 +176,9 @@ class FlatGroup:
             slice) and give all ``buffers`` back to ``pool``.
         """
         if self._grad_flat is None:
-            self.prepare_grads(pool)  # no pre-backward hook ran (a parameter used outside a module)
+            # No pre-backward hook ran (a parameter used outside any hooked module's output path):
+            # autograd stored the gradients itself; they are copied in below.
+            self._new_grad_buffer(pool)
         flat, views = self._grad_flat, self._grad_views
         for p, view in zip(self.params, views):
             if p.grad is not None and p.grad is not view:  # autograd replaced our view
@@ -183,22 +194,25 @@ class FlatGroup:
         return self.comm.reduce_scatter_mean(out, flat, async_op=True), [out, flat]
 
     def discard_grads(self, pool: BufferPool) -> None:
-        """Drop a prepared flat gradient that received nothing in this backward."""
+        """Drop a prepared flat gradient that received nothing, and forget partial readiness
+        (after a backward that raised)."""
         if self._grad_flat is not None:
             for p in self.params:
                 p.grad = None
             pool.give(self._grad_flat)
             self._grad_flat, self._grad_views = None, []
+        self._ready = [False] * len(self.params)
 
     def accumulate(self, reduced: Tensor) -> None:
         """Add a reduced gradient slice to the fp32 gradient shard and expose it to the optimizer.
 
-        After ``optimizer.zero_grad()`` (fragments' ``.grad`` set to ``None``, or zeroed in place)
-        the next call starts a fresh accumulation.
+        The first call after an optimizer step (:meth:`after_step`) or after ``zero_grad`` (all
+        fragments' ``.grad`` set to ``None``) starts a fresh accumulation.
         """
         if self.grad_shard is None:
             self.grad_shard = torch.zeros_like(reduced)
-        fresh = not self.fragments or self.fragments[0].grad is None
+        fresh = self._consumed or (bool(self.fragments) and all(f.grad is None for f in self.fragments))
+        self._consumed = False
         if fresh:
             self.grad_shard.copy_(reduced)
         else:

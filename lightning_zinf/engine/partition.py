@@ -27,8 +27,9 @@ class UnitSpec:
         name: The module's qualified name (``""`` for the root).
         module: The module whose forward pre-hook gathers the unit.
         params: ``(qualified name, parameter)`` pairs in a fixed order, each parameter exactly once.
-        modules: The modules whose own parameters make up the unit (``module`` and, for a block, its
-            descendants), in ``modules()`` order.
+        modules: The modules reset when the unit is materialised, in ``modules()`` order: ``module``
+            (and, for a block, its descendants), preceded by modules whose parameters all belong
+            to earlier units (a tied output layer), which own no unit of their own.
         is_root: The unit holds the root module's own parameters; their use is not tied to a
             forward call, so the unit stays gathered.
     """
@@ -87,6 +88,9 @@ def plan_units(
     uses: dict[nn.Module, list[int]] = {}
     owner: dict[int, int] = {}
     inside_block: set[int] = set()
+    # Modules whose parameters all belong to earlier units (a tied head): they own no unit, but
+    # materialisation must still reset them in module order to draw the same random numbers.
+    reset_only: list[nn.Module] = []
 
     for mod_name, module in root.named_modules():
         if id(module) in inside_block:
@@ -110,11 +114,17 @@ def plan_units(
             spec.modules.append(member)
         if spec.params:
             needed.insert(0, len(units))
+            spec.modules[:0] = reset_only
+            reset_only = []
             units.append(spec)
+        elif any(p is not None for _, m in members for p in m._parameters.values()):
+            reset_only.extend(m for _, m in members)
         if needed:
             uses[module] = needed
 
-    if not units:
+    if units:
+        units[-1].modules.extend(reset_only)
+    else:
         raise ValueError(
             f"{type(root).__name__} has no parameters to partition. Build the model's layers in "
             "`__init__` or `configure_model` before the strategy sets up (a LightningModule whose "
@@ -174,11 +184,18 @@ def _reset(module: nn.Module, module_name: str) -> None:
     reset()
 
 
-def materialize(spec: UnitSpec, names: dict[nn.Module, str], slots: dict[int, list[tuple[nn.Module, str]]]) -> None:
+def materialize(
+    spec: UnitSpec,
+    names: dict[nn.Module, str],
+    slots: dict[int, list[tuple[nn.Module, str]]],
+    shapes: dict[int, torch.Size],
+) -> None:
     """Give a unit's meta parameters real CPU memory and initialise them with ``reset_parameters()``.
 
     Each meta parameter is replaced by a new ``nn.Parameter`` in every module that registers it
-    (``slots``: parameter id -> ``(module, name)`` pairs) and in ``spec.params``; no optimizer can
+    (``slots``: parameter id -> ``(module, name)`` pairs) and in ``spec.params``; ``shapes`` holds
+    every parameter's shape from before partitioning (a shared parameter of an earlier unit is
+    already released to an empty tensor when a later module is reset); no optimizer can
     hold the old object yet, since the model has not been set up. Modules are reset in
     ``modules()`` order, which for ordinary models is construction order, so the random stream is
     consumed as eager construction would consume it. A parameter shared with a unit materialised
@@ -192,7 +209,7 @@ def materialize(spec: UnitSpec, names: dict[nn.Module, str], slots: dict[int, li
     replaced: dict[int, nn.Parameter] = {}
     for module in spec.modules:
         params = {n: p for n, p in module._parameters.items() if p is not None}
-        if not any(p.is_meta for p in params.values()):
+        if not params:
             continue
         for p in params.values():
             if p.is_meta and id(p) in own:
@@ -201,9 +218,10 @@ def materialize(spec: UnitSpec, names: dict[nn.Module, str], slots: dict[int, li
                     owner._parameters[name] = real
                 replaced[id(p)] = real
                 own.add(id(real))
+                shapes[id(real)] = p.shape
         foreign = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in own}
         for n, p in foreign.items():
-            module._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+            module._parameters[n] = nn.Parameter(torch.empty(shapes[id(p)], dtype=p.dtype), p.requires_grad)
         try:
             with torch.no_grad():
                 _reset(module, names[module])

@@ -1,0 +1,254 @@
+"""Edge cases of the engine, each against plain single-process PyTorch (the reference).
+
+Most run in one process (the engine's collectives become local copies), which exercises the same
+hooks, buffers and bookkeeping as several ranks; the parity tests cover the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zinf import PrefetchConfig, ZeroEngine, meta_parameters
+from tests import models
+
+NO_PERSIST = PrefetchConfig(persistence_threshold=0)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+def _train(build, optimizers, steps: int = 3, zero: str = "optimizer", loss_fn=None, engine_kw=None, prepare=None):
+    """Train ``build()`` plainly and under the engine (after ``prepare(engine, model)``); return both
+    models' final parameters."""
+    results = []
+    for use_engine in (False, True):
+        torch.manual_seed(0)
+        model = build()
+        engine = ZeroEngine(model, **(engine_kw or {"prefetch": NO_PERSIST})) if use_engine else None
+        if engine and prepare:
+            prepare(engine, model)
+        opts = optimizers(model)
+        if engine:
+            opts = [engine.shard_optimizer(o) for o in opts]
+        for step in range(steps):
+            x, y = _batch(step)
+            (loss_fn or (lambda m, x, y: F.mse_loss(m(x), y)))(model, x, y).backward()
+            for o in opts:
+                o.step()
+            if engine:
+                engine.after_step()
+            if zero == "module":
+                model.zero_grad()
+            else:
+                for o in opts:
+                    o.zero_grad()
+        if engine:
+            with engine.gathered():
+                results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        else:
+            results.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return results
+
+
+def _assert_same(results, atol: float = 1e-6) -> None:
+    reference, zero = results
+    for name, value in reference.items():
+        torch.testing.assert_close(zero[name], value, atol=atol, rtol=0, msg=name)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_two_optimizers_both_step() -> None:
+    _assert_same(_train(TwoLayers, lambda m: [torch.optim.AdamW(m.a.parameters(), lr=1e-2),
+                                               torch.optim.AdamW(m.b.parameters(), lr=1e-2)]))
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "module"])
+def test_gradients_do_not_leak_across_steps(zero: str) -> None:
+    """``model.zero_grad()`` (not the optimizer's) and an optimizer over a subset of a unit."""
+    _assert_same(_train(TwoLayers, lambda m: [torch.optim.AdamW([m.a.bias, *m.b.parameters()], lr=1e-2)], zero=zero))
+
+
+class Holder(nn.Module):
+    """A parameter used only in the loss, outside every module's forward (like a LightningModule's
+    own ``temperature`` used in ``training_step``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = TwoLayers()
+        self.extra = nn.Module()
+        self.extra.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_parameter_used_outside_every_forward_gets_its_gradient() -> None:
+    loss = lambda m, x, y: F.mse_loss(m(x) * m.extra.scale, y)  # noqa: E731
+    _assert_same(_train(Holder, lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)], loss_fn=loss,
+                        engine_kw={"prefetch": PrefetchConfig(persistence_threshold=100)}))
+
+
+class Functional(nn.Module):
+    """The parent's forward reads ``b.weight`` directly, outside ``b``'s forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        return F.linear(torch.tanh(self.a(x)), self.b.weight)
+
+
+def test_register_external_parameter() -> None:
+    model = Functional()
+    ZeroEngine(model, prefetch=NO_PERSIST)
+    with pytest.raises(RuntimeError):  # without registering, b.weight is empty in the parent's forward
+        model(torch.randn(2, 8))
+
+    _assert_same(_train(Functional, lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)],
+                        prepare=lambda e, m: e.register_external_parameter(m, m.b.weight)))
+
+
+class Queries(nn.Module):
+    """Returns a view of its own parameter (learned queries)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(3, 8))
+
+    def forward(self, x):
+        return self.q.expand(x.shape[0], -1, -1)
+
+
+def test_output_that_is_a_view_of_a_parameter() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Queries())
+    reference = model[0].q.detach().clone()
+    ZeroEngine(model, prefetch=NO_PERSIST)
+    with torch.no_grad():
+        out = model(torch.zeros(2, 8))  # the unit is released before this is read
+    assert torch.equal(out[1], reference)
+
+
+@dataclasses.dataclass
+class Output:
+    hidden: torch.Tensor
+    note: str = "x"
+
+
+class DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Output(self.fc(x))
+
+
+def test_dataclass_outputs_get_the_backward_gather() -> None:
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = DataclassOut()
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.inner(x).hidden))
+
+    _assert_same(_train(Net, lambda m: [torch.optim.SGD(m.parameters(), lr=0.1)]))
+
+
+def test_backward_that_raised_does_not_poison_the_next_step() -> None:
+    torch.manual_seed(0)
+    model = TwoLayers()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    x, y = _batch(0)
+    out = model(x)
+    out.register_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        F.mse_loss(out, y).backward()
+    engine.begin_pass("train")
+    F.mse_loss(model(x), y).backward()
+    torch.manual_seed(0)
+    plain = TwoLayers()
+    F.mse_loss(plain(x), y).backward()
+    got = torch.cat([f.grad for f in engine.master_fragments()])
+    want = torch.cat([p.grad.reshape(-1) for p in plain.parameters()])
+    torch.testing.assert_close(got, want)
+
+
+def test_second_engine_on_the_same_model_is_rejected() -> None:
+    model = TwoLayers()
+    ZeroEngine(model)
+    with pytest.raises(ValueError, match="already partitioned by a ZeroEngine"):
+        ZeroEngine(model)
+
+
+def test_changing_requires_grad_after_partition_is_an_error() -> None:
+    model = TwoLayers()
+    engine = ZeroEngine(model)
+    model.a.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="'a.weight' was trainable .* now frozen"):
+        engine.begin_pass("train")
+
+
+def test_meta_init_of_a_tied_module_before_others_matches_eager() -> None:
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16, bias=False)
+            self.head.weight = self.emb.weight  # head owns no parameter of its own
+            self.post = nn.Linear(8, 8)  # built after head: its init depends on head's draws
+
+    torch.manual_seed(0)
+    eager = Tied()
+    torch.manual_seed(0)
+    with meta_parameters():
+        meta = Tied()
+    engine = ZeroEngine(meta)
+    with engine.gathered():
+        for name, value in eager.named_parameters():
+            assert torch.equal(dict(meta.named_parameters())[name], value), name
+
+
+def test_write_back_keeps_unedited_fp32_masters() -> None:
+    torch.manual_seed(0)
+    model = models.MLP().to(torch.bfloat16)
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+    x, y = models.make_batch("mlp", 0, 4)
+    models.loss_fn(model, x.bfloat16(), y).backward()
+    opt.step()
+    engine.after_step()
+    masters = [g.master.clone() for g in engine.groups]
+    with engine.gathered(write_back=True):
+        model.fc3.bias.data.fill_(0.5)
+    edited = {i for i, g in enumerate(engine.groups) if "fc3.bias" in g.names}
+    for i, (group, before) in enumerate(zip(engine.groups, masters)):
+        if i not in edited:
+            assert torch.equal(group.master, before), group.names
+    with engine.gathered():
+        assert torch.all(model.fc3.bias == 0.5)
