@@ -65,7 +65,10 @@ def to_zero_precision(plugin: Precision) -> Precision:
     if type(plugin) is Precision:
         return ZeroPrecision()
     if type(plugin) is MixedPrecision:
-        scaler = ShardedGradScaler(device=plugin.device) if plugin.scaler is not None else None
+        scaler = None
+        if plugin.scaler is not None:  # same settings, but the found-inf flag is agreed by all ranks
+            scaler = ShardedGradScaler(device=plugin.device)
+            scaler.load_state_dict(plugin.scaler.state_dict())
         return ZeroMixedPrecision(plugin.precision, plugin.device, scaler=scaler)  # type: ignore[arg-type]
     if type(plugin) is HalfPrecision:
         return ZeroHalfPrecision(plugin.precision)  # type: ignore[arg-type]

@@ -2,15 +2,15 @@
 
 Everything about sharding lives in the engine; this module only maps Lightning's lifecycle onto it:
 ``configure_model`` runs with parameters on the meta device, ``setup`` partitions the model and
-moves the user's optimizer onto the fp32 master shards, each ``*_step`` starts a trace pass, and
-``optimizer_step`` finishes with the engine's post-step work.
+moves the user's optimizer onto the fp32 master shards (whose step hook does the engine's post-step
+work), and each ``*_step`` starts a trace pass.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Generator, Optional, Sequence
+from typing import Any, Generator, Optional, Sequence
 
 import torch
 import lightning.pytorch as pl
@@ -240,18 +240,6 @@ class ZeroInfinityStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self.engine.begin_pass("predict")
         return super().predict_step(*args, **kwargs)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional["pl.LightningModule" | torch.nn.Module] = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.engine.after_step()
-        return output
 
     @contextmanager
     @override

@@ -92,7 +92,6 @@ def _saved_engine(path: Path, frozen: bool = False) -> tuple[ZeroEngine, torch.o
     optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     models.loss_fn(model, *models.make_batch("mlp", 0, 4)).backward()
     optimizer.step()
-    engine.after_step()
     save_sharded(engine, [optimizer], path, {"note": "test"})
     return engine, optimizer
 

@@ -42,8 +42,6 @@ def _train(build, optimizers, steps: int = 3, zero: str = "optimizer", loss_fn=N
             (loss_fn or (lambda m, x, y: F.mse_loss(m(x), y)))(model, x, y).backward()
             for o in opts:
                 o.step()
-            if engine:
-                engine.after_step()
             if zero == "module":
                 model.zero_grad()
             else:
@@ -242,7 +240,6 @@ def test_write_back_keeps_unedited_fp32_masters() -> None:
     x, y = models.make_batch("mlp", 0, 4)
     models.loss_fn(model, x.bfloat16(), y).backward()
     opt.step()
-    engine.after_step()
     masters = [g.master.clone() for g in engine.groups]
     with engine.gathered(write_back=True):
         model.fc3.bias.data.fill_(0.5)

@@ -109,7 +109,6 @@ def _zero(rank: int, world: int, case: Case) -> tuple[list[float], dict[str, tor
         if case.clip:
             engine.clip_grad_norm_(case.clip)
         opt.step()
-        engine.after_step()
         opt.zero_grad()
 
     losses = _train(case, model, step, rank, world)

@@ -16,8 +16,8 @@ One step, as the hooks drive it:
    gradient is reduce-scattered (mean over ranks) and added to this rank's fp32 gradient shard;
    the full gradients are freed and the unit released. A callback at the end of backward flushes
    what is left.
-3. Step: the user's optimizer steps the fp32 master shards (:meth:`ZeroEngine.shard_optimizer`),
-   then :meth:`ZeroEngine.after_step` casts them into the compute-dtype shards.
+3. Step: the user's optimizer steps the fp32 master shards (:meth:`ZeroEngine.shard_optimizer`);
+   its step post-hook, :meth:`ZeroEngine.after_step`, casts them into the compute-dtype shards.
 """
 
 from __future__ import annotations
@@ -231,11 +231,14 @@ class ZeroEngine:
             uses.append(owner)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place).
+        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
+        run :meth:`after_step` after each of its steps (a step post-hook).
 
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
         """
-        return shard_optimizer(optimizer, self.groups)
+        shard_optimizer(optimizer, self.groups)
+        optimizer.register_step_post_hook(lambda *_: self.after_step())
+        return optimizer
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
@@ -246,7 +249,8 @@ class ZeroEngine:
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
     def after_step(self) -> None:
-        """After ``optimizer.step()``: cast masters into compute shards, re-gather persistent units."""
+        """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs): cast
+        masters into compute shards, mark gradients consumed, re-gather persistent units."""
         self._settle(boundary=True)
         for group in self.groups:
             group.after_step()
