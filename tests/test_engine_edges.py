@@ -249,3 +249,39 @@ def test_write_back_keeps_unedited_fp32_masters() -> None:
             assert torch.equal(group.master, before), group.names
     with engine.gathered():
         assert torch.all(model.fc3.bias == 0.5)
+
+
+class RankBranch(nn.Module):
+    """Takes a different branch on each rank between two layers of the same size."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.p = nn.Linear(8, 8)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.p(h) if x.sum() > 0 else self.q(h)
+
+
+def _diverge(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = RankBranch()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.ones(2, 8) * (1 if rank == 0 else -1)
+    model(x).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error)
+    return "stepped"
+
+
+def test_ranks_that_diverge_stop_before_the_step() -> None:
+    from tests.harness import run_distributed
+
+    messages = run_distributed(_diverge, 2)
+    for message in messages:
+        assert "Ranks diverged" in message and "gather of unit 'p'" in message and "gather of unit 'q'" in message

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 from contextlib import contextmanager
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -127,11 +128,13 @@ class ZeroEngine:
         self.gathered_ahead = 0  # units gathered by prefetch, over the run (for tests and monitoring)
         self._pending: list[tuple[Handle, list[Tensor], FlatGroup]] = []
         self.pool = BufferPool(self.device)
+        self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self._backward_end_queued = False
         for buffer_owner in module.modules():
             for name, buf in buffer_owner._buffers.items():
                 if buf is not None:
                     buffer_owner._buffers[name] = buf.to(self.device)
+        self._group_index = {id(g): i for i, g in enumerate(self.groups)}
         self._hooks = self._install_hooks()
         module._zinf_engine = self  # type: ignore[assignment]
         self._gather_all([u for u in self.units if u.persistent])
@@ -199,6 +202,7 @@ class ZeroEngine:
         """
         self._settle(boundary=True)
         self._check_requires_grad()
+        self.verify_ranks_agree()
         self.tracer.begin_pass(kind)
 
     def _check_requires_grad(self) -> None:
@@ -237,8 +241,41 @@ class ZeroEngine:
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
         """
         shard_optimizer(optimizer, self.groups)
+        optimizer.register_step_pre_hook(lambda *_: self._before_step())
         optimizer.register_step_post_hook(lambda *_: self.after_step())
         return optimizer
+
+    def _before_step(self) -> None:
+        self._settle()
+        self.verify_ranks_agree()
+
+    def verify_ranks_agree(self) -> None:
+        """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
+        the last check (one all-gather of 8 bytes). Run at every pass boundary and before every
+        optimizer step, so a rank whose control flow diverged (a different branch over units of the
+        same size, which the collectives themselves cannot notice) stops training before a wrong
+        update is applied.
+
+        Raises:
+            RuntimeError: the ranks' sequences differ; the message gives the first difference.
+        """
+        issued, self._issued = self._issued, []
+        if self.comm.world_size == 1:
+            return
+        digest = zlib.crc32(",".join(map(str, issued)).encode())
+        if len(set(self.comm.all_gather_object(digest))) == 1:
+            return
+        # Every rank saw the mismatch: gather the sequences (only now) to say where they part.
+        sequences = self.comm.all_gather_object(issued[:4096])
+        first = next(i for i in range(max(map(len, sequences))) if len({tuple(q[i:i + 1]) for q in sequences}) > 1)
+        name = lambda i: "end" if i is None else (f"gather of unit '{self.units[i].name}'" if i >= 0  # noqa: E731
+                                                  else f"reduce-scatter of {self.groups[-1 - i].names[0]}...")
+        seen = ", ".join(f"rank {r}: {name(q[first] if first < len(q) else None)}" for r, q in enumerate(sequences))
+        raise RuntimeError(
+            f"Ranks diverged: collective #{first} since the last check was {seen}. Every rank must run "
+            "the same modules in the same order (control flow that depends on rank-local data must "
+            "agree across ranks, e.g. by deciding on rank 0 and broadcasting)."
+        )
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
@@ -291,6 +328,7 @@ class ZeroEngine:
 
     # --- gather / release -------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
+        self._issued.append(unit.index)
         unit.handles = [g.start_gather() for g in unit.groups]
         unit.state = _INFLIGHT
 
@@ -435,6 +473,7 @@ class ZeroEngine:
 
     # --- gradients --------------------------------------------------------------------------------
     def _reduce(self, group: FlatGroup) -> None:
+        self._issued.append(-1 - self._group_index[id(group)])
         handle, buffers = group.start_reduce(self.pool)
         self._pending.append((handle, buffers, group))
         while len(self._pending) > _MAX_PENDING_REDUCES:
