@@ -4,8 +4,8 @@ A checkpoint is a directory::
 
     meta.pt                   rank 0: the caller's state (Lightning's loops, callbacks, schedulers,
                               buffers...) plus ``"zinf"``: the layout of every flat group (parameter
-                              names, shapes, dtype, offsets), the world size that wrote it, the
-                              optimizer-state keys and a SHA-256 checksum of every shard file
+                              names and tied aliases, shapes, offsets in the flat buffer, dtype),
+                              the world size that wrote it and a SHA-256 checksum of every shard file
     rank_00000.safetensors    rank r's shards: per flat group ``g``, ``g.param`` (its shard in the
     rank_00001.safetensors    parameter dtype), ``g.master`` (fp32 master, when separate) and
     ...                       ``g.opt<o>.<key>`` (optimizer ``o``'s per-element state, laid out
@@ -77,6 +77,7 @@ def _layout(engine: ZeroEngine) -> list[dict[str, Any]]:
             "names": group.names,
             "aliases": [aliases.get(id(p), [n]) for p, n in zip(group.params, group.names)],
             "shapes": [list(s) for s in group.shapes],
+            "offsets": group.offsets,
             "dtype": str(group.dtype).removeprefix("torch."),
             "numel": group.numel,
             "trainable": group.trainable,
