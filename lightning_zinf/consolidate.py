@@ -4,17 +4,19 @@
     zinf-consolidate CKPT_DIR OUT.pt
 
 The output loads with ``load_state_dict`` on the plain (unpartitioned) model. A tied parameter is
-written under every name the model's ``state_dict()`` has. For ``.safetensors`` the header is
-computed from the checkpoint's layout and each tensor is then assembled from the rank files and
-written before the next is read, so peak memory is about the largest tensor, not the model.
-``.pt`` output goes through ``torch.save``, which needs the whole state dict in memory.
+written under every name the model's ``state_dict()`` has. Either format is laid out first (the
+safetensors header, or a ``torch.save`` archive with empty records) and then each tensor is
+assembled from the rank files and written before the next is read, so peak memory is about the
+largest tensor, not the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -25,8 +27,11 @@ from lightning_zinf.checkpoint import META_FILE, SAFETENSORS_DTYPES, CheckpointE
 
 __all__ = ["consolidate", "main"]
 
-def _entries(path: Path, strip_prefix: str) -> tuple[list[tuple[str, torch.dtype, list[int]]], Any, dict[str, Any]]:
-    """Every output tensor as (name, dtype, shape), in file order, plus a function producing them."""
+_Item = tuple[list[str], torch.dtype, list[int]]  # every name of one tensor, its dtype and shape
+
+
+def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], dict[str, Any], dict[str, Tensor]]:
+    """Every output tensor (with all its names: a tied parameter has several), in file order."""
     if not is_sharded_checkpoint(path):
         raise CheckpointError(f"{path} is not a lightning_zinf checkpoint (no {META_FILE}).")
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
@@ -35,35 +40,29 @@ def _entries(path: Path, strip_prefix: str) -> tuple[list[tuple[str, torch.dtype
     def rename(name: str) -> str:
         return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
 
-    entries = []
+    items: list[_Item] = []
     for group in zinf["groups"]:
         dtype = getattr(torch, group["dtype"])
-        for aliases, shape in zip(group["aliases"], group["shapes"]):
-            entries.extend((rename(alias), dtype, shape) for alias in aliases)
+        items.extend(([rename(a) for a in aliases], dtype, shape) for aliases, shape in zip(group["aliases"], group["shapes"]))
     buffers = meta.get("state_dict", {})
-    entries.extend((rename(name), value.dtype, list(value.shape)) for name, value in buffers.items())
-    return entries, zinf, buffers
+    items.extend(([rename(name)], value.dtype, list(value.shape)) for name, value in buffers.items())
+    return items, zinf, buffers
 
 
 def _tensors(path: Path, zinf: dict[str, Any], buffers: dict[str, Tensor]) -> Iterator[Tensor]:
-    """The output tensors in the order of :func:`_entries`, one at a time."""
+    """The tensors of :func:`_items`, in order, one at a time."""
     reader = ShardReader(path, zinf)
     for i, group in enumerate(zinf["groups"]):
         old_shard = -(-group["numel"] // zinf["world_size"])
-        offset = 0
-        for aliases, shape in zip(group["aliases"], group["shapes"]):
-            numel = 1
-            for size in shape:
-                numel *= size
-            tensor = reader.read(f"{i}.param", offset, offset + numel, old_shard).reshape(shape)
-            offset += numel
-            for _ in aliases:
-                yield tensor
+        for offset, shape in zip(group["offsets"], group["shapes"]):
+            numel = torch.Size(shape).numel()
+            yield reader.read(f"{i}.param", offset, offset + numel, old_shard).reshape(shape)
     yield from buffers.values()
 
 
 def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str = "") -> Path:
-    """Write the full state dict of a sharded checkpoint to ``output`` (``.safetensors`` or ``.pt``).
+    """Write the full state dict of a sharded checkpoint to ``output`` (``.safetensors`` or ``.pt``),
+    one tensor at a time: peak memory is about the largest tensor (twice it), not the model.
 
     Args:
         checkpoint: A directory written by the ``zero_infinity`` strategy (any world size).
@@ -81,33 +80,61 @@ def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str
     checkpoint, output = Path(checkpoint), Path(output)
     if output.suffix not in (".safetensors", ".pt"):
         raise ValueError(f"Output {output} must end in .safetensors or .pt.")
-    entries, zinf, buffers = _entries(checkpoint, strip_prefix)
+    items, zinf, buffers = _items(checkpoint, strip_prefix)
     tensors = _tensors(checkpoint, zinf, buffers)
     partial = output.with_name(output.name + ".partial")
-    if output.suffix == ".pt":
-        torch.save({name: tensor for (name, _, _), tensor in zip(entries, tensors)}, partial)
-    else:
-        _write_safetensors(partial, entries, tensors)
+    (_write_pt if output.suffix == ".pt" else _write_safetensors)(partial, items, tensors)
     partial.rename(output)
     return output
 
 
-def _write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, list[int]]], tensors: Iterator[Tensor]) -> None:
+def _write_safetensors(path: Path, items: list[_Item], tensors: Iterator[Tensor]) -> None:
     """The safetensors format written as a stream: 8-byte little-endian header size, a JSON header
-    with each tensor's dtype, shape and byte range, then the tensors' bytes in that order."""
+    with each tensor's dtype, shape and byte range, then the tensors' bytes in that order (a tied
+    tensor once per name: safetensors has no shared entries)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, dtype, shape in entries:
+    for names, dtype, shape in items:
         size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
+        for name in names:
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(encoded)))
         out.write(encoded)
-        for (name, dtype, _), tensor in zip(entries, tensors):
-            out.write(tensor.to(dtype).contiguous().view(torch.uint8).numpy().data)  # no copy
+        for (names, dtype, _), tensor in zip(items, tensors):
+            data = tensor.to(dtype).contiguous().view(torch.uint8).numpy().data  # no copy
+            for _ in names:
+                out.write(data)
+
+
+def _write_pt(path: Path, items: list[_Item], tensors: Iterator[Tensor]) -> None:
+    """A ``torch.save`` file written in two passes: ``torch.serialization.skip_data`` writes the
+    archive with every storage's space reserved but not filled (from empty, never-touched
+    tensors), then each tensor's bytes go into its record, found with ``zipfile``. Tied names
+    share one storage, as in ``torch.save`` of the model's ``state_dict()``."""
+    skeleton: dict[str, Tensor] = {}
+    for names, dtype, shape in items:
+        empty = torch.empty(shape, dtype=dtype)  # untouched pages: no resident memory
+        skeleton.update((name, empty) for name in names)
+    with torch.serialization.skip_data():
+        torch.save(skeleton, path)
+    del skeleton
+    records = {info.filename.split("/data/")[-1]: info for info in zipfile.ZipFile(path).infolist() if "/data/" in info.filename}
+    fd = os.open(path, os.O_RDWR)
+    try:
+        # torch.save numbers storages in the order it first meets them: the items' order.
+        for key, tensor in enumerate(tensors):
+            info = records[str(key)]
+            name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
+            data = tensor.to(items[key][1]).contiguous().view(torch.uint8).numpy()
+            if data.nbytes != info.file_size:
+                raise RuntimeError(f"torch.save laid out storage {key} as {info.file_size} bytes, expected {data.nbytes}.")
+            os.pwrite(fd, data.data, info.header_offset + 30 + name_len + extra_len)
+    finally:
+        os.close(fd)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

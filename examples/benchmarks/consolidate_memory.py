@@ -2,9 +2,9 @@
 
 1. Two ranks (``torchrun``) build a 332M-parameter GPT (1.33 GB in fp32) on the meta device,
    partition it with the engine, and save a sharded checkpoint (no rank ever holds the model).
-2. ``python -m lightning_zinf.consolidate`` streams it into one ``.safetensors`` file in a fresh
-   process, whose peak RSS (``ru_maxrss`` of the child) is compared with the model size, the
-   largest tensor, and a process that only imports the package (the floor).
+2. ``python -m lightning_zinf.consolidate`` streams it into one ``.safetensors`` file, then one
+   ``.pt`` file, each in a fresh process whose peak RSS (its own ``ru_maxrss``) is compared with
+   the model size, the largest tensor, and a process that only imports the package (the floor).
 
     python examples/benchmarks/consolidate_memory.py [--workdir DIR]
 """
@@ -76,6 +76,7 @@ def main() -> None:
     floor, _ = peak_rss_mib("lightning_zinf.checkpoint")  # imports torch and the package, nothing else
     out = workdir / "model.safetensors"
     peak, wall = peak_rss_mib("lightning_zinf.consolidate", str(workdir / "ckpt"), str(out))
+    peak_pt, wall_pt = peak_rss_mib("lightning_zinf.consolidate", str(workdir / "ckpt"), str(workdir / "model.pt"))
 
     from safetensors import safe_open
 
@@ -92,6 +93,9 @@ def main() -> None:
         "consolidate_peak_rss_mib": round(peak),
         "consolidate_above_import_mib": round(peak - floor),
         "consolidate_wall_s": round(wall, 1),
+        "consolidate_pt_peak_rss_mib": round(peak_pt),
+        "consolidate_pt_above_import_mib": round(peak_pt - floor),
+        "consolidate_pt_wall_s": round(wall_pt, 1),
     }
     print(json.dumps(result, indent=2))
     print(f"peak RSS above the import floor = {(peak - floor) / largest_mib:.2f} x the largest tensor, "
