@@ -129,6 +129,7 @@ class ZeroEngine:
         self._pending: list[tuple[Handle, list[Tensor], FlatGroup]] = []
         self.pool = BufferPool(self.device)
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
+        self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
         for buffer_owner in module.modules():
             for name, buf in buffer_owner._buffers.items():
@@ -241,6 +242,7 @@ class ZeroEngine:
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
         """
         shard_optimizer(optimizer, self.groups)
+        self.optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda *_: self._before_step())
         optimizer.register_step_post_hook(lambda *_: self.after_step())
         return optimizer
@@ -248,6 +250,25 @@ class ZeroEngine:
     def _before_step(self) -> None:
         self._settle()
         self.verify_ranks_agree()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
+
+        Counts parameter shards, separate fp32 masters, fp32 gradient shards, optimizer state,
+        gathered parameters and pooled gradient buffers. ``device`` is the compute device (the CPU
+        on a machine without an accelerator). The other tiers stay 0 until offload lands.
+        """
+        tensors: dict[int, Tensor] = {}
+        for group in self.groups:
+            for t in (group.shard, group.master, group.grad_shard):
+                if t is not None:
+                    tensors[id(t)] = t
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                tensors.update((id(v), v) for v in state.values() if isinstance(v, Tensor))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        total += sum(g.full.untyped_storage().nbytes() for g in self.groups) + self.pool.pooled_bytes
+        return {"device": total, "cpu": 0, "nvme": 0}
 
     def verify_ranks_agree(self) -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since

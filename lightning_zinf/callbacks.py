@@ -1,0 +1,101 @@
+"""Lightning callbacks that show what the ``zero_infinity`` strategy is doing.
+
+:class:`ZeroMonitor` logs, every training step, through the Trainer's loggers:
+
+- ``zinf/gathered_bytes``: bytes this rank received in parameter all-gathers during the step;
+- ``zinf/reduce_scattered_bytes``: bytes it sent in gradient reduce-scatters;
+- ``zinf/resident_bytes_{device,cpu,nvme}``: training state it holds on each tier
+  (see :meth:`~lightning_zinf.ZeroEngine.resident_bytes`);
+- ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time.
+
+At the end of ``fit`` rank 0 prints a summary table (means over the steps after the first, whose
+time includes recording the prefetch trace).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
+
+from lightning_zinf.strategy import ZeroInfinityStrategy
+
+__all__ = ["ZeroMonitor"]
+
+_TIERS = ("device", "cpu", "nvme")
+
+
+def _default_tokens(batch: Any) -> int:
+    """Elements of the first tensor of the batch: tokens for ``(token ids, targets)`` batches."""
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return int(first.numel()) if hasattr(first, "numel") else 0
+
+
+class ZeroMonitor(Callback):
+    """Per-step communication, memory and throughput of the ``zero_infinity`` strategy.
+
+    Args:
+        tokens_in_batch: Counts the tokens (or samples) in one rank's batch; the default takes the
+            number of elements of the batch's first tensor. Multiplied by the world size for the
+            global rate.
+
+    Raises:
+        TypeError: the Trainer's strategy is not ``zero_infinity`` (at ``setup``).
+    """
+
+    def __init__(self, tokens_in_batch: Optional[Callable[[Any], int]] = None) -> None:
+        self.tokens_in_batch = tokens_in_batch or _default_tokens
+        self._start = 0.0
+        self._tokens = 0
+        self._means: dict[str, MeanMetric] = {}
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if not isinstance(trainer.strategy, ZeroInfinityStrategy):
+            raise TypeError(f"ZeroMonitor needs strategy='zero_infinity', got {type(trainer.strategy).__name__}.")
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        trainer.strategy.engine.comm.bytes.reset()
+        self._tokens = self.tokens_in_batch(batch) * trainer.world_size
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        elapsed = time.perf_counter() - self._start
+        engine = trainer.strategy.engine
+        metrics = {
+            "zinf/gathered_bytes": float(engine.comm.bytes.gathered),
+            "zinf/reduce_scattered_bytes": float(engine.comm.bytes.reduce_scattered),
+            **{f"zinf/resident_bytes_{tier}": float(n) for tier, n in engine.resident_bytes().items()},
+            "zinf/tokens_per_s": self._tokens / elapsed if elapsed > 0 else 0.0,
+        }
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        if trainer.global_step > 1:  # the first step also records the prefetch trace
+            for name, value in metrics.items():
+                self._means.setdefault(name, MeanMetric()).update(value)
+
+    @override
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not self._means:
+            return
+        rows = [(name.removeprefix("zinf/"), metric.compute().item()) for name, metric in self._means.items()]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{name.ljust(width)}  {_human(name, value)}" for name, value in rows]
+        rank_zero_info("zero_infinity, per step on rank 0 (mean after the first step):\n  " + "\n  ".join(lines))
+
+
+def _human(name: str, value: float) -> str:
+    if name.endswith("bytes") or "bytes_" in name:
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if value < 1024 or unit == "TiB":
+                return f"{value:,.1f} {unit}"
+            value /= 1024
+    return f"{value:,.1f}"
