@@ -58,6 +58,7 @@ def _sha256(file: Path, chunk: int = 1 << 23) -> str:
 
 
 def shard_file(rank: int) -> str:
+    """The name of rank ``rank``'s shard file inside a checkpoint directory."""
     return f"rank_{rank:05d}.safetensors"
 
 

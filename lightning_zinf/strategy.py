@@ -181,6 +181,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
+        """Partition the LightningModule (or reuse its engine), then shard the optimizers."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -206,6 +207,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        """Build the user's optimizers, then re-point them at this rank's fp32 master shards."""
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         self.optimizers = [self.engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
@@ -223,21 +225,25 @@ class ZeroInfinityStrategy(ParallelStrategy):
     # --- steps ------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Start a train trace pass, then run the LightningModule's step."""
         self.engine.begin_pass("train")
         return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Start a validation trace pass, then run the LightningModule's step."""
         self.engine.begin_pass("validate")
         return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Start a test trace pass, then run the LightningModule's step."""
         self.engine.begin_pass("test")
         return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Start a predict trace pass, then run the LightningModule's step."""
         self.engine.begin_pass("predict")
         return super().predict_step(*args, **kwargs)
 

@@ -160,10 +160,12 @@ class FlatGroup:
 
     @property
     def any_ready(self) -> bool:
+        """Some parameter received its gradient in this backward."""
         return any(self._ready)
 
     @property
     def grads_prepared(self) -> bool:
+        """A flat gradient buffer is attached (between pre-backward and the reduce-scatter)."""
         return self._grad_flat is not None
 
     def start_reduce(self, pool: BufferPool) -> tuple[Handle, list[Tensor]]:
