@@ -285,3 +285,42 @@ def test_ranks_that_diverge_stop_before_the_step() -> None:
     messages = run_distributed(_diverge, 2)
     for message in messages:
         assert "Ranks diverged" in message and "gather of unit 'p'" in message and "gather of unit 'q'" in message
+
+
+class PartlyUsed(nn.Module):
+    """Unit ``a`` holds a parameter its forward never uses: plain torch leaves its ``.grad`` None
+    and AdamW skips it (no weight decay); ZeRO must not step it with a zero gradient either."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.a.unused = nn.Parameter(torch.ones(8))
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_parameter_without_gradient_is_not_stepped() -> None:
+    _assert_same(_train(PartlyUsed, lambda m: [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.5)]))
+
+
+def _partly_used_rank(rank: int, world: int) -> list[float]:
+    torch.manual_seed(0)
+    model = PartlyUsed()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.5))
+    for step in range(2):
+        x, y = _batch(step)
+        F.mse_loss(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]).backward()
+        opt.step()
+        opt.zero_grad()
+    with engine.gathered():
+        return model.a.unused.tolist()
+
+
+def test_parameter_without_gradient_is_not_stepped_on_any_rank() -> None:
+    from tests.harness import run_distributed
+
+    for values in run_distributed(_partly_used_rank, 2):
+        assert values == [1.0] * 8  # untouched everywhere: no rank stepped its slice

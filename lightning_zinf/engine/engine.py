@@ -126,7 +126,7 @@ class ZeroEngine:
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
         self._ahead: dict[int, Unit] = {}
         self.gathered_ahead = 0  # units gathered by prefetch, over the run (for tests and monitoring)
-        self._pending: list[tuple[Handle, list[Tensor], FlatGroup]] = []
+        self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []
         self.pool = BufferPool(self.device)
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -487,16 +487,28 @@ class ZeroEngine:
             elif group.grads_prepared:
                 group.discard_grads(self.pool)
         self._drain_reduces()
+        self._expose_grads()
         for unit in self.units:
             if unit.held:
                 unit.held, unit.reduced_groups = False, 0
                 self._maybe_release(unit)
 
+    def _expose_grads(self) -> None:
+        """Agree with the other ranks which parameters received a gradient (one all-reduce of one
+        flag per trainable parameter) and hand the optimizer gradients for those only."""
+        trainable = [g for g in self.groups if g.trainable]
+        flags = torch.tensor([r for g in trainable for r in g.received], dtype=torch.float32, device=self.device)
+        self.comm.all_reduce_sum(flags)
+        start = 0
+        for group in trainable:
+            group.expose_grads((flags[start : start + len(group.params)] > 0).tolist())
+            start += len(group.params)
+
     # --- gradients --------------------------------------------------------------------------------
     def _reduce(self, group: FlatGroup) -> None:
         self._issued.append(-1 - self._group_index[id(group)])
-        handle, buffers = group.start_reduce(self.pool)
-        self._pending.append((handle, buffers, group))
+        handle, buffers, got = group.start_reduce(self.pool)
+        self._pending.append((handle, buffers, got, group))
         while len(self._pending) > _MAX_PENDING_REDUCES:
             self._finish_reduce(self._pending.pop(0))
 
@@ -504,10 +516,10 @@ class ZeroEngine:
         while self._pending:
             self._finish_reduce(self._pending.pop(0))
 
-    def _finish_reduce(self, pending: tuple[Handle, list[Tensor], FlatGroup]) -> None:
-        handle, buffers, group = pending
+    def _finish_reduce(self, pending: tuple[Handle, list[Tensor], list[bool], FlatGroup]) -> None:
+        handle, buffers, got, group = pending
         handle.wait()
-        group.accumulate(buffers[0])
+        group.accumulate(buffers[0], got)
         for buffer in buffers:
             self.pool.give(buffer)
 

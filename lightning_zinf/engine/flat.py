@@ -80,6 +80,8 @@ class FlatGroup:
         self.fragments: list[Tensor] = []
         self.grad_shard: Optional[Tensor] = None
         self._ready = [False] * len(params)
+        self.received = [False] * len(params)  # got a gradient since the last consumption
+        self._accumulated = False
         self._grad_flat: Optional[Tensor] = None
         self._grad_views: list[Tensor] = []
         self._consumed = True
@@ -168,23 +170,26 @@ class FlatGroup:
         """A flat gradient buffer is attached (between pre-backward and the reduce-scatter)."""
         return self._grad_flat is not None
 
-    def start_reduce(self, pool: BufferPool) -> tuple[Handle, list[Tensor]]:
+    def start_reduce(self, pool: BufferPool) -> tuple[Handle, list[Tensor], list[bool]]:
         """Start reduce-scattering the flat gradient (zeros where a parameter got none) and free the
         full gradients.
 
         Returns:
-            ``(handle, buffers)``: wait on ``handle``, then call :meth:`accumulate` with
+            ``(handle, buffers, got)``: wait on ``handle``, then call :meth:`accumulate` with
             ``buffers[0]`` (fp32, ``shard_numel`` elements: the mean over ranks of this rank's
-            slice) and give all ``buffers`` back to ``pool``.
+            slice) and ``got`` (which parameters had a gradient on this rank), and give all
+            ``buffers`` back to ``pool``.
         """
         if self._grad_flat is None:
             # No pre-backward hook ran (a parameter used outside any hooked module's output path):
             # autograd stored the gradients itself; they are copied in below.
             self._new_grad_buffer(pool)
         flat, views = self._grad_flat, self._grad_views
-        for p, view in zip(self.params, views):
+        got = list(self._ready)
+        for j, (p, view) in enumerate(zip(self.params, views)):
             if p.grad is not None and p.grad is not view:  # autograd replaced our view
                 view.copy_(p.grad)
+                got[j] = True
             p.grad = None
         self._grad_flat, self._grad_views = None, []
         self._ready = [False] * len(self.params)
@@ -193,7 +198,7 @@ class FlatGroup:
             pool.give(flat)
             flat = flat32
         out = pool.take(self.shard_numel, torch.float32)
-        return self.comm.reduce_scatter_mean(out, flat, async_op=True), [out, flat]
+        return self.comm.reduce_scatter_mean(out, flat, async_op=True), [out, flat], got
 
     def discard_grads(self, pool: BufferPool) -> None:
         """Drop a prepared flat gradient that received nothing, and forget partial readiness
@@ -205,8 +210,9 @@ class FlatGroup:
             self._grad_flat, self._grad_views = None, []
         self._ready = [False] * len(self.params)
 
-    def accumulate(self, reduced: Tensor) -> None:
-        """Add a reduced gradient slice to the fp32 gradient shard and expose it to the optimizer.
+    def accumulate(self, reduced: Tensor, got: list[bool]) -> None:
+        """Add a reduced gradient slice to the fp32 gradient shard; ``got`` marks the parameters
+        that had a gradient on this rank. The optimizer sees the result after :meth:`expose_grads`.
 
         The first call after an optimizer step (:meth:`after_step`) or after ``zero_grad`` (all
         fragments' ``.grad`` set to ``None``) starts a fresh accumulation.
@@ -217,7 +223,19 @@ class FlatGroup:
         self._consumed = False
         if fresh:
             self.grad_shard.copy_(reduced)
+            self.received = got
         else:
             self.grad_shard.add_(reduced)
-        for fragment, (lo, hi) in zip(self.fragments, self.owned_ranges()):
-            fragment.grad = self.grad_shard[lo:hi]
+            self.received = [a or b for a, b in zip(self.received, got)]
+        self._accumulated = True
+
+    def expose_grads(self, received: list[bool]) -> None:
+        """Give each fragment its slice of the gradient shard as ``.grad``, but only for parameters
+        that received a gradient on some rank (``received``, agreed by all ranks): like plain
+        torch, a parameter without a gradient is not stepped (no weight decay, no moment decay).
+        Groups that accumulated nothing since the last call keep their fragments' gradients."""
+        if not self._accumulated:
+            return
+        self._accumulated = False
+        for fragment, (lo, hi), has in zip(self.fragments, self.owned_ranges(), received):
+            fragment.grad = self.grad_shard[lo:hi] if has and self.grad_shard is not None else None
