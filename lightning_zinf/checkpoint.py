@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
@@ -222,8 +221,11 @@ class _RangeFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def shape(self, key: str) -> list[int]:
+        return list(self._entries[key]["shape"])
+
     def read(self, key: str, lo: int, hi: int) -> Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor ``key``."""
+        """Elements ``[lo, hi)`` of the flattened (row-major) tensor ``key``: one byte range."""
         entry = self._entries[key]
         dtype = _DTYPE_OF[entry["dtype"]]
         item = torch.empty(0, dtype=dtype).element_size()
@@ -240,7 +242,6 @@ class ShardReader:
 
     def __init__(self, path: Path, zinf: dict[str, Any]) -> None:
         self.path = path
-        self.world = zinf["world_size"]
         self.sha256 = zinf["sha256"]
         self._files: dict[int, Any] = {}
 
@@ -254,8 +255,12 @@ class ShardReader:
             self._files[rank] = _RangeFile(file)
         return self._files[rank]
 
+    def keys(self) -> list[str]:
+        """The tensor names (every rank's file has the same)."""
+        return self._file(0).keys()
+
     def has(self, key: str) -> bool:
-        return key in self._file(0).keys()
+        return key in self.keys()
 
     def read(self, key: str, lo: int, hi: int, old_shard: int) -> Tensor:
         """Elements ``[lo, hi)`` of the flat tensor ``key`` (old shards of ``old_shard`` elements)."""
@@ -326,7 +331,7 @@ def _load_group_state(
     lo: int, hi: int, old_shard: int,
 ) -> None:
     ranges = group.owned_ranges()
-    keys = reader._file(0).keys()
+    keys = reader.keys()
     flat: dict[str, Tensor] = {}
     for j, fragment in enumerate(group.fragments):
         if id(fragment) not in owners:
@@ -357,7 +362,7 @@ def _load_group_state(
 
 # --- plain (unpartitioned) state dicts ------------------------------------------------------------------
 class _Source:
-    """Read parameter slices from a ``.safetensors`` file (lazily) or from an in-memory mapping."""
+    """Read parameter slices from a ``.safetensors`` file (by byte range) or an in-memory mapping."""
 
     def __init__(self, source: os.PathLike | str | dict[str, Tensor]) -> None:
         if isinstance(source, dict):
@@ -366,33 +371,23 @@ class _Source:
             self.where, self._mapping = str(source), None
             if not Path(source).is_file():
                 raise CheckpointError(f"{source} does not exist (expected a .safetensors file).")
-            self._file = safe_open(str(source), framework="pt")
+            self._file = _RangeFile(Path(source))
 
     def keys(self) -> set[str]:
         return set(self._mapping) if self._mapping is not None else set(self._file.keys())
 
     def shape(self, key: str) -> list[int]:
+        return list(self._mapping[key].shape) if self._mapping is not None else self._file.shape(key)
+
+    def flat_range(self, key: str, lo: int, hi: int) -> Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor."""
         if self._mapping is not None:
-            return list(self._mapping[key].shape)
-        return list(self._file.get_slice(key).get_shape())
+            return self._mapping[key].reshape(-1)[lo:hi]
+        return self._file.read(key, lo, hi)
 
     def full(self, key: str) -> Tensor:
         """The whole tensor (for small entries such as buffers)."""
-        return self._mapping[key] if self._mapping is not None else self._file.get_tensor(key)
-
-    def flat_range(self, key: str, lo: int, hi: int) -> Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor, reading only the rows that hold them."""
-        if self._mapping is not None:
-            return self._mapping[key].reshape(-1)[lo:hi]
-        shape = self.shape(key)
-        if len(shape) <= 1:
-            return self._file.get_slice(key)[lo:hi].reshape(-1)
-        row = 1
-        for size in shape[1:]:
-            row *= size
-        first, last = lo // row, -(-hi // row)
-        rows = self._file.get_slice(key)[first:last].reshape(-1)
-        return rows[lo - first * row : hi - first * row]
+        return self.flat_range(key, 0, torch.Size(self.shape(key)).numel()).reshape(self.shape(key))
 
 
 def load_full_state_dict(
@@ -403,14 +398,15 @@ def load_full_state_dict(
     strict: bool = True,
 ) -> list[str]:
     """Load a plain, unpartitioned state dict into the partitioned model; each rank reads only the
-    elements of its own shards (from a ``.safetensors`` file, only the rows that hold them), so no
+    elements of its own shards (from a ``.safetensors`` file, only the byte ranges that hold them), so no
     rank ever holds the whole model. For starting fine-tuning from pretrained weights.
 
     Collective only in its last step (persistent units are re-gathered): call it on every rank.
 
     Args:
         engine: The engine partitioning the model.
-        source: A ``.safetensors`` file (e.g. a Hugging Face ``model.safetensors``) or a mapping of
+        source: A ``.safetensors`` file (e.g. a Hugging Face ``model.safetensors``; read by byte
+            range, one shard-sized piece at a time) or a mapping of
             names to full tensors.
         prefix: Where the pretrained model sits inside ``engine.module``: parameter ``prefix + key``
             of the partitioned model takes ``source[key]`` (e.g. ``"model."`` for a LightningModule

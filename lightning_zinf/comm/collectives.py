@@ -117,6 +117,15 @@ class Collectives:
         if self.world_size > 1:
             dist.barrier(group=self.group)
 
+    def all_equal(self, value: int) -> bool:
+        """Whether every rank passed the same ``value`` (a signed 64-bit integer): one all-reduce
+        (MAX) of ``[value, -value]``, equal everywhere exactly when max == min."""
+        if self.world_size == 1:
+            return True
+        pair = torch.tensor([value, -value], dtype=torch.int64)
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.group)
+        return int(pair[0]) == -int(pair[1])
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, indexed by rank (small control data: trace hashes, RNG states)."""
         if self.world_size == 1:

@@ -149,7 +149,7 @@ class ZeroEngine:
         own_rng = torch.get_rng_state()
         if on_meta:
             start = init_rng_state(specs)
-            torch.set_rng_state(self.comm.all_gather_object(own_rng if start is None else start)[0])
+            torch.set_rng_state(self.comm.broadcast((own_rng if start is None else start).clone()))
         units = []
         try:
             for index, spec in enumerate(specs):
@@ -272,10 +272,10 @@ class ZeroEngine:
 
     def verify_ranks_agree(self) -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
-        the last check (one all-gather of 8 bytes). Run at every pass boundary and before every
-        optimizer step, so a rank whose control flow diverged (a different branch over units of the
-        same size, which the collectives themselves cannot notice) stops training before a wrong
-        update is applied.
+        the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
+        Run at every pass boundary and before every optimizer step, so a rank whose control flow
+        diverged (a different branch over units of the same size, which the collectives
+        themselves cannot notice) stops training before a wrong update is applied.
 
         Raises:
             RuntimeError: the ranks' sequences differ; the message gives the first difference.
@@ -284,7 +284,7 @@ class ZeroEngine:
         if self.comm.world_size == 1:
             return
         digest = zlib.crc32(",".join(map(str, issued)).encode())
-        if len(set(self.comm.all_gather_object(digest))) == 1:
+        if self.comm.all_equal(digest):
             return
         # Every rank saw the mismatch: gather the sequences (only now) to say where they part.
         sequences = self.comm.all_gather_object(issued[:4096])

@@ -67,6 +67,7 @@ class FlatGroup:
         self.shard_numel = -(-self.numel // world)
         self.padded_numel = self.shard_numel * world
         self.shard_start = comm.rank * self.shard_numel
+        self._ranges = self._compute_owned_ranges()
 
         if source is None:
             source = torch.cat([p.detach().reshape(-1) for p in params])
@@ -126,6 +127,9 @@ class FlatGroup:
 
     def owned_ranges(self) -> list[tuple[int, int]]:
         """Per parameter, the [lo, hi) range of this rank's shard that holds its elements."""
+        return self._ranges
+
+    def _compute_owned_ranges(self) -> list[tuple[int, int]]:
         ranges = []
         for offset, numel in zip(self.offsets, self.numels):
             lo = min(max(offset - self.shard_start, 0), self.shard_numel)
