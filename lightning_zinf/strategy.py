@@ -28,7 +28,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_zinf.checkpoint import load_sharded, save_sharded
 from lightning_zinf.config import PrefetchConfig, coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
+from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.precision import to_zero_precision
 
 __all__ = ["ZeroInfinityStrategy"]
@@ -149,7 +150,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
             return
         if _IS_INTERACTIVE:
             # Re-running sys.argv is impossible in a notebook; fork is Lightning's interactive launcher.
-            self._launcher = _MultiProcessingLauncher(self, start_method="fork")
+            self._launcher = NotebookLauncher(self)
         else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
