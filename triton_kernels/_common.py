@@ -31,7 +31,7 @@ _ROUNDER = tl.constexpr(12582912.0)
 
 # Under the interpreter every program instance costs milliseconds, so tiles grow until a launch
 # has about this many programs; on a GPU a tile holds about _GPU_TILE elements.
-_INTERPRETER_PROGRAMS = 128
+_INTERPRETER_PROGRAMS = 16
 _GPU_TILE = 4096
 
 
