@@ -409,3 +409,40 @@ def test_qgz_layout_sizes() -> None:
     assert (layout.world, layout.part_numel, layout.part_len, layout.blocks_per_part, layout.code_cols) == (6, 167, 192, 3, 96)
     assert [layout.slot_of_rank(layout.rank_of_slot(j)) for j in range(6)] == list(range(6))
     assert layout.slot_order() == [0, 3, 1, 4, 2, 5]
+
+
+# -- the GPU benchmark script: its CLI, and its logic in a CPU dry run --------------------------
+
+
+def _benchmark_module() -> object:
+    path = Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("kernels_benchmark", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_benchmark_without_cuda_exits_with_a_message(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    bench = _benchmark_module()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--numel", "1000"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--bits", "8,3"])
+    assert "bits=3 is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the dry run uses the interpreter; on a GPU run the benchmark itself")
+def test_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
+    """Every row of the benchmark runs (tiny sizes, Triton's interpreter) and its Triton results
+    equal the references'."""
+    bench = _benchmark_module()
+    args = bench.parse_args(["--numel", "1024", "--block", "64", "--nodes", "2", "--ranks-per-node", "2", "--iters", "1",
+                             "--warmup", "0", "--no-compile", "--out", str(tmp_path / "k.json")])  # fmt: skip
+    result = bench.run(args, torch.device("cpu"))
+    names = [r["kernel"] for r in result["rows"]]
+    assert len(names) == 14 and names[0] == "quantize INT8" and names[-1] == "deq-reduce INT4 (K=2)"
+    assert all(r["mismatches"] == 0 for r in result["rows"] if "mismatches" in r)
+    assert sum("mismatches" in r for r in result["rows"]) == 10
+    assert set(result["fused_over_unfused"]) == {8, 4}
+    assert "fused reorder+quantize INT4" in bench.format_table(result)
