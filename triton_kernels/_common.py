@@ -15,6 +15,10 @@ import triton.language as tl
 #: Whether the kernels below are being defined for Triton's CPU interpreter. Triton decides this
 #: when ``@triton.jit`` runs (at import of the kernel modules), from ``TRITON_INTERPRET``.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+#: Whether Triton's own language functions (``tl.max``, ...) are interpreted too: they were
+#: decided when ``triton.language`` was first imported, which may have been earlier (importing
+#: lightning imports Triton), and interpreted kernels cannot call compiled ones.
+LANGUAGE_INTERPRETED: bool = type(tl.max).__name__ == "InterpretedFunction"
 
 # Element kinds as the kernels see them. bf16 travels as its int16 bit pattern: the interpreter
 # converts fp32 -> bf16 by truncation, so the kernels round with integer operations instead.

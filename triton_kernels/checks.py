@@ -103,17 +103,26 @@ def use_triton(backend: str, device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    from ._common import INTERPRETED  # imports Triton; only reached on the Triton path
+    from . import _common  # imports Triton; only reached on the Triton path
 
-    if device.type != "cpu" or not INTERPRETED:
+    if device.type != "cpu":
+        raise RuntimeError(
+            f"backend='triton' takes CUDA tensors (or CPU tensors in Triton's interpreter), not {device}"
+        )
+    if not _common.INTERPRETED:
         set_now = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
         raise RuntimeError(
-            f"backend='triton' on a {device.type} tensor needs Triton's interpreter, "
+            "backend='triton' on CPU tensors needs Triton's interpreter, "
             + (
                 "but the kernels were defined before TRITON_INTERPRET=1 was set: set it before the first Triton call"
                 if set_now
                 else "which is off: set TRITON_INTERPRET=1 in the environment before the first Triton call"
             )
-            + (" (and use CPU or CUDA tensors)" if device.type != "cpu" else "")
+        )
+    if not _common.LANGUAGE_INTERPRETED:
+        raise RuntimeError(
+            "backend='triton' on CPU tensors: Triton was imported before TRITON_INTERPRET=1 was set (importing "
+            "lightning, for one, imports it), so its language functions are compiled and the interpreter cannot "
+            "call them; set TRITON_INTERPRET=1 before anything imports triton (e.g. at the top of a pytest conftest.py)"
         )
     return True

@@ -35,7 +35,12 @@ def check_block(block: int) -> None:
     A power of two because a Triton tile's extent must be one; the range because below 64 the fp32
     scales cost more than 6% of an INT8 payload and above 4096 the error approaches per-tensor.
     """
-    if not isinstance(block, int) or isinstance(block, bool) or not MIN_BLOCK <= block <= MAX_BLOCK or block & (block - 1):
+    if (
+        not isinstance(block, int)
+        or isinstance(block, bool)
+        or not MIN_BLOCK <= block <= MAX_BLOCK
+        or block & (block - 1)
+    ):
         raise ValueError(
             f"block={block!r} is not supported: use a power of two from {MIN_BLOCK} to {MAX_BLOCK} (e.g. 256)"
         )

@@ -39,7 +39,9 @@ def _quantize_kernel(
         tl.store(codes_ptr + row_base + pos, codes.to(tl.int8), mask=blk_ok[:, None] & (pos < out_row_len))
     else:
         byte = start[:, None] // 2 + tl.arange(0, BLOCK // 2)[None, :]
-        tl.store(codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (2 * byte < out_row_len))
+        tl.store(
+            codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (2 * byte < out_row_len)
+        )
 
 
 def launch_quantize(

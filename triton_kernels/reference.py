@@ -131,7 +131,9 @@ def dequantize_reduce(
     return _reduce(codes, scales, layout, multiplier, layout.part_numel).to(dtype)
 
 
-def _reduce(codes: torch.Tensor, scales: torch.Tensor, layout: QgzLayout, multiplier: float, numel: int) -> torch.Tensor:
+def _reduce(
+    codes: torch.Tensor, scales: torch.Tensor, layout: QgzLayout, multiplier: float, numel: int
+) -> torch.Tensor:
     k, rows = codes.shape[0], codes.shape[1]
     total = torch.zeros(rows, numel, dtype=torch.float32, device=codes.device)
     # Operand by operand, so the fp32 summation order is fixed and matches the kernel's loop.

@@ -39,8 +39,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -50,13 +50,14 @@ sys.path.insert(0, str(HERE.parents[1]))  # the repository's triton_kernels, whe
 import triton_kernels as tk  # noqa: E402
 from triton_kernels import QgzLayout, reference  # noqa: E402
 
+TRITON = "triton"  # on CUDA the same as "auto"; forces the kernels in the CPU dry run
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CALLS_PER_SAMPLE = 5
 COPY_TARGET = 0.80
 FUSION_TARGET = 2.0
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=int, default=1 << 28, help="values per quantize input (default 2**28)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the values")
@@ -64,7 +65,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--bits", default="8,4", help="comma-separated bit widths among 8 and 4")
     parser.add_argument("--nodes", type=int, default=2, help="qgZ topology: nodes")
     parser.add_argument("--ranks-per-node", type=int, default=4, help="qgZ topology: ranks per node")
-    parser.add_argument("--iters", type=int, default=20, help="timed calls per row (the median is reported)")
+    parser.add_argument(
+        "--iters", type=int, default=20, help="timed samples per row, 5 calls each (the median is reported)"
+    )
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference column")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "kernels.json", help="JSON results path")
@@ -115,7 +118,9 @@ def mismatches(got: object, want: object) -> int:
     """Elements of ``got`` that differ from ``want`` (NaN equal to NaN), over tuples of tensors."""
     got_t = got if isinstance(got, tuple) else (got,)
     want_t = want if isinstance(want, tuple) else (want,)
-    return sum(int((~((g == w) | (g.float().isnan() & w.float().isnan()))).sum()) for g, w in zip(got_t, want_t))
+    return sum(
+        int((~((g == w) | (g.float().isnan() & w.float().isnan()))).sum()) for g, w in zip(got_t, want_t, strict=True)
+    )
 
 
 class Bench:
@@ -127,7 +132,7 @@ class Bench:
     def time(self, fn: Callable[[], object]) -> float:
         return median_ms(fn, self.args.iters, self.args.warmup, self.device)
 
-    def compiled(self, fn: Callable) -> Optional[Callable]:
+    def compiled(self, fn: Callable) -> Callable | None:
         return None if self.args.no_compile else torch.compile(fn, dynamic=False)
 
     def row(
@@ -135,8 +140,8 @@ class Bench:
         name: str,
         moved: int,
         triton_fn: Callable[[], object],
-        eager_fn: Optional[Callable[[], object]],
-        compiled_fn: Optional[Callable[[], object]],
+        eager_fn: Callable[[], object] | None,
+        compiled_fn: Callable[[], object] | None,
         numel: int,
     ) -> dict:
         entry: dict = {"kernel": name, "numel": numel, "bytes": moved}
@@ -158,82 +163,110 @@ class Bench:
 
 def run(args: argparse.Namespace, dev: torch.device) -> dict:
     """Measure every row on ``dev`` (a CUDA device; CPU only for a dry run under the interpreter)."""
-    dtype, block, T = DTYPES[args.dtype], args.block, "triton"
     gen = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(args.numel, generator=gen, device=dev).to(dtype)
-    dst = torch.empty_like(x)
-    copy_ms = median_ms(lambda: dst.copy_(x), args.iters, args.warmup, dev)
-    copy_gbs = 2 * nbytes(x) / copy_ms / 1e6
+    x = torch.randn(args.numel, generator=gen, device=dev).to(DTYPES[args.dtype])
+    copy_gbs = copy_bandwidth(x, args)
     print(f"[kernels] device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
     bench = Bench(args, copy_gbs, dev)
     fusion = {}
-    del dst
     for bits in args.bits:
-        n = args.numel
-        codes, scales = tk.quantize(x, bits, block, backend=T)
-        bench.row(
-            f"quantize INT{bits}", nbytes(x, codes, scales),
-            lambda: tk.quantize(x, bits, block, nonfinite="propagate", backend=T),
-            lambda: reference.quantize(x, bits, block), bench.compiled(lambda: reference.quantize(x, bits, block)), n,
-        )  # fmt: skip
-        bench.row(f"quantize INT{bits} + check", nbytes(x, codes, scales), lambda: tk.quantize(x, bits, block, backend=T), None, None, n)
-        bench.row(
-            f"dequantize INT{bits}", nbytes(x, codes, scales),
-            lambda: tk.dequantize(codes, scales, n, bits, block, dtype=dtype, backend=T),
-            lambda: reference.dequantize(codes, scales, n, bits, block, dtype),
-            bench.compiled(lambda: reference.dequantize(codes, scales, n, bits, block, dtype)), n,
-        )  # fmt: skip
-        del codes, scales
-
-        layout = QgzLayout(n, args.nodes, args.ranks_per_node, bits=bits, block=block)
-        w, s = layout.world, layout.part_numel
-        q = tk.reorder_quantize(x, layout, backend=T)
-        fused = bench.row(
-            f"reorder+quantize INT{bits}", nbytes(x, *q),
-            lambda: tk.reorder_quantize(x, layout, nonfinite="propagate", backend=T),
-            lambda: reference.reorder_quantize(x, layout), bench.compiled(lambda: reference.reorder_quantize(x, layout)), n,
-        )  # fmt: skip
-
-        def unfused() -> object:
-            padded = x if w * s == n else torch.nn.functional.pad(x, (0, w * s - n))
-            permuted = padded.view(args.nodes, args.ranks_per_node, s).transpose(0, 1).reshape(w, s)
-            return tk.quantize(permuted, bits, block, nonfinite="propagate", backend=T)
-
-        plain = bench.row(f"permute, then quantize INT{bits}", nbytes(x, *q), unfused, None, None, n)
-        fusion[bits] = plain["triton_ms"] / fused["triton_ms"]
-        del q
-
-        # The reduce steps, sized so their code input holds n bytes.
-        m = n * 8 // bits
-        big = QgzLayout(m, args.nodes, args.ranks_per_node, bits=bits, block=block)
-        k_intra, rows = args.ranks_per_node, args.nodes
-        src = torch.randn(k_intra * rows * big.part_len, generator=gen, device=dev)
-        ops = tk.quantize(src.view(k_intra * rows, big.part_len), bits, block, backend=T)
-        codes3, scales3 = ops[0].view(k_intra, rows, -1), ops[1].view(k_intra, rows, -1)
-        out = tk.dequantize_reduce_requantize(codes3, scales3, big, backend=T)
-        bench.row(
-            f"deq-reduce-requant INT{bits} (K={k_intra})", nbytes(codes3, scales3, *out),
-            lambda: tk.dequantize_reduce_requantize(codes3, scales3, big, backend=T),
-            lambda: reference.dequantize_reduce_requantize(codes3, scales3, big, 1.0),
-            bench.compiled(lambda: reference.dequantize_reduce_requantize(codes3, scales3, big, 1.0)),
-            k_intra * rows * big.part_len,
-        )  # fmt: skip
-        del src, ops, codes3, scales3, out
-        last = QgzLayout(m * args.ranks_per_node, args.nodes, args.ranks_per_node, bits=bits, block=block)
-        src = torch.randn(args.nodes * last.part_len, generator=gen, device=dev)
-        ops = tk.quantize(src.view(args.nodes, last.part_len), bits, block, backend=T)
-        mean = tk.dequantize_reduce(*ops, last, multiplier=1 / last.world, dtype=dtype, backend=T)
-        bench.row(
-            f"deq-reduce INT{bits} (K={args.nodes})", nbytes(*ops, mean),
-            lambda: tk.dequantize_reduce(*ops, last, multiplier=1 / last.world, dtype=dtype, backend=T),
-            lambda: reference.dequantize_reduce(ops[0][:, None], ops[1][:, None], last, 1 / last.world, dtype)[0],
-            bench.compiled(lambda: reference.dequantize_reduce(ops[0][:, None], ops[1][:, None], last, 1 / last.world, dtype)),
-            args.nodes * last.part_len,
-        )  # fmt: skip
-        del src, ops, mean
+        quantize_rows(bench, x, bits)
+        fusion[bits] = reorder_rows(bench, x, bits)
+        reduce_rows(bench, gen, bits)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return {"copy_gbs": copy_gbs, "rows": bench.rows, "fused_over_unfused": fusion}
+
+
+def copy_bandwidth(x: torch.Tensor, args: argparse.Namespace) -> float:
+    """GB/s of ``dst.copy_(x)`` (bytes read + bytes written), the bound for a memory-bound kernel."""
+    dst = torch.empty_like(x)
+    return 2 * nbytes(x) / median_ms(lambda: dst.copy_(x), args.iters, args.warmup, x.device) / 1e6
+
+
+def quantize_rows(bench: Bench, x: torch.Tensor, bits: int) -> None:
+    """quantize (without and with the finite check) and dequantize ``x``."""
+    n, block, dtype = x.numel(), bench.args.block, x.dtype
+    codes, scales = tk.quantize(x, bits, block, backend=TRITON)
+    moved = nbytes(x, codes, scales)
+
+    def ref_quantize() -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.quantize(x, bits, block)
+
+    def ref_dequantize() -> torch.Tensor:
+        return reference.dequantize(codes, scales, n, bits, block, dtype)
+
+    bench.row(
+        f"quantize INT{bits}", moved, lambda: tk.quantize(x, bits, block, nonfinite="propagate", backend=TRITON),
+        ref_quantize, bench.compiled(ref_quantize), n,
+    )  # fmt: skip
+    bench.row(f"quantize INT{bits} + check", moved, lambda: tk.quantize(x, bits, block, backend=TRITON), None, None, n)
+    bench.row(
+        f"dequantize INT{bits}", moved,
+        lambda: tk.dequantize(codes, scales, n, bits, block, dtype=dtype, backend=TRITON),
+        ref_dequantize, bench.compiled(ref_dequantize), n,
+    )  # fmt: skip
+
+
+def reorder_rows(bench: Bench, x: torch.Tensor, bits: int) -> float:
+    """qgZ's fused reorder + quantize, and the unfused permute-then-quantize; returns unfused / fused time."""
+    a, n = bench.args, x.numel()
+    layout = QgzLayout(n, a.nodes, a.ranks_per_node, bits=bits, block=a.block)
+    w, s = layout.world, layout.part_numel
+    moved = nbytes(x, *tk.reorder_quantize(x, layout, backend=TRITON))
+
+    def ref_reorder() -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.reorder_quantize(x, layout)
+
+    def unfused() -> tuple[torch.Tensor, torch.Tensor]:
+        padded = x if w * s == n else torch.nn.functional.pad(x, (0, w * s - n))
+        permuted = padded.view(a.nodes, a.ranks_per_node, s).transpose(0, 1).reshape(w, s)
+        return tk.quantize(permuted, bits, a.block, nonfinite="propagate", backend=TRITON)
+
+    fused = bench.row(
+        f"reorder+quantize INT{bits}", moved,
+        lambda: tk.reorder_quantize(x, layout, nonfinite="propagate", backend=TRITON),
+        ref_reorder, bench.compiled(ref_reorder), n,
+    )  # fmt: skip
+    plain = bench.row(f"permute, then quantize INT{bits}", moved, unfused, None, None, n)
+    return plain["triton_ms"] / fused["triton_ms"]
+
+
+def reduce_rows(bench: Bench, gen: torch.Generator, bits: int) -> None:
+    """qgZ's two reduce steps, on operands whose codes hold --numel bytes."""
+    a, dev, dtype = bench.args, bench.device, DTYPES[bench.args.dtype]
+    m = a.numel * 8 // bits
+    intra = QgzLayout(m, a.nodes, a.ranks_per_node, bits=bits, block=a.block)
+    src = torch.randn(a.ranks_per_node * a.nodes, intra.part_len, generator=gen, device=dev)
+    codes, scales = (t.view(a.ranks_per_node, a.nodes, -1) for t in tk.quantize(src, bits, a.block, backend=TRITON))
+    del src
+
+    def ref_requant() -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.dequantize_reduce_requantize(codes, scales, intra, 1.0)
+
+    bench.row(
+        f"deq-reduce-requant INT{bits} (K={a.ranks_per_node})",
+        nbytes(codes, scales, *tk.dequantize_reduce_requantize(codes, scales, intra, backend=TRITON)),
+        lambda: tk.dequantize_reduce_requantize(codes, scales, intra, backend=TRITON),
+        ref_requant, bench.compiled(ref_requant), codes.shape[0] * codes.shape[1] * intra.part_len,
+    )  # fmt: skip
+
+    final = QgzLayout(m * a.ranks_per_node, a.nodes, a.ranks_per_node, bits=bits, block=a.block)
+    src = torch.randn(a.nodes, final.part_len, generator=gen, device=dev)
+    last_codes, last_scales = tk.quantize(src, bits, a.block, backend=TRITON)
+    del src
+    mean = 1 / final.world
+
+    def ref_final() -> torch.Tensor:
+        return reference.dequantize_reduce(last_codes[:, None], last_scales[:, None], final, mean, dtype)[0]
+
+    def triton_final() -> torch.Tensor:
+        return tk.dequantize_reduce(last_codes, last_scales, final, multiplier=mean, dtype=dtype, backend=TRITON)
+
+    bench.row(
+        f"deq-reduce INT{bits} (K={a.nodes})", nbytes(last_codes, last_scales, triton_final()), triton_final,
+        ref_final, bench.compiled(ref_final), a.nodes * final.part_len,
+    )  # fmt: skip
 
 
 def format_table(result: dict) -> str:
@@ -255,15 +288,22 @@ def format_table(result: dict) -> str:
     lines.append("")
     for bits, ratio in result["fused_over_unfused"].items():
         verdict = "meets" if ratio >= FUSION_TARGET else "MISSES"
-        lines.append(f"fused reorder+quantize INT{bits}: {ratio:.2f}x the unfused permute-then-quantize ({verdict} {FUSION_TARGET}x)")
-    slow = [r["kernel"] for r in result["rows"] if r["numel"] >= 1 << 26 and r["of_copy"] < COPY_TARGET and "permute" not in r["kernel"]]
+        lines.append(
+            f"fused reorder+quantize INT{bits}: {ratio:.2f}x the speed of permute-then-quantize"
+            f" ({verdict} the {FUSION_TARGET}x target)"
+        )
+    slow = [
+        r["kernel"]
+        for r in result["rows"]
+        if r["numel"] >= 1 << 26 and r["of_copy"] < COPY_TARGET and "permute" not in r["kernel"]
+    ]
     lines.append(
         f"kernels below {COPY_TARGET:.0%} of copy bandwidth at >= 64M elements: {', '.join(slow) if slow else 'none'}"
     )
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         print(
