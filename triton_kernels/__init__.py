@@ -30,9 +30,9 @@ Format (details in :mod:`triton_kernels.layout` and :mod:`triton_kernels.referen
   costs one synchronization); ``nonfinite="propagate"`` gives such a block scale NaN and codes 0,
   so it dequantizes to NaN and stays visible downstream. NaN scales propagate through the reduce
   functions the same way.
-- On CPU (reference vs interpreter) the two paths agree bit for bit. On CUDA the kernels are
-  compiled without FMA contraction and divide with IEEE rounding to agree as well; should a device
-  round differently, a code differs by at most one.
+- On CPU (reference vs interpreter) the two paths agree bit for bit (tested). On CUDA the kernels
+  are compiled without FMA contraction, divide with IEEE rounding and round with exact integer
+  tricks so that they should agree as well; the CUDA tests allow a code to differ by one.
 """
 
 from __future__ import annotations
