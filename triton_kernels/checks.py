@@ -1,0 +1,128 @@
+"""Argument checks for the public API and the choice between the torch and Triton paths.
+
+Every error names the argument, what was wrong, and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+import torch
+
+from .layout import code_dtype
+
+Backend = Literal["auto", "torch", "triton"]
+NonFinite = Literal["raise", "propagate"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def float_tensor(x: object, name: str) -> torch.Tensor:
+    """Raise ``TypeError`` unless ``x`` is an fp32, fp16 or bf16 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}: pass float32, float16 or bfloat16 (e.g. {name}.float())")
+    return x
+
+
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Raise ``TypeError`` unless ``dtype`` is a supported output dtype."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype={dtype}: dequantized values can be torch.float32, torch.float16 or torch.bfloat16")
+    return dtype
+
+
+def nonfinite_mode(nonfinite: str) -> None:
+    """Raise ``ValueError`` unless ``nonfinite`` is ``"raise"`` or ``"propagate"``."""
+    if nonfinite not in ("raise", "propagate"):
+        raise ValueError(f"nonfinite={nonfinite!r}: use 'raise' (check first) or 'propagate' (NaN scales)")
+
+
+def finite(x: torch.Tensor, name: str, nonfinite: str) -> None:
+    """With ``nonfinite="raise"``, raise ``ValueError`` if ``x`` holds a NaN or an infinity.
+
+    On a GPU this check synchronizes with the device; ``nonfinite="propagate"`` skips it.
+    """
+    nonfinite_mode(nonfinite)
+    if nonfinite == "propagate" or x.numel() == 0:
+        return
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).nonzero()[0])
+        raise ValueError(
+            f"{name} holds {int(bad.sum())} non-finite values (the first, at flat index {first}, is "
+            f"{x.reshape(-1)[first].item()}); quantizing them would lose them. Fix the producer (e.g. skip the "
+            "step, as a loss scaler does), or pass nonfinite='propagate' to quantize such blocks with a NaN "
+            "scale (they dequantize to NaN)"
+        )
+
+
+def multiplier_value(multiplier: float) -> float:
+    """Raise ``ValueError`` unless ``multiplier`` is a finite number."""
+    if not isinstance(multiplier, (int, float)) or isinstance(multiplier, bool) or not math.isfinite(multiplier):
+        raise ValueError(f"multiplier={multiplier!r}: must be a finite number (e.g. 1 / world_size for the mean)")
+    return float(multiplier)
+
+
+def quantized(
+    codes: object, scales: object, bits: int, code_shape: tuple[int, ...], scale_shape: tuple[int, ...], what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check ``codes``/``scales`` against the shapes and dtypes the format requires; return them
+    contiguous."""
+    if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        raise TypeError(f"{what}: codes and scales must be torch.Tensors")
+    want = code_dtype(bits)
+    if codes.dtype != want:
+        raise TypeError(f"{what}: codes have dtype {codes.dtype}, but {bits}-bit codes are {want}")
+    if scales.dtype != torch.float32:
+        raise TypeError(f"{what}: scales have dtype {scales.dtype}; scales are always torch.float32")
+    if tuple(codes.shape) != code_shape or tuple(scales.shape) != scale_shape:
+        raise ValueError(
+            f"{what}: got codes {tuple(codes.shape)} and scales {tuple(scales.shape)}, expected codes {code_shape} "
+            f"and scales {scale_shape} (check numel, bits and block against what was quantized)"
+        )
+    if codes.device != scales.device:
+        raise ValueError(f"{what}: codes are on {codes.device} but scales on {scales.device}; move both to one device")
+    return codes.contiguous(), scales.contiguous()
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Whether to take the Triton path: ``"auto"`` takes it for CUDA tensors only.
+
+    Raises:
+        ValueError: On an unknown ``backend``.
+        RuntimeError: When ``backend="triton"`` is asked for on a CPU tensor and the kernels are not
+            (or were not first) defined for Triton's interpreter.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r}: use 'auto' (CUDA -> Triton, else torch), 'torch' or 'triton'")
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return False
+    if device.type == "cuda":
+        return True
+    from . import _common  # imports Triton; only reached on the Triton path
+
+    if device.type != "cpu":
+        raise RuntimeError(
+            f"backend='triton' takes CUDA tensors (or CPU tensors in Triton's interpreter), not {device}"
+        )
+    if not _common.INTERPRETED:
+        set_now = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+        raise RuntimeError(
+            "backend='triton' on CPU tensors needs Triton's interpreter, "
+            + (
+                "but the kernels were defined before TRITON_INTERPRET=1 was set: set it before the first Triton call"
+                if set_now
+                else "which is off: set TRITON_INTERPRET=1 in the environment before the first Triton call"
+            )
+        )
+    if not _common.LANGUAGE_INTERPRETED:
+        raise RuntimeError(
+            "backend='triton' on CPU tensors: Triton was imported before TRITON_INTERPRET=1 was set (importing "
+            "lightning, for one, imports it), so its language functions are compiled and the interpreter cannot "
+            "call them; set TRITON_INTERPRET=1 before anything imports triton (e.g. at the top of a pytest conftest.py)"
+        )
+    return True

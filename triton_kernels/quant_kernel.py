@@ -1,0 +1,77 @@
+"""Triton kernel: blockwise quantization, optionally reading its rows in qgZ's slot order.
+
+One kernel serves plain quantization (rows in order) and the fused reorder + quantize of qgZ
+(ZeRO++ §3.3): output row ``j`` is quantized from input row ``rank_of_slot(j)``, so the permuted
+copy of the gradient is never written; every input element is read once and every code and scale
+written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import kernel_view, kind, load_f32, pack_int4, quantize_tile, tile_rows
+from .layout import QMAX, num_blocks
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr,
+    n_valid, in_row_len, out_row_len, code_row_stride, blocks_per_row, total_blocks, nodes, ranks_per_node,
+    IN_KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blk_ok = blk < total_blocks
+    slot = blk // blocks_per_row
+    start = (blk % blocks_per_row) * BLOCK
+    src_row = (slot % nodes) * ranks_per_node + slot // nodes
+    pos = start[:, None] + tl.arange(0, BLOCK)[None, :]
+    src = src_row.to(tl.int64)[:, None] * in_row_len + pos
+    # Positions past the source row or past the tensor read as zeros: the padding of a partition
+    # to whole blocks, and the tail block of a plain row.
+    x = load_f32(x_ptr, src, blk_ok[:, None] & (pos < in_row_len) & (src < n_valid), IN_KIND)
+    codes, scale = quantize_tile(x, QMAX)
+    tl.store(scales_ptr + blk, scale, mask=blk_ok)
+    row_base = slot.to(tl.int64)[:, None] * code_row_stride
+    if BITS == 8:
+        tl.store(codes_ptr + row_base + pos, codes.to(tl.int8), mask=blk_ok[:, None] & (pos < out_row_len))
+    else:
+        byte = start[:, None] // 2 + tl.arange(0, BLOCK // 2)[None, :]
+        tl.store(
+            codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (2 * byte < out_row_len)
+        )
+
+
+def launch_quantize(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    in_row_len: int,
+    out_row_len: int,
+    nodes: int,
+    ranks_per_node: int,
+    bits: int,
+    block: int,
+) -> None:
+    """Quantize ``x`` (contiguous, fp32/fp16/bf16) into preallocated ``codes`` ``[R, C]`` and
+    ``scales`` ``[R, ceil(out_row_len / block)]``, ``R = nodes * ranks_per_node``.
+
+    Output row ``j`` holds input elements ``[r * in_row_len, (r + 1) * in_row_len)`` with
+    ``r = (j % nodes) * ranks_per_node + j // nodes`` (identity when ``nodes == 1``), zero-padded
+    to ``out_row_len`` values. ``C`` is ``out_row_len`` (INT8) or ``ceil(out_row_len / 2)`` (INT4).
+    """
+    rows = nodes * ranks_per_node
+    blocks_per_row = num_blocks(out_row_len, block)
+    total_blocks = rows * blocks_per_row
+    if total_blocks == 0:
+        return
+    tile = tile_rows(total_blocks, block)
+    _quantize_kernel[(triton.cdiv(total_blocks, tile),)](
+        kernel_view(x), codes, scales,
+        x.numel(), in_row_len, out_row_len, codes.shape[-1], blocks_per_row, total_blocks, nodes, ranks_per_node,
+        IN_KIND=kind(x.dtype), BITS=bits, QMAX=QMAX[bits], BLOCK=block, ROWS=tile,
+        num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
