@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, TypeVar
+from typing import Any, Mapping, Optional, TypeVar
 
-__all__ = ["PrefetchConfig", "coerce_config"]
+__all__ = ["OffloadConfig", "PrefetchConfig", "coerce_config"]
 
 _C = TypeVar("_C")
 
@@ -60,6 +60,54 @@ class PrefetchConfig:
                 value,
                 "an integer >= 0 (a number of elements)",
             )
+
+
+_TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Where the optimizer's training state lives (ZeRO-Infinity §5-6, the "infinity offload engine").
+
+    Attributes:
+        optimizer: Tier of the fp32 master shards, fp32 gradient shards and optimizer states:
+            ``"none"`` (the compute device), ``"cpu"`` (CPU memory; the step runs on the CPU) or
+            ``"nvme"`` (files under ``nvme_path``; swapped into CPU memory one sub-group at a time
+            for the step, the next sub-group read ahead while the current one steps, and gradient
+            shards swapped out as soon as backward has reduced them). DeepSpeed's
+            ``offload_optimizer.device``.
+        nvme_path: Folder (it must exist and be writable) in which the engine creates one folder per
+            rank for its swap files, and removes it at a clean exit. Required for ``"nvme"``.
+        sub_group_size: Most fp32 elements stepped (and, with ``"nvme"``, resident) at once; a flat
+            group larger than this is stepped alone. DeepSpeed's ``sub_group_size`` (default 1e9).
+        overlap: Read the next sub-group ahead and write the previous one behind while the current
+            one steps. ``False`` runs every transfer to completion first (to measure what overlap buys).
+
+    Raises:
+        ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
+            ``sub_group_size``.
+    """
+
+    optimizer: str = "none"
+    nvme_path: Optional[str] = None
+    sub_group_size: int = 100_000_000
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.optimizer in _TIERS, "OffloadConfig", "optimizer", self.optimizer, " / ".join(map(repr, _TIERS)))
+        if self.optimizer == "nvme" and not self.nvme_path:
+            raise ValueError(
+                "OffloadConfig.optimizer='nvme' needs nvme_path: a folder on a fast disk where the engine may "
+                "create its swap folder, e.g. OffloadConfig(optimizer='nvme', nvme_path='/local_nvme')."
+            )
+        _require(
+            isinstance(self.sub_group_size, int) and not isinstance(self.sub_group_size, bool) and self.sub_group_size > 0,
+            "OffloadConfig",
+            "sub_group_size",
+            self.sub_group_size,
+            "an integer > 0 (a number of elements)",
+        )
+        _require(isinstance(self.overlap, bool), "OffloadConfig", "overlap", self.overlap, "True or False")
 
 
 def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:

@@ -9,7 +9,7 @@ norm of this rank's shard only, and fp16 loss scaling would let one rank skip a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -25,9 +25,21 @@ SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 class _GlobalNormClipping:
-    """Clip by the L2 norm over every rank's gradient shards (``Trainer(gradient_clip_val=...)``)."""
+    """Clip by the L2 norm over every rank's gradient shards (``Trainer(gradient_clip_val=...)``),
+    and run the closure (forward, backward, clipping) before ``optimizer.step()`` rather than inside
+    it, so the engine's step pre-hook sees the finished gradients (the offloaded optimizer steps
+    there, sub-group by sub-group). Exact for the elementwise optimizers the strategy accepts,
+    which call their closure once, first."""
 
     engine: Optional["ZeroEngine"] = None
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if getattr(self, "scaler", None) is not None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)  # runs the closure first itself
+        closure_result = self._wrap_closure(model, optimizer, closure)
+        optimizer.step(**kwargs)
+        return closure_result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         if self.engine is None:

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import load_sharded, save_sharded
-from lightning_zinf.config import PrefetchConfig, coerce_config
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.precision import to_zero_precision
@@ -64,6 +64,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
             gathered as one unit; typically the transformer block. Default: every module's own
             parameters are a unit.
         prefetch: A :class:`~lightning_zinf.PrefetchConfig` (or a mapping of its fields).
+        offload: An :class:`~lightning_zinf.OffloadConfig` (or a mapping of its fields): where the
+            optimizer's fp32 state lives (device, CPU or NVMe).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: As for
             any Lightning ``ParallelStrategy``; the Trainer sets them.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
@@ -81,6 +83,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         *,
         block_classes: Sequence[str | type] = (),
         prefetch: Optional[PrefetchConfig] = None,
+        offload: Optional[OffloadConfig] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -100,6 +103,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
             block_classes = [block_classes]
         self.block_classes = tuple(block_classes)
         self.prefetch = coerce_config(PrefetchConfig, prefetch)
+        self.offload = coerce_config(OffloadConfig, offload)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
@@ -193,6 +197,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 self.model,
                 block_classes=self.block_classes,
                 prefetch=self.prefetch,
+                offload=self.offload,
                 device=self.root_device,
                 auto_pass=False,
             )

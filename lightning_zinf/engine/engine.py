@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import uuid
+import weakref
 import zlib
 from contextlib import contextmanager
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
@@ -33,12 +36,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
-from lightning_zinf.config import PrefetchConfig
+from lightning_zinf.config import OffloadConfig, PrefetchConfig
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
 from lightning_zinf.engine.trace import Tracer
+from lightning_zinf.offload.optimizer import OptimizerOffload
 
 __all__ = ["ZeroEngine", "Unit"]
 
@@ -106,6 +110,7 @@ class ZeroEngine:
         *,
         block_classes: Sequence[Union[str, type]] = (),
         prefetch: PrefetchConfig = PrefetchConfig(),
+        offload: OffloadConfig = OffloadConfig(),
         device: Union[str, torch.device] = "cpu",
         group: Optional[dist.ProcessGroup] = None,
         auto_pass: bool = True,
@@ -136,6 +141,9 @@ class ZeroEngine:
                 if buf is not None:
                     buffer_owner._buffers[name] = buf.to(self.device)
         self._group_index = {id(g): i for i, g in enumerate(self.groups)}
+        self.offload: Optional[OptimizerOffload] = None
+        if offload.optimizer != "none":
+            self.offload = OptimizerOffload(self.groups, offload, _make_swapper(offload, self.comm.rank))
         self._hooks = self._install_hooks()
         module._zinf_engine = self  # type: ignore[assignment]
         self._gather_all([u for u in self.units if u.persistent])
@@ -241,34 +249,53 @@ class ZeroEngine:
 
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
         """
+        if self.offload is not None:
+            self.offload.place_masters()
         shard_optimizer(optimizer, self.groups)
         self.optimizers.append(optimizer)
-        optimizer.register_step_pre_hook(lambda *_: self._before_step())
+        optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
         optimizer.register_step_post_hook(lambda *_: self.after_step())
         return optimizer
 
-    def _before_step(self) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
         self.verify_ranks_agree()
+        if self.offload is not None and self.offload.nvme:
+            self.offload.step(optimizer)  # sub-group by sub-group; the optimizer's own step then has nothing left
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
 
-        Counts parameter shards, separate fp32 masters, fp32 gradient shards, optimizer state,
-        gathered parameters and pooled gradient buffers. ``device`` is the compute device (the CPU
-        on a machine without an accelerator). The other tiers stay 0 until offload lands.
+        ``device``: parameter shards, gathered parameters and pooled gradient buffers, plus the fp32
+        masters, fp32 gradient shards and optimizer states when the optimizer is not offloaded.
+        ``cpu``: with optimizer offload, those optimizer-side tensors currently in CPU memory.
+        ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
+        machine without an accelerator the device is the CPU as well; the split says which tier
+        the engine placed each tensor on.
         """
-        tensors: dict[int, Tensor] = {}
+        by_tier = {"device": 0, "cpu": 0, "nvme": 0}
+        optimizer_tier = "device" if self.offload is None else "cpu"
+        seen: set[int] = set()
+
+        def add(tier: str, t: Optional[Tensor]) -> None:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                by_tier[tier] += t.untyped_storage().nbytes()  # 0 while released or swapped out
+
         for group in self.groups:
-            for t in (group.shard, group.master, group.grad_shard):
-                if t is not None:
-                    tensors[id(t)] = t
+            add("device", group.shard)
+            add(optimizer_tier, group.master)
+            add(optimizer_tier, group.grad_shard)
+            by_tier["device"] += group.full.untyped_storage().nbytes()
         for optimizer in self.optimizers:
             for state in optimizer.state.values():
-                tensors.update((id(v), v) for v in state.values() if isinstance(v, Tensor))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        total += sum(g.full.untyped_storage().nbytes() for g in self.groups) + self.pool.pooled_bytes
-        return {"device": total, "cpu": 0, "nvme": 0}
+                for value in state.values():
+                    if isinstance(value, Tensor):
+                        add(optimizer_tier, value)
+        by_tier["device"] += self.pool.pooled_bytes
+        if self.offload is not None:
+            by_tier["nvme"] = self.offload.tier_bytes()["nvme"]
+        return by_tier
 
     def verify_ranks_agree(self) -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
@@ -303,7 +330,17 @@ class ZeroEngine:
         return [f for g in self.groups if g.trainable for f in g.fragments]
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32)."""
+        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32).
+
+        With NVMe optimizer offload the gradients may be on disk: the norm comes from the squared
+        norms recorded as they were accumulated, and the scaling is applied as each sub-group is
+        swapped in for the step.
+        """
+        if self.offload is not None and self.offload.nvme:
+            self._settle()
+            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm().to(self.device)).sqrt()
+            self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).cpu()
+            return norm
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
     def after_step(self) -> None:
@@ -519,7 +556,13 @@ class ZeroEngine:
     def _finish_reduce(self, pending: tuple[Handle, list[Tensor], list[bool], FlatGroup]) -> None:
         handle, buffers, got, group = pending
         handle.wait()
-        group.accumulate(buffers[0], got)
+        if self.offload is not None:
+            index = self._group_index[id(group)]
+            self.offload.before_accumulate(index)
+            group.accumulate(buffers[0], got)
+            self.offload.after_accumulate(index)
+        else:
+            group.accumulate(buffers[0], got)
         for buffer in buffers:
             self.pool.give(buffer)
 
@@ -565,3 +608,16 @@ def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[st
     for name, p in params:
         kinds.setdefault((p.dtype, p.requires_grad), []).append((name, p))
     return list(kinds.values())
+
+
+def _make_swapper(config: OffloadConfig, rank: int):
+    """The rank's NVMe swapper in a folder of its own under ``config.nvme_path`` (``nvme`` only);
+    the folder and its files are removed when the swapper is closed or the process exits cleanly."""
+    if config.optimizer != "nvme":
+        return None
+    from lightning_zinf.offload.swapper import NvmeSwapper
+
+    folder = os.path.join(config.nvme_path, f"zinf-rank{rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    swapper = NvmeSwapper(folder)
+    weakref.finalize(swapper, swapper.close)
+    return swapper

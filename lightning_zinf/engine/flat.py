@@ -43,6 +43,11 @@ class FlatGroup:
             fp32), or ``None`` for frozen groups and before :meth:`make_master`.
         fragments: Per parameter, the 1-D view of ``master`` that this rank owns (possibly empty).
         grad_shard: fp32 gradient shard accumulated over micro-batches, or ``None`` before the first.
+        state_device: Where ``master`` and ``grad_shard`` live: ``device``, or the CPU when the
+            optimizer is offloaded (:meth:`make_master` with ``separate=True``).
+        grad_sq_norms: With ``track_grad_norm``, per fragment the squared L2 norm of its gradient
+            after the last :meth:`accumulate` (fp32, 0-d each), so clipping needs no pass over
+            gradients that were swapped out.
     """
 
     def __init__(
@@ -80,6 +85,11 @@ class FlatGroup:
         self.master: Optional[Tensor] = None
         self.fragments: list[Tensor] = []
         self.grad_shard: Optional[Tensor] = None
+        self._grad_fragments: list[Tensor] = []
+        self.grad_sq_norms: list[Tensor] = []
+        self.track_grad_norm = False
+        self.state_device = device
+        self.master_synced_by_offload = False
         self._ready = [False] * len(params)
         self.received = [False] * len(params)  # got a gradient since the last consumption
         self._accumulated = False
@@ -118,10 +128,20 @@ class FlatGroup:
         self.shard[changed] = new[changed]
 
     # --- optimizer state --------------------------------------------------------------------------
-    def make_master(self) -> None:
-        """Create the fp32 master shard and the per-parameter fragments the optimizer steps."""
+    def make_master(self, state_device: Optional[torch.device] = None, separate: bool = False) -> None:
+        """Create the fp32 master shard and the per-parameter fragments the optimizer steps.
+
+        Args:
+            state_device: Where the master and the gradient shard live (default: ``device``).
+            separate: Give fp32 groups a master of their own instead of stepping ``shard`` in place
+                (offload: the master lives on another tier than the shard the forward reads).
+        """
         if self.master is None:
-            self.master = self.shard if self.dtype == torch.float32 else self.shard.float()
+            self.state_device = state_device or self.device
+            if self.dtype == torch.float32 and not separate and self.state_device == self.device:
+                self.master = self.shard
+            else:
+                self.master = self.shard.to(self.state_device, torch.float32, copy=True)
         if not self.fragments:  # once: several optimizers may each hold some of them
             self.fragments = [self.master[lo:hi] for lo, hi in self.owned_ranges()]
 
@@ -140,7 +160,7 @@ class FlatGroup:
     def after_step(self) -> None:
         """Cast the stepped fp32 master back into the compute-dtype shard; the gradients are
         consumed (the next backward starts a fresh accumulation, as after ``zero_grad``)."""
-        if self.master is not None and self.master is not self.shard:
+        if self.master is not None and self.master is not self.shard and not self.master_synced_by_offload:
             self.shard.copy_(self.master)
         self._consumed = True
 
@@ -222,16 +242,26 @@ class FlatGroup:
         fragments' ``.grad`` set to ``None``) starts a fresh accumulation.
         """
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(reduced)
-        fresh = self._consumed or (bool(self.fragments) and all(f.grad is None for f in self.fragments))
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.state_device)
+            # Views made once, while the storage exists: an offloaded gradient shard may have no
+            # storage when they are handed to the optimizer.
+            self._grad_fragments = [self.grad_shard[lo:hi] for lo, hi in self.owned_ranges()]
+        fresh = self.fresh_accumulation
         self._consumed = False
         if fresh:
             self.grad_shard.copy_(reduced)
             self.received = got
         else:
-            self.grad_shard.add_(reduced)
+            self.grad_shard.add_(reduced.to(self.state_device))
             self.received = [a or b for a, b in zip(self.received, got)]
+        if self.track_grad_norm:
+            self.grad_sq_norms = [g.pow(2).sum() for g in self._grad_fragments]
         self._accumulated = True
+
+    @property
+    def fresh_accumulation(self) -> bool:
+        """The next :meth:`accumulate` starts over (after a step or ``zero_grad``)."""
+        return self._consumed or (bool(self.fragments) and all(f.grad is None for f in self.fragments))
 
     def expose_grads(self, received: list[bool]) -> None:
         """Give each fragment its slice of the gradient shard as ``.grad``, but only for parameters
@@ -241,5 +271,5 @@ class FlatGroup:
         if not self._accumulated:
             return
         self._accumulated = False
-        for fragment, (lo, hi), has in zip(self.fragments, self.owned_ranges(), received):
-            fragment.grad = self.grad_shard[lo:hi] if has and self.grad_shard is not None else None
+        for j, (fragment, has) in enumerate(zip(self.fragments, received)):
+            fragment.grad = self._grad_fragments[j] if has and self._grad_fragments else None
