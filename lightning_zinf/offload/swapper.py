@@ -159,6 +159,8 @@ class NvmeSwapper:
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise SwapError(describe_os_error(err, op="create", path=path, nvme_path=self._nvme_path)) from err
+            # Linux creates the file before it checks O_DIRECT (seen on ramfs): ours, in our folder.
+            path.unlink(missing_ok=True)
             self._log_fallback("opening a file with O_DIRECT fails with EINVAL")
             return False
         try:
