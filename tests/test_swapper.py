@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_zinf.offload import AioConfig, NvmeSwapper, SwapError, aligned_empty
-from lightning_zinf.offload.swapper import _filesystem_type, _pread_full
+from lightning_zinf.offload.files import filesystem_type, pread_full
 
 WAIT_S = 60  # generous bound: a request that takes this long has hung
 SMALL_BLOCKS = AioConfig(block_size=64 * 1024, queue_depth=2, threads=4)
@@ -168,7 +168,7 @@ def test_round_trip_o_direct_on_disk(tmp_path: Path) -> None:
     """Under tmp_path (ext4 on this project's machines) O_DIRECT is used."""
     with NvmeSwapper(tmp_path / "swap", SMALL_BLOCKS) as sw:
         assert sw.direct == _o_direct_works(tmp_path)
-        if _filesystem_type(tmp_path) in ("ext4", "xfs"):
+        if filesystem_type(tmp_path) in ("ext4", "xfs"):
             assert sw.direct, "local ext4 and xfs support O_DIRECT"
         _round_trip(sw, seed=0)
         assert sw.bytes_written > 0 and sw.bytes_read > 0
@@ -340,7 +340,7 @@ def test_short_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
         os.write(fd, b"abc")
-        assert _pread_full(fd, memoryview(bytearray(10)), 0) == 3
+        assert pread_full(fd, memoryview(bytearray(10)), 0) == 3
     finally:
         os.close(fd)
 

@@ -15,30 +15,34 @@ created, and nothing else: a folder that already exists is refused rather than r
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import errno
-import hashlib
 import logging
 import os
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from lightning_zinf.offload.aio import AioConfig, BlockPool, IoHandle
 from lightning_zinf.offload.aligned import ALIGNMENT, aligned_empty, is_aligned, memory_view, round_up
 from lightning_zinf.offload.errors import SwapError, describe_os_error
+from lightning_zinf.offload.files import (
+    filesystem_type,
+    key_filename,
+    preallocate,
+    pread_full,
+    probe_o_direct,
+    pwrite_full,
+)
 
 __all__ = ["AioConfig", "IoHandle", "NvmeSwapper", "SwapError", "aligned_empty"]
 
 log = logging.getLogger(__name__)
-
-_PROBE_NAME = ".o_direct-probe"
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,16 @@ class NvmeSwapper:
         self._nvme_path = self.folder.parent
         self._make_folder()
         self._closed = False
-        try:
-            self.direct = config.o_direct and self._probe_direct()
-        except BaseException:
-            os.rmdir(self.folder)
-            raise
+        self.direct = False
+        if config.o_direct:
+            try:
+                refused = probe_o_direct(self.folder, self._nvme_path)
+            except BaseException:
+                os.rmdir(self.folder)
+                raise
+            self.direct = refused is None
+            if refused is not None:
+                self._log_fallback(refused)
         self._pool = BlockPool(config)
         self._lock = threading.Lock()
         self._tail: dict[str, IoHandle] = {}  # the last request issued per key
@@ -150,46 +159,12 @@ class NvmeSwapper:
                 describe_os_error(err, op="create the swap folder", path=folder, nvme_path=parent)
             ) from err
 
-    def _probe_direct(self) -> bool:
-        """Write and read back one aligned block with ``O_DIRECT``; ``False`` if the filesystem refuses."""
-        path = self.folder / _PROBE_NAME
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o600)
-        except OSError as err:
-            if err.errno != errno.EINVAL:
-                raise SwapError(describe_os_error(err, op="create", path=path, nvme_path=self._nvme_path)) from err
-            # Linux creates the file before it checks O_DIRECT (seen on ramfs): ours, in our folder.
-            path.unlink(missing_ok=True)
-            self._log_fallback("opening a file with O_DIRECT fails with EINVAL")
-            return False
-        try:
-            out, back = aligned_empty(ALIGNMENT, torch.uint8), aligned_empty(ALIGNMENT, torch.uint8)
-            out.copy_(torch.arange(ALIGNMENT, dtype=torch.int32).remainder_(251).to(torch.uint8))
-            back.zero_()
-            os.pwritev(fd, [memory_view(out.data_ptr(), ALIGNMENT)], 0)
-            got = os.preadv(fd, [memory_view(back.data_ptr(), ALIGNMENT)], 0)
-            if got != ALIGNMENT or not torch.equal(out, back):
-                self._log_fallback("an aligned O_DIRECT write did not read back")
-                return False
-            return True
-        except OSError as err:
-            if err.errno != errno.EINVAL:
-                raise SwapError(
-                    describe_os_error(err, op="write a probe block to", path=path, nvme_path=self._nvme_path, needed=ALIGNMENT)
-                ) from err
-            self._log_fallback("an aligned O_DIRECT write fails with EINVAL")
-            return False
-        finally:
-            os.close(fd)
-            os.unlink(path)
-
     def _log_fallback(self, reason: str) -> None:
         log.warning(
             "NVMe swap folder %s (%s): %s; using buffered I/O through the page cache, which is "
             "slower and keeps a copy of the swapped data in RAM.",
             self.folder,
-            _filesystem_type(self.folder),
+            filesystem_type(self.folder),
             reason,
         )
 
@@ -356,14 +331,7 @@ class NvmeSwapper:
             raise SwapError(f"the NVMe swapper for {self.folder} is closed; create a new one.")
 
     def _path(self, key: str) -> Path:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"swap key {key!r} is invalid: pass a non-empty string.")
-        # Quoting keeps any key inside the folder ('/' and '..' cannot escape); long keys are hashed
-        # to stay under the 255-byte name limit. The prefixes keep the two schemes apart.
-        name = "k-" + urllib.parse.quote(key, safe="-_.")
-        if len(name) > 200:
-            name = "h-" + hashlib.sha256(key.encode()).hexdigest()
-        return self.folder / (name + ".swp")
+        return self.folder / key_filename(key)
 
     def _issue(self, req: _Request, start: Callable[[], None]) -> None:
         """Register ``req``; ``start`` it after the last request on its key finishes."""
@@ -405,7 +373,7 @@ class NvmeSwapper:
         """Open (and size) the file, then queue the blocks. Runs on a pool thread."""
         self._busy("write", True)
         key = req.handle.key
-        try:
+        with self._failures(req, f"open and size (to {req.nbytes} bytes)", needed=req.nbytes):
             with self._lock:
                 first = key not in self._created
             flags = os.O_RDWR | os.O_CREAT | (os.O_EXCL if first else 0) | (os.O_DIRECT if self.direct else 0)
@@ -423,13 +391,7 @@ class NvmeSwapper:
             if st.st_size > size:
                 os.ftruncate(req.fd, size)
             elif st.st_size < size:
-                _preallocate(req.fd, st.st_size, size)
-        except SwapError as err:
-            req.fail(err)
-        except OSError as err:
-            req.fail(self._error(err, f"open and size (to {req.nbytes} bytes)", req, needed=req.nbytes))
-        except Exception as err:  # a bug must fail the request, not hang its waiters
-            req.fail(SwapError(f"writing {req.path} failed unexpectedly: {err!r}"))
+                preallocate(req.fd, st.st_size, size)
         self._queue_blocks(req, write=True)
 
     def _begin_read(self, req: _Request) -> None:
@@ -438,7 +400,7 @@ class NvmeSwapper:
         key = req.handle.key
         with self._lock:
             state = self._state.get(key)
-        try:
+        with self._failures(req, "open for reading"):
             if state is None:
                 raise SwapError(
                     f"cannot read key {key!r} ({req.path}): its last write failed (see that write's "
@@ -446,12 +408,6 @@ class NvmeSwapper:
                 )
             req.fd = os.open(req.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
             self._check_unchanged(req, state, os.fstat(req.fd), "before reading")
-        except SwapError as err:
-            req.fail(err)
-        except OSError as err:
-            req.fail(self._error(err, "open for reading", req))
-        except Exception as err:  # a bug must fail the request, not hang its waiters
-            req.fail(SwapError(f"reading {req.path} failed unexpectedly: {err!r}"))
         self._queue_blocks(req, write=False)
 
     def _check_unchanged(self, req: _Request, state: _FileState, st: os.stat_result, when: str) -> None:
@@ -493,7 +449,7 @@ class NvmeSwapper:
             self._pool.submit(task, read=not write)
 
     def _write_block(self, req: _Request, offset: int, length: int, span: int, bounce: bool) -> None:
-        try:
+        with self._failures(req, f"write {span} bytes at offset {offset} to", needed=span):
             if req.error is None:
                 if bounce:
                     ptr, view = self._bounce()
@@ -503,21 +459,17 @@ class NvmeSwapper:
                     data = view[:span]
                 else:
                     data = req.view[offset : offset + length]
-                _pwrite_full(req.fd, data, offset)
-        except OSError as err:
-            req.fail(self._error(err, f"write {span} bytes at offset {offset} to", req, needed=span))
-        except Exception as err:  # a bug must fail the request, not hang its waiters
-            req.fail(SwapError(f"writing {req.path} failed unexpectedly: {err!r}"))
+                pwrite_full(req.fd, data, offset)
         self._block_done(req, write=True)
 
     def _read_block(self, req: _Request, offset: int, length: int, span: int, bounce: bool) -> None:
-        try:
+        with self._failures(req, f"read {span} bytes at offset {offset} from"):
             if req.error is None:
                 if bounce:
                     ptr, view = self._bounce()
-                    got = _pread_full(req.fd, view[:span], offset)
+                    got = pread_full(req.fd, view[:span], offset)
                 else:
-                    got = _pread_full(req.fd, req.view[offset : offset + length], offset)
+                    got = pread_full(req.fd, req.view[offset : offset + length], offset)
                 if got != span:
                     raise SwapError(
                         f"short read of {req.path} (key {req.handle.key!r}): got {got} of {span} "
@@ -526,12 +478,6 @@ class NvmeSwapper:
                     )
                 if bounce:
                     ctypes.memmove(req.ptr + offset, ptr, length)
-        except SwapError as err:
-            req.fail(err)
-        except OSError as err:
-            req.fail(self._error(err, f"read {span} bytes at offset {offset} from", req))
-        except Exception as err:  # a bug must fail the request, not hang its waiters
-            req.fail(SwapError(f"reading {req.path} failed unexpectedly: {err!r}"))
         self._block_done(req, write=False)
 
     def _block_done(self, req: _Request, *, write: bool) -> None:
@@ -545,7 +491,7 @@ class NvmeSwapper:
         """Record what was written (or check nothing changed during the read), close, complete."""
         key = req.handle.key
         state: Optional[_FileState] = None
-        try:
+        with self._failures(req, "finish"):
             if req.fd is not None:
                 try:
                     st = os.fstat(req.fd)
@@ -559,12 +505,6 @@ class NvmeSwapper:
                 finally:
                     os.close(req.fd)
                     req.fd = None
-        except SwapError as err:
-            req.fail(err)
-        except OSError as err:
-            req.fail(self._error(err, "finish", req))
-        except Exception as err:  # a bug must fail the request, not hang its waiters
-            req.fail(SwapError(f"finishing the swap {req.handle.op} of {req.path} failed unexpectedly: {err!r}"))
         ok = req.error is None
         with self._lock:
             if write:
@@ -584,12 +524,26 @@ class NvmeSwapper:
             buf = self._tls.buf = (tensor, tensor.data_ptr(), memory_view(tensor.data_ptr(), tensor.numel()))
         return buf[1], buf[2]
 
-    def _error(self, err: OSError, op: str, req: _Request, needed: int = 0) -> SwapError:
-        message = describe_os_error(err, op=f"swap {req.handle.op} of key {req.handle.key!r}: {op}", path=req.path,
-                                    nvme_path=self._nvme_path, needed=needed)
-        error = SwapError(message)
-        error.__cause__ = err
-        return error
+    @contextlib.contextmanager
+    def _failures(self, req: _Request, op: str, needed: int = 0) -> Iterator[None]:
+        """Record any exception raised inside on ``req`` (the first one wins) instead of raising it.
+
+        ``op`` says what was being done ("write 4096 bytes at offset 0 to"), ``needed`` how many
+        bytes it had to allocate. Unexpected exceptions are caught too: a bug must fail the
+        request, never leave its waiters hanging.
+        """
+        try:
+            yield
+        except SwapError as err:
+            req.fail(err)
+        except OSError as err:
+            message = describe_os_error(err, op=f"swap {req.handle.op} of key {req.handle.key!r}: {op}",
+                                        path=req.path, nvme_path=self._nvme_path, needed=needed)
+            error = SwapError(message)
+            error.__cause__ = err
+            req.fail(error)
+        except Exception as err:
+            req.fail(SwapError(f"swap {req.handle.op} of {req.path} ({op}) failed unexpectedly: {err!r}"))
 
     def _unlink_own(self, path: Path, ino: int) -> None:
         """Delete ``path`` if it is still the file this swapper created (same inode)."""
@@ -616,50 +570,3 @@ def _check_tensor(tensor: torch.Tensor, op: str) -> None:
         )
     if not tensor.is_contiguous():
         raise ValueError(f"NVMe swapper: cannot {op} a non-contiguous tensor; pass tensor.contiguous().")
-
-
-def _preallocate(fd: int, current: int, size: int) -> None:
-    """Reserve the file's blocks up front, so a full disk fails before any block is written."""
-    try:
-        os.posix_fallocate(fd, current, size - current)
-    except OSError as err:
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise
-        # Not supported here (EOPNOTSUPP...): the writes allocate, and report a full disk themselves.
-
-
-def _pwrite_full(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of ``data`` at ``offset`` (a regular file may accept fewer bytes per call)."""
-    while len(data):
-        written = os.pwritev(fd, [data], offset)
-        if written <= 0:
-            raise OSError(errno.EIO, f"the write returned {written} bytes")
-        data, offset = data[written:], offset + written
-
-
-def _pread_full(fd: int, buf: memoryview, offset: int) -> int:
-    """Read into ``buf`` from ``offset`` until it is full or the file ends; the bytes read."""
-    total = 0
-    while total < len(buf):
-        got = os.preadv(fd, [buf[total:]], offset + total)
-        if got == 0:
-            break
-        total += got
-    return total
-
-
-def _filesystem_type(path: Path) -> str:
-    """The type of the filesystem mounted at ``path`` (from /proc/mounts), or ``"unknown filesystem"``."""
-    best, kind = "", "unknown filesystem"
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) > 2:
-                    point = fields[1].replace("\\040", " ")
-                    inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
-                    if inside and len(point) >= len(best):
-                        best, kind = point, fields[2]
-    except OSError:
-        pass
-    return kind
