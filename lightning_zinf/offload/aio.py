@@ -69,6 +69,9 @@ class AioConfig:
 class IoHandle:
     """Completion handle of one asynchronous swap request (one key's read or write).
 
+    As with DeepNVMe's ``async_pread``/``async_pwrite`` followed by ``wait``, the request is
+    issued at once and its completion (or failure) collected later, so swaps overlap compute.
+
     Attributes:
         key: The swap key.
         op: ``"read"`` or ``"write"``.
@@ -83,7 +86,7 @@ class IoHandle:
         self._lock = threading.Lock()
         self._error: Optional[SwapError] = None
         self._callbacks: list[Callable[[], None]] = []
-        self.reported = False  # the error reached the caller through wait()
+        self._reported = False  # its error reached the caller through wait()
 
     def done(self) -> bool:
         """Whether the request has finished, successfully or not (never blocks)."""
@@ -102,7 +105,7 @@ class IoHandle:
         if not self._event.wait(timeout):
             raise TimeoutError(f"swap {self.op} of key {self.key!r} not finished after {timeout} s")
         if self._error is not None:
-            self.reported = True
+            self._reported = True
             # A fresh exception per call: re-raising one object would pile up tracebacks.
             raise SwapError(*self._error.args) from self._error.__cause__
 

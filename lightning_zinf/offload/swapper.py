@@ -247,16 +247,16 @@ class NvmeSwapper:
             handles = list(self._outstanding.values())
         for handle in handles:
             handle._event.wait()
-        failed = [h for h in handles if h.error is not None and not h.reported]
+        failed = [h for h in handles if h.error is not None and not h._reported]
         with self._lock:
             for h in handles:
                 self._outstanding.pop(id(h), None)
         for h in failed[1:]:
-            h.reported = True
+            h._reported = True
         if failed:
             first = failed[0]
             more = f" ({len(failed) - 1} more requests failed)" if len(failed) > 1 else ""
-            first.reported = True
+            first._reported = True
             raise SwapError(str(first.error) + more) from first.error.__cause__
 
     def remove(self, key: str) -> None:
