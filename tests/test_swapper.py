@@ -335,7 +335,7 @@ def test_short_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         sw.write("k", data).wait(timeout=WAIT_S)
         os.truncate(sw._path("k"), 8192)
         monkeypatch.setattr(sw, "_check_unchanged", lambda *args: None)  # the truncation "races" the check
-        with pytest.raises(SwapError, match="short read.*got 0 of"):
+        with pytest.raises(SwapError, match=r"short read of .*k-k.swp.*got \d+ of \d+ bytes at offset \d+; the file was truncated"):
             sw.read("k", torch.empty_like(data)).wait(timeout=WAIT_S)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
     try:
@@ -402,3 +402,25 @@ def test_unreported_failure_surfaces_in_wait_all_and_close(tmp_path: Path) -> No
         with pytest.raises(SwapError, match="deleted by something outside"):
             sw.close()
     assert not (tmp_path / "swap").exists()
+
+
+def test_bandwidth_benchmark_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """examples/benchmarks/nvme_bandwidth.py end to end on 8 MiB (a smoke test; no speed is checked)."""
+    import json
+    import shutil
+    import sys
+
+    if shutil.which("dd") is None:
+        pytest.skip("dd is not installed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    try:
+        import nvme_bandwidth
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "result.json"
+    args = ["--dir", str(tmp_path), "--size-gib", str(8 / 1024), "--repeats", "1", "--keys", "3", "--out", str(out)]
+    assert nvme_bandwidth.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["bytes"] == 8 << 20 and set(result["summary"]) == {"write", "read"}
+    assert "| read |" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
