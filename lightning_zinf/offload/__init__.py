@@ -1,0 +1,10 @@
+"""Offload tiers of the infinity offload engine (ZeRO-Infinity, Rajbhandari et al., SC'21, §6).
+
+- :class:`NvmeSwapper`: asynchronous swap out/in of CPU tensors to files on a local disk
+  (DeepNVMe, §6.3), with ``O_DIRECT``, aligned buffers and many requests in flight.
+- :func:`aligned_empty`: page-aligned CPU tensors that the swapper moves without a copy.
+"""
+
+from lightning_zinf.offload.swapper import AioConfig, IoHandle, NvmeSwapper, SwapError, aligned_empty
+
+__all__ = ["AioConfig", "IoHandle", "NvmeSwapper", "SwapError", "aligned_empty"]
