@@ -175,9 +175,10 @@ def save_sharded(
     engine.release_all()
     owners = _owner_of(list(optimizers))
     tensors: dict[str, Tensor] = {}
-    for i, group in enumerate(engine.groups):
-        tensors.update(_group_tensors(i, group, owners))
-    data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    with engine.state_resident(write_back=False):
+        for i, group in enumerate(engine.groups):
+            tensors.update(_group_tensors(i, group, owners))
+        data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
     (staging / shard_file(comm.rank)).write_bytes(data)
     checksums = comm.all_gather_object(hashlib.sha256(data).hexdigest())
 
@@ -310,18 +311,20 @@ def load_sharded(
     reader = ShardReader(path, zinf)
     owners = _owner_of(list(optimizers))
     engine.release_all()
-    for i, (group, saved) in enumerate(zip(engine.groups, zinf["groups"])):
-        old_shard = -(-saved["numel"] // zinf["world_size"])
-        lo, hi = group.shard_start, min(group.shard_start + group.shard_numel, group.numel)
-        group.shard.zero_()
-        group.shard[: hi - lo].copy_(reader.read(f"{i}.param", lo, hi, old_shard))
-        if load_optimizer and group.master is not None and group.master is not group.shard:
-            source = f"{i}.master" if reader.has(f"{i}.master") else f"{i}.param"
-            group.master[: hi - lo].copy_(reader.read(source, lo, hi, old_shard))
-        elif group.master is not None and group.master is not group.shard:
-            group.master.copy_(group.shard)
-        if load_optimizer:
-            _load_group_state(i, group, owners, reader, lo, hi, old_shard)
+    with engine.state_resident(write_back=True):
+        for i, (group, saved) in enumerate(zip(engine.groups, zinf["groups"])):
+            old_shard = -(-saved["numel"] // zinf["world_size"])
+            lo, hi = group.shard_start, min(group.shard_start + group.shard_numel, group.numel)
+            group.shard.zero_()
+            group.shard[: hi - lo].copy_(reader.read(f"{i}.param", lo, hi, old_shard))
+            if load_optimizer and group.master is not None and group.master is not group.shard:
+                source = f"{i}.master" if reader.has(f"{i}.master") else f"{i}.param"
+                group.master.zero_()
+                group.master[: hi - lo].copy_(reader.read(source, lo, hi, old_shard))
+            elif group.master is not None and group.master is not group.shard:
+                group.master.copy_(group.shard)
+            if load_optimizer:
+                _load_group_state(i, group, owners, reader, lo, hi, old_shard)
     engine.after_step()  # re-gather persistent units from the loaded shards
     return meta
 
@@ -350,7 +353,7 @@ def _load_group_state(
                 continue
             if name not in flat:
                 data = reader.read(key, lo, hi, old_shard)
-                flat[name] = torch.zeros(group.shard_numel, dtype=data.dtype, device=group.device)
+                flat[name] = torch.zeros(group.shard_numel, dtype=data.dtype, device=group.state_device)
                 flat[name][: hi - lo].copy_(data)
             a, b = ranges[j]
             state[name] = flat[name][a:b]
@@ -429,26 +432,27 @@ def load_full_state_dict(
             aliases.setdefault(id(p), []).append(name[len(prefix):])
     used: set[str] = set()
     missing: list[str] = []
-    for group in engine.groups:
-        lo_shard = group.shard_start
-        for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
-            names = aliases.get(id(p), [])
-            key = next((n for n in names if n in available), None)
-            if key is None:
-                missing.extend(names[:1])
-                continue
-            used.update(n for n in names if n in available)
-            if src.shape(key) != list(shape):
-                raise CheckpointError(
-                    f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {list(shape)}."
-                )
-            lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
-            hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
-            if hi > lo:
-                values = src.flat_range(key, lo - offset, hi - offset)
-                group.shard[lo - lo_shard : hi - lo_shard].copy_(values)
-                if group.master is not None and group.master is not group.shard:
-                    group.master[lo - lo_shard : hi - lo_shard].copy_(values)
+    with engine.state_resident(write_back=True):  # shards and fp32 masters may be on NVMe
+        for group in engine.groups:
+            lo_shard = group.shard_start
+            for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
+                names = aliases.get(id(p), [])
+                key = next((n for n in names if n in available), None)
+                if key is None:
+                    missing.extend(names[:1])
+                    continue
+                used.update(n for n in names if n in available)
+                if src.shape(key) != list(shape):
+                    raise CheckpointError(
+                        f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {list(shape)}."
+                    )
+                lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
+                hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
+                if hi > lo:
+                    values = src.flat_range(key, lo - offset, hi - offset)
+                    group.shard[lo - lo_shard : hi - lo_shard].copy_(values)
+                    if group.master is not None and group.master is not group.shard:
+                        group.master[lo - lo_shard : hi - lo_shard].copy_(values)
     buffers = {n[len(prefix):]: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)}
     matched_buffers = {key: src.full(key) for key in available & set(buffers)}
     if matched_buffers:

@@ -11,6 +11,8 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, TypeVar
 
+from lightning_zinf.offload.aio import AioConfig
+
 __all__ = ["OffloadConfig", "PrefetchConfig", "coerce_config"]
 
 _C = TypeVar("_C")
@@ -67,9 +69,13 @@ _TIERS = ("none", "cpu", "nvme")
 
 @dataclass(frozen=True, kw_only=True)
 class OffloadConfig:
-    """Where the optimizer's training state lives (ZeRO-Infinity §5-6, the "infinity offload engine").
+    """Where training state lives (ZeRO-Infinity §5-6, the "infinity offload engine").
 
     Attributes:
+        param: Tier of the parameter shards (in the parameters' dtype): ``"none"`` (the compute
+            device), ``"cpu"`` (CPU memory, copied to the device for each gather) or ``"nvme"``
+            (a swap file per shard, read back along the prefetch trace ahead of use and dropped
+            after the gather; written only when the shard changes). DeepSpeed's ``offload_param.device``.
         optimizer: Tier of the fp32 master shards, fp32 gradient shards and optimizer states:
             ``"none"`` (the compute device), ``"cpu"`` (CPU memory; the step runs on the CPU) or
             ``"nvme"`` (files under ``nvme_path``; swapped into CPU memory one sub-group at a time
@@ -80,26 +86,48 @@ class OffloadConfig:
             rank for its swap files, and removes it at a clean exit. Required for ``"nvme"``.
         sub_group_size: Most fp32 elements stepped (and, with ``"nvme"``, resident) at once; a flat
             group larger than this is stepped alone. DeepSpeed's ``sub_group_size`` (default 1e9).
+        read_ahead: With ``param="nvme"``: how many units of the prefetch trace beyond the one
+            being gathered have their shards read from NVMe ahead of time.
+        activations: Keep the tensors autograd saves for backward in CPU memory (pinned on CUDA)
+            during the training step, and copy them back for backward (ZeRO-Infinity §5.1.2 offloads
+            activation checkpoints this way; ``torch.autograd.graph.save_on_cpu`` does the work).
+            Only useful with an accelerator; on a CPU device it costs a copy and saves nothing.
+        aio: How the NVMe swapper does its I/O (block size, queue depth, threads, ``O_DIRECT``):
+            an :class:`~lightning_zinf.offload.AioConfig` or a mapping of its fields.
         overlap: Read the next sub-group ahead and write the previous one behind while the current
             one steps. ``False`` runs every transfer to completion first (to measure what overlap buys).
 
     Raises:
         ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
-            ``sub_group_size``.
+            ``sub_group_size``, a negative ``read_ahead``.
     """
 
+    param: str = "none"
     optimizer: str = "none"
     nvme_path: Optional[str] = None
     sub_group_size: int = 100_000_000
+    read_ahead: int = 2
     overlap: bool = True
+    activations: bool = False
+    aio: AioConfig = AioConfig()
 
     def __post_init__(self) -> None:
-        _require(self.optimizer in _TIERS, "OffloadConfig", "optimizer", self.optimizer, " / ".join(map(repr, _TIERS)))
-        if self.optimizer == "nvme" and not self.nvme_path:
-            raise ValueError(
-                "OffloadConfig.optimizer='nvme' needs nvme_path: a folder on a fast disk where the engine may "
-                "create its swap folder, e.g. OffloadConfig(optimizer='nvme', nvme_path='/local_nvme')."
-            )
+        object.__setattr__(self, "aio", coerce_config(AioConfig, self.aio))  # a YAML mapping works too
+        for name in ("param", "optimizer"):
+            value = getattr(self, name)
+            _require(value in _TIERS, "OffloadConfig", name, value, " / ".join(map(repr, _TIERS)))
+            if value == "nvme" and not self.nvme_path:
+                raise ValueError(
+                    f"OffloadConfig.{name}='nvme' needs nvme_path: a folder on a fast disk where the engine may "
+                    f"create its swap folder, e.g. OffloadConfig({name}='nvme', nvme_path='/local_nvme')."
+                )
+        _require(
+            isinstance(self.read_ahead, int) and not isinstance(self.read_ahead, bool) and self.read_ahead >= 0,
+            "OffloadConfig",
+            "read_ahead",
+            self.read_ahead,
+            "an integer >= 0 (a number of units)",
+        )
         _require(
             isinstance(self.sub_group_size, int) and not isinstance(self.sub_group_size, bool) and self.sub_group_size > 0,
             "OffloadConfig",
@@ -107,7 +135,8 @@ class OffloadConfig:
             self.sub_group_size,
             "an integer > 0 (a number of elements)",
         )
-        _require(isinstance(self.overlap, bool), "OffloadConfig", "overlap", self.overlap, "True or False")
+        for name in ("overlap", "activations"):
+            _require(isinstance(getattr(self, name), bool), "OffloadConfig", name, getattr(self, name), "True or False")
 
 
 def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:

@@ -8,6 +8,7 @@ work), and each ``*_step`` starts a trace pass.
 
 from __future__ import annotations
 
+import tempfile
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Optional, Sequence
@@ -32,6 +33,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from torch.autograd.graph import save_on_cpu
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -231,9 +233,13 @@ class ZeroInfinityStrategy(ParallelStrategy):
     # --- steps ------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Start a train trace pass, then run the LightningModule's step."""
+        """Start a train trace pass, then run the LightningModule's step (with its saved
+        activations in CPU memory under ``OffloadConfig(activations=True)``)."""
         self.engine.begin_pass("train")
-        return super().training_step(*args, **kwargs)
+        if not self.offload.activations:
+            return super().training_step(*args, **kwargs)
+        with save_on_cpu(pin_memory=self.root_device.type == "cuda"):
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -357,10 +363,27 @@ class ZeroInfinityStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"zero_infinity"``; safe to call again (re-importing in a notebook)."""
+        """Register ``"zero_infinity"`` and the presets ``"zero_infinity_offload"`` (parameters and
+        optimizer state in CPU memory) and ``"zero_infinity_nvme"`` (both on NVMe, under
+        ``tempfile.gettempdir()``); safe to call again (re-importing in a notebook)."""
         strategy_registry.register(
             cls.strategy_name,
             cls,
             description="ZeRO-3 partitioning of parameters, gradients and optimizer states (lightning_zinf)",
             override=True,
+        )
+        strategy_registry.register(
+            "zero_infinity_offload",
+            cls,
+            description="ZeRO-3 with parameters and optimizer state offloaded to CPU memory (lightning_zinf)",
+            override=True,
+            offload=OffloadConfig(param="cpu", optimizer="cpu"),
+        )
+        strategy_registry.register(
+            "zero_infinity_nvme",
+            cls,
+            description="ZeRO-Infinity: parameters and optimizer state on NVMe, in the system's temporary folder "
+            "(lightning_zinf)",
+            override=True,
+            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir()),
         )

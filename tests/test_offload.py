@@ -1,4 +1,5 @@
-"""Optimizer offload (cpu, nvme) reproduces the non-offloaded engine bit for bit, W=2, fp32 AdamW.
+"""Parameter and optimizer offload (cpu, nvme) reproduce the non-offloaded engine bit for bit, W=2,
+fp32 AdamW, and NVMe-resident state saves and resumes bit-exactly under a real Trainer.
 
 The reference is the engine without offload, itself checked against single-process PyTorch in
 test_parity.py; offload moves state between tiers and steps it in sub-groups, which must not
@@ -39,6 +40,7 @@ def _train(rank: int, world: int, offload: dict, accumulate: int, clip: float | 
             engine.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
+        engine.release_all()  # writes behind the step complete: their memory is freed
         tiers.append(engine.resident_bytes())
     with engine.gathered():
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -52,17 +54,22 @@ def reference() -> list[dict]:
     }
 
 
+TIERS = ("none", "cpu", "nvme")
+GRID = [{"param": p, "optimizer": o} for p in TIERS for o in TIERS if (p, o) != ("none", "none")]
+
+
 @pytest.mark.parametrize("accumulate, clip", [(1, None), (2, 0.5)], ids=["plain", "accumulate-clip"])
 @pytest.mark.parametrize(
     "offload",
-    [
-        {"optimizer": "cpu"},
-    ],
-    ids=["cpu"],
+    [*GRID, {"param": "nvme", "optimizer": "nvme", "overlap": False, "read_ahead": 0}],
+    ids=[f"param-{c['param']}-optimizer-{c['optimizer']}" for c in GRID] + ["nvme-no-overlap"],
 )
-def test_optimizer_offload_is_bit_exact(reference: dict, tmp_path: Path, offload: dict, accumulate: int, clip) -> None:
-    if offload["optimizer"] == "nvme":
-        offload = {**offload, "nvme_path": str(tmp_path)}
+def test_offload_is_bit_exact(reference: dict, tmp_path: Path, offload: dict, accumulate: int, clip) -> None:
+    """Every combination of parameter and optimizer tiers gives the losses and weights of no
+    offload, bit for bit (small sub-groups, so the NVMe step runs in several)."""
+    nvme = "nvme" in (offload["param"], offload["optimizer"])
+    if nvme:
+        offload = {**offload, "nvme_path": str(tmp_path), "sub_group_size": 20_000}
     ranks = run_distributed(_train, 2, offload, accumulate, clip)
     expected = reference[(accumulate, clip)]
     for got, want in zip(ranks, expected):
@@ -70,8 +77,96 @@ def test_optimizer_offload_is_bit_exact(reference: dict, tmp_path: Path, offload
         for name, value in want["weights"].items():
             assert torch.equal(got["weights"][name], value), name
     tiers = ranks[0]["tiers"][-1]
-    assert tiers["cpu"] > 0 if offload["optimizer"] == "cpu" else tiers["nvme"] > 0
-    if offload["optimizer"] == "nvme":
-        # Between steps no fp32 master, gradient or optimizer state stays in memory.
-        assert tiers["cpu"] == 0, tiers
+    if not nvme:
+        assert tiers["cpu"] > 0 and tiers["nvme"] == 0
+    else:
+        assert tiers["nvme"] > 0
+        if offload["optimizer"] == "nvme" and offload["param"] == "nvme":
+            # Between steps nothing but the optimizer's scalar step counters (4 bytes per
+            # parameter) stays in CPU memory: shards, masters, gradients and states are on disk.
+            assert tiers["cpu"] <= 4 * sum(1 for _ in models.GPT().parameters()), tiers
         assert list(tmp_path.iterdir()) == []  # each rank's swap folder is gone after the run
+
+
+def _fit_nvme(rank: int, world: int, nvme: str, root: str, ckpt: str | None) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_checkpoint import EPOCH_STEPS, LitEpochs
+    from tests.test_trainer import GLOBAL_BATCH, _trainer
+
+    lit = LitEpochs(GLOBAL_BATCH // world)
+    strategy = ZeroInfinityStrategy(
+        offload={"param": "nvme", "optimizer": "nvme", "nvme_path": nvme, "sub_group_size": 30_000}
+    )
+    callback = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)
+    trainer = _trainer(strategy, world, max_steps=-1, max_epochs=2, limit_val_batches=0,
+                       enable_checkpointing=True, callbacks=[callback], default_root_dir=root)
+    trainer.fit(lit, ckpt_path=ckpt)
+    with trainer.strategy.gathered_parameters():
+        weights = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    nvme_bytes = trainer.strategy.engine.resident_bytes()["nvme"]
+    return {"losses": lit.train_losses, "weights": weights, "steps": EPOCH_STEPS, "nvme_bytes": nvme_bytes}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_state_saves_and_resumes_bit_exactly(tmp_path: Path, world: int) -> None:
+    """A real Trainer (gradient clipping, LR schedule) with the optimizer on NVMe: resuming from the
+    step-5 checkpoint reproduces steps 6-10 of the uninterrupted run bit for bit."""
+    (tmp_path / "nvme").mkdir()
+    full = run_distributed(_fit_nvme, world, str(tmp_path / "nvme"), str(tmp_path / "full"), None, init_pg=False)[0]
+    step5 = tmp_path / "full" / "epoch=0-step=5.ckpt"
+    resumed = run_distributed(_fit_nvme, world, str(tmp_path / "nvme"), str(tmp_path / "resumed"), str(step5), init_pg=False)[0]
+    steps = full["steps"]
+    assert full["nvme_bytes"] > 0 and resumed["nvme_bytes"] > 0
+    assert len(full["losses"]) == 2 * steps and resumed["losses"] == full["losses"][steps:]
+    for name, value in full["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
+    assert list((tmp_path / "nvme").iterdir()) == []
+
+
+def _trainer_losses(rank: int, world: int, strategy) -> list[float]:
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    chosen = strategy if isinstance(strategy, str) else ZeroInfinityStrategy(offload=strategy)
+    lit = LitGPT(GLOBAL_BATCH // world)
+    trainer = _trainer(chosen, world)
+    trainer.fit(lit)
+    return {"losses": lit.train_losses, "offload": trainer.strategy.offload}
+
+
+def test_presets_and_activation_offload_under_the_trainer() -> None:
+    """``"zero_infinity_offload"`` (cpu), ``"zero_infinity_nvme"`` and saved activations kept on
+    the CPU train exactly as ``"zero_infinity"`` (fit with clipping, LR schedule, validation)."""
+    base = run_distributed(_trainer_losses, 2, "zero_infinity", init_pg=False)[0]
+    for strategy, expected in (
+        ("zero_infinity_offload", ("cpu", "cpu")),
+        ("zero_infinity_nvme", ("nvme", "nvme")),
+        ({"activations": True}, ("none", "none")),
+    ):
+        got = run_distributed(_trainer_losses, 2, strategy, init_pg=False)[0]
+        assert (got["offload"].param, got["offload"].optimizer) == expected
+        assert got["losses"] == base["losses"], strategy
+
+
+def test_bad_offload_settings_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="OffloadConfig.param='gpu' is invalid"):
+        OffloadConfig(param="gpu")
+    with pytest.raises(ValueError, match="optimizer='nvme' needs nvme_path"):
+        OffloadConfig(optimizer="nvme")
+    with pytest.raises(ValueError, match="sub_group_size"):
+        OffloadConfig(sub_group_size=0)
+
+
+def _engine_on(rank: int, world: int, nvme_path: str) -> str:
+    try:
+        ZeroEngine(models.MLP(), offload=OffloadConfig(param="nvme", nvme_path=nvme_path))
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_missing_nvme_path_is_a_clear_error(tmp_path: Path) -> None:
+    message = run_distributed(_engine_on, 1, str(tmp_path / "absent"))[0]
+    assert message.startswith("SwapError") and str(tmp_path / "absent") in message, message

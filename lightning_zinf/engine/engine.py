@@ -25,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import multiprocessing.util
 import uuid
-import weakref
 import zlib
+import contextlib
 from contextlib import contextmanager
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -43,6 +44,8 @@ from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.offload.optimizer import OptimizerOffload
+from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.swapper import NvmeSwapper
 
 __all__ = ["ZeroEngine", "Unit"]
 
@@ -126,6 +129,11 @@ class ZeroEngine:
         self.prefetch = prefetch
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
+        self.offload_config = offload
+        self.swapper = _make_swapper(offload, self.comm.rank)
+        self.param_offload = ParamOffload(self.swapper) if offload.param == "nvme" else None
+        self._created_groups = 0
+        self._shard_device = torch.device("cpu") if offload.param != "none" else self.device
         specs, uses = plan_units(module, block_classes)
         self.units = self._partition(specs)
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
@@ -143,7 +151,7 @@ class ZeroEngine:
         self._group_index = {id(g): i for i, g in enumerate(self.groups)}
         self.offload: Optional[OptimizerOffload] = None
         if offload.optimizer != "none":
-            self.offload = OptimizerOffload(self.groups, offload, _make_swapper(offload, self.comm.rank))
+            self.offload = OptimizerOffload(self.groups, offload, self.swapper, self.param_offload)
         self._hooks = self._install_hooks()
         module._zinf_engine = self  # type: ignore[assignment]
         self._gather_all([u for u in self.units if u.persistent])
@@ -178,7 +186,11 @@ class ZeroEngine:
             # Ranks must shard identical values: rank 0's, as DDP broadcasts them at construction.
             # Materialised units need no broadcast: every rank drew them from rank 0's RNG state.
             self.comm.broadcast(source)
-        return FlatGroup([n for n, _ in members], params, source, self.comm, self.device)
+        group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device)
+        if self.param_offload is not None:
+            self.param_offload.add(group, f"p{self._created_groups}")
+        self._created_groups += 1
+        return group
 
     def _install_hooks(self) -> list[Any]:
         hooks: list[Any] = []
@@ -249,8 +261,15 @@ class ZeroEngine:
 
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
         """
-        if self.offload is not None:
-            self.offload.place_masters()
+        # Masters are made from the shards, which may be on NVMe.
+        with self.param_offload.resident(self.groups, write_back=False) if self.param_offload else contextlib.nullcontext():
+            if self.offload is not None:
+                self.offload.place_masters()
+            elif self.offload_config.param != "none":
+                # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be it.
+                for group in self.groups:
+                    if group.trainable:
+                        group.make_master(separate=True)
         shard_optimizer(optimizer, self.groups)
         self.optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
@@ -282,8 +301,9 @@ class ZeroEngine:
                 seen.add(id(t))
                 by_tier[tier] += t.untyped_storage().nbytes()  # 0 while released or swapped out
 
+        param_tier = "device" if self.offload_config.param == "none" else "cpu"
         for group in self.groups:
-            add("device", group.shard)
+            add(param_tier, group.shard)
             add(optimizer_tier, group.master)
             add(optimizer_tier, group.grad_shard)
             by_tier["device"] += group.full.untyped_storage().nbytes()
@@ -293,8 +313,9 @@ class ZeroEngine:
                     if isinstance(value, Tensor):
                         add(optimizer_tier, value)
         by_tier["device"] += self.pool.pooled_bytes
-        if self.offload is not None:
-            by_tier["nvme"] = self.offload.tier_bytes()["nvme"]
+        for side in (self.offload, self.param_offload):
+            if side is not None:
+                by_tier["nvme"] += side.tier_bytes()["nvme"]
         return by_tier
 
     def verify_ranks_agree(self) -> None:
@@ -325,6 +346,19 @@ class ZeroEngine:
             "agree across ranks, e.g. by deciding on rank 0 and broadcasting)."
         )
 
+    @contextmanager
+    def state_resident(self, write_back: bool) -> Iterator[None]:
+        """Every parameter shard, fp32 master, gradient shard and optimizer state in memory for the
+        block (with NVMe offload they are in swap files otherwise); ``write_back``: they were
+        modified (a load, an edit), so write them out afterwards. For checkpoints and edits."""
+        self._settle()
+        with contextlib.ExitStack() as stack:
+            if self.param_offload is not None:
+                stack.enter_context(self.param_offload.resident(self.groups, write_back))
+            if self.offload is not None:
+                stack.enter_context(self.offload.resident(self.optimizers, write_back))
+            yield
+
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
         return [f for g in self.groups if g.trainable for f in g.fragments]
@@ -348,7 +382,12 @@ class ZeroEngine:
         masters into compute shards, mark gradients consumed, re-gather persistent units."""
         self._settle(boundary=True)
         for group in self.groups:
+            rewrites = self.param_offload is not None and group.master is not None and not group.master_synced_by_offload
+            if rewrites:
+                self.param_offload.will_overwrite(group)
             group.after_step()
+            if rewrites:
+                self.param_offload.changed(group)
         self._gather_all([u for u in self.units if u.persistent])
 
     @contextmanager
@@ -367,16 +406,20 @@ class ZeroEngine:
             self._gather_all(units)
             yield
             if write_back:
-                for group in self.groups:
-                    group.write_back()
+                with self.state_resident(write_back=True):
+                    for group in self.groups:
+                        group.write_back()
         finally:
             for unit in units:
                 unit.forward_depth -= 1
                 self._maybe_release(unit)
 
     def release_all(self) -> None:
-        """Wait for outstanding collectives and release every non-persistent unit."""
+        """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
         self._settle()
+        for side in (self.param_offload, self.offload):
+            if side is not None:
+                side.settle_all()
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model (the parameters stay partitioned)."""
@@ -387,6 +430,9 @@ class ZeroEngine:
     # --- gather / release -------------------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
         self._issued.append(unit.index)
+        if self.param_offload is not None:
+            for group in unit.groups:
+                self.param_offload.acquire(group)
         unit.handles = [g.start_gather() for g in unit.groups]
         unit.state = _INFLIGHT
 
@@ -397,6 +443,8 @@ class ZeroEngine:
             handle.wait()
         for group in unit.groups:
             group.finish_gather()
+            if self.param_offload is not None:
+                self.param_offload.drop(group)
         unit.handles, unit.state = [], _GATHERED
 
     def _gather_all(self, units: list[Unit]) -> None:
@@ -413,6 +461,9 @@ class ZeroEngine:
             self._start_gather(unit)
         if upcoming:
             self._gather_ahead(upcoming)
+            if self.param_offload is not None:
+                ahead = [self.units[i] for i in upcoming if self.units[i].state == _RELEASED]
+                self.param_offload.read_ahead(g for u in ahead[: self.offload_config.read_ahead] for g in u.groups)
         self._wait_gather(unit)
 
     def _gather_ahead(self, upcoming: list[int]) -> None:
@@ -459,6 +510,8 @@ class ZeroEngine:
                     group.discard_grads(self.pool)
             self._wait_gather(unit)
             self._maybe_release(unit)
+        if boundary and self.param_offload is not None:
+            self.param_offload.settle_all()
 
     # --- hooks ------------------------------------------------------------------------------------
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -613,11 +666,11 @@ def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[st
 def _make_swapper(config: OffloadConfig, rank: int):
     """The rank's NVMe swapper in a folder of its own under ``config.nvme_path`` (``nvme`` only);
     the folder and its files are removed when the swapper is closed or the process exits cleanly."""
-    if config.optimizer != "nvme":
+    if "nvme" not in (config.param, config.optimizer):
         return None
-    from lightning_zinf.offload.swapper import NvmeSwapper
-
     folder = os.path.join(config.nvme_path, f"zinf-rank{rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    swapper = NvmeSwapper(folder)
-    weakref.finalize(swapper, swapper.close)
+    swapper = NvmeSwapper(folder, config.aio)
+    # At a clean exit: multiprocessing's exit hook covers worker processes (which leave through
+    # os._exit, skipping atexit), and it is itself registered with atexit in a main process.
+    multiprocessing.util.Finalize(swapper, swapper.close, exitpriority=10)
     return swapper

@@ -34,7 +34,8 @@ class FlatGroup:
         source: Their values, flattened and concatenated (``numel`` elements, any device), or
             ``None`` to read them from ``params``.
         comm: The data-parallel collectives.
-        device: Where the shard, the gather buffer and the fp32 master and gradient shards live.
+        device: The compute device: where the gather buffer lives, and by default everything else.
+        shard_device: Where the parameter shard lives (the CPU under parameter offload).
 
     Attributes:
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the parameters' dtype.
@@ -57,6 +58,7 @@ class FlatGroup:
         source: Optional[Tensor],
         comm: Collectives,
         device: torch.device,
+        shard_device: Optional[torch.device] = None,
     ) -> None:
         self.names = names
         self.params = params
@@ -77,7 +79,7 @@ class FlatGroup:
         if source is None:
             source = torch.cat([p.detach().reshape(-1) for p in params])
         start, stop = self.shard_start, min(self.shard_start + self.shard_numel, self.numel)
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=shard_device or device)
         if stop > start:
             self.shard[: stop - start].copy_(source[start:stop])
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
@@ -102,7 +104,7 @@ class FlatGroup:
     def start_gather(self) -> Handle:
         """Allocate the gather buffer and start all-gathering the shards into it (asynchronously)."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        return self.comm.all_gather(self.full, self.shard, async_op=True)
+        return self.comm.all_gather(self.full, self.shard.to(self.device), async_op=True)
 
     def finish_gather(self) -> None:
         """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
@@ -120,11 +122,12 @@ class FlatGroup:
 
         Used after user code edited gathered parameters; every rank must have made the same edit.
         """
-        new = self.full[self.shard_start : self.shard_start + self.shard_numel]
+        new = self.full[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         changed = new != self.shard
         if self.master is not None and self.master is not self.shard:
             # Only edited elements: copying the whole shard would round unedited fp32 masters.
-            self.master[changed] = new[changed].float()
+            where = changed.to(self.master.device)
+            self.master[where] = new[changed].float().to(self.master.device)
         self.shard[changed] = new[changed]
 
     # --- optimizer state --------------------------------------------------------------------------

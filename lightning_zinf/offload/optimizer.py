@@ -26,60 +26,10 @@ from torch import Tensor
 
 from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.swapped import SwappedTensor
 
 __all__ = ["OptimizerOffload"]
-
-
-class _Swapped:
-    """A CPU tensor whose bytes move between memory and one swap file.
-
-    States: resident (storage allocated, maybe a write in flight) or out (zero bytes of storage,
-    the file holds the bytes), maybe with a read in flight after :meth:`swap_in`.
-    """
-
-    def __init__(self, tensor: Tensor, key: str, swapper) -> None:
-        self.tensor, self.key, self.swapper = tensor, key, swapper
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.resident = True
-        self._write = None
-        self._read = None
-
-    def swap_out(self, write: bool = True) -> None:
-        """Start writing the bytes (``write``) and free the storage once written (:meth:`settle`)."""
-        if not self.resident:
-            return
-        if write:
-            self._write = self.swapper.write(self.key, self.tensor)
-        else:
-            self._release()
-
-    def settle(self) -> None:
-        """Complete whatever transfer is in flight (raises the swapper's error if it failed)."""
-        if self._write is not None:
-            self._write.wait()
-            self._write = None
-            self._release()
-        if self._read is not None:
-            self._read.wait()
-            self._read = None
-
-    def swap_in(self, read: bool = True) -> None:
-        """Make the storage exist again; ``read``: start reading the file into it (:meth:`settle`
-        completes it). A tensor whose write is still in flight keeps its bytes and needs no read."""
-        if self._write is not None:
-            self._write.wait()  # the bytes never left memory; the file is now current too
-            self._write = None
-            return
-        if self.resident:
-            return
-        self.tensor.untyped_storage().resize_(self.nbytes)
-        self.resident = True
-        if read:
-            self._read = self.swapper.read(self.key, self.tensor)
-
-    def _release(self) -> None:
-        self.tensor.untyped_storage().resize_(0)
-        self.resident = False
 
 
 class OptimizerOffload:
@@ -90,22 +40,26 @@ class OptimizerOffload:
             index there names its swap files.
         config: The offload settings (``config.optimizer`` is ``"cpu"`` or ``"nvme"``).
         swapper: The rank's :class:`~lightning_zinf.offload.NvmeSwapper` (``nvme`` only).
+        params: The parameter offload, when shards are on NVMe too (the step rewrites them).
 
     Raises:
         ValueError: ``nvme`` without a swapper.
     """
 
-    def __init__(self, groups: list[FlatGroup], config: OffloadConfig, swapper=None) -> None:
+    def __init__(
+        self, groups: list[FlatGroup], config: OffloadConfig, swapper=None, params: Optional[ParamOffload] = None
+    ) -> None:
         if config.optimizer == "nvme" and swapper is None:
             raise ValueError("NVMe optimizer offload needs a swapper.")
         self.config = config
         self.nvme = config.optimizer == "nvme"
         self.swapper = swapper
+        self.params = params
         self.groups = groups
         self.trainable = [i for i, g in enumerate(groups) if g.trainable]
-        self._masters: dict[int, _Swapped] = {}
-        self._grads: dict[int, _Swapped] = {}
-        self._states: dict[int, list[_Swapped]] = {}
+        self._masters: dict[int, SwappedTensor] = {}
+        self._grads: dict[int, SwappedTensor] = {}
+        self._states: dict[int, list[SwappedTensor]] = {}
         self.clip_coef: Optional[Tensor] = None
 
     # --- placement --------------------------------------------------------------------------------
@@ -121,7 +75,7 @@ class OptimizerOffload:
             if self.nvme:
                 group.track_grad_norm = True
                 group.master_synced_by_offload = True
-                swapped = self._masters[i] = _Swapped(group.master, f"g{i}.master", self.swapper)
+                swapped = self._masters[i] = SwappedTensor(group.master, f"g{i}.master", self.swapper)
                 swapped.swap_out()
         self.settle_all()
 
@@ -143,7 +97,7 @@ class OptimizerOffload:
             return
         group = self.groups[index]
         if index not in self._grads:
-            self._grads[index] = _Swapped(group.grad_shard, f"g{index}.grad", self.swapper)
+            self._grads[index] = SwappedTensor(group.grad_shard, f"g{index}.grad", self.swapper)
         self._grads[index].swap_out()
 
     # --- clipping and the step --------------------------------------------------------------------
@@ -228,9 +182,12 @@ class OptimizerOffload:
 
     def _send_out(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         group = self.groups[i]
+        if self.params is not None:
+            self.params.will_overwrite(group)
         group.shard.copy_(group.master)  # the compute-dtype shard the next forward gathers
-        if not self._states.get(i):  # states the optimizer created in this (first) step
-            self._collect_states(optimizer, i)
+        if self.params is not None:
+            self.params.changed(group)
+        self._collect_states(optimizer, i)  # states the optimizer created in this step, if any
         self._masters[i].swap_out()
         for state in self._states.get(i, []):
             state.swap_out()
@@ -246,10 +203,8 @@ class OptimizerOffload:
     @contextmanager
     def resident(self, optimizers: list[torch.optim.Optimizer], write_back: bool) -> Iterator[None]:
         """Every master, gradient and state tensor in memory for the block (checkpoint save/load);
-        afterwards swapped out again, rewritten only if ``write_back`` (they were loaded into).
-
-        Collects states the optimizers hold for fragments not yet seen (a checkpoint loaded before
-        the first step creates them).
+        afterwards swapped out again, and rewritten only if ``write_back`` (they were loaded into;
+        the optimizers' state tensors may then be new objects, which are picked up).
         """
         if not self.nvme:
             yield
@@ -260,9 +215,12 @@ class OptimizerOffload:
         try:
             yield
         finally:
-            for optimizer in optimizers:
-                for i in self.trainable:
-                    if not self._states.get(i):
+            if write_back:  # a load may have replaced the optimizers' state tensors
+                current = {id(v) for o in optimizers for st in o.state.values() for v in st.values()}
+                for i, states in self._states.items():
+                    self._states[i] = [state for state in states if id(state.tensor) in current]
+                for optimizer in optimizers:
+                    for i in self.trainable:
                         self._collect_states(optimizer, i)
             for i in self.trainable:
                 self._masters[i].swap_out(write=write_back)
@@ -273,14 +231,19 @@ class OptimizerOffload:
             self.settle_all()
 
     def _collect_states(self, optimizer: torch.optim.Optimizer, i: int) -> None:
+        """Track the per-element state ``optimizer`` holds for group ``i``'s fragments (tensors of
+        the fragment's size; scalars such as Adam's step count stay in memory)."""
         group = self.groups[i]
-        found = []
+        found = self._states.setdefault(i, [])
+        tracked = {id(state.tensor) for state in found}
         for j, fragment in enumerate(group.fragments):
-            for name, value in optimizer.state.get(fragment, {}).items():
-                if isinstance(value, Tensor) and value.numel() == fragment.numel() > 0 and value.device.type == "cpu":
-                    found.append(_Swapped(value, f"g{i}.p{j}.{name}", self.swapper))
-        if found:
-            self._states[i] = found
+            state = optimizer.state.get(fragment, {})
+            for name, value in list(state.items()):
+                if isinstance(value, Tensor) and value.numel() == fragment.numel() > 0 and id(value) not in tracked:
+                    if value._base is not None or value.device.type != "cpu":
+                        # A view (a loaded checkpoint's) cannot shrink its own storage: own a copy.
+                        value = state[name] = value.to("cpu", copy=True)
+                    found.append(SwappedTensor(value, f"g{i}.p{j}.{name}", self.swapper))
 
     # --- accounting -------------------------------------------------------------------------------
     def tier_bytes(self) -> dict[str, int]:

@@ -1,0 +1,106 @@
+"""Parameter offload: each flat group's compute-dtype shard on the ``cpu`` or ``nvme`` tier
+(ZeRO-Infinity, Rajbhandari et al. SC'21, §5.1 and §6.2).
+
+``cpu``: the shard lives in CPU memory; a gather copies it to the device and all-gathers from there.
+
+``nvme``: the shard lives in a swap file. It is read back just before its unit is gathered, or
+earlier along the prefetch trace (``read_ahead`` units ahead of the current one), and dropped as
+soon as the all-gather has completed: the file still holds the same bytes, so nothing is written.
+It is written only when the shard changes: after an optimizer step, a load, or an edit made
+inside ``gathered(write_back=True)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.offload.swapped import SwappedTensor
+from lightning_zinf.offload.swapper import NvmeSwapper
+
+__all__ = ["ParamOffload"]
+
+
+class ParamOffload:
+    """Swaps the parameter shards of flat groups (``nvme`` tier); the ``cpu`` tier needs nothing
+    beyond placing the shards in CPU memory, which :class:`FlatGroup` does.
+
+    Args:
+        swapper: The rank's swapper.
+    """
+
+    def __init__(self, swapper: NvmeSwapper) -> None:
+        self.swapper = swapper
+        self._shards: dict[int, SwappedTensor] = {}
+        self._writing: list[SwappedTensor] = []
+
+    def add(self, group: FlatGroup, key: str) -> None:
+        """Take over ``group``'s shard: write it out and free its memory (at construction, so the
+        model never has all of its shards in memory)."""
+        swapped = self._shards[id(group)] = SwappedTensor(group.shard, key, self.swapper)
+        swapped.swap_out()
+
+    def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
+        """Start reading these groups' shards (they are gathered soon)."""
+        for group in groups:
+            self._shards[id(group)].swap_in()
+
+    def acquire(self, group: FlatGroup) -> None:
+        """The shard in memory now (before its all-gather starts)."""
+        self._reap()
+        swapped = self._shards[id(group)]
+        swapped.swap_in()
+        swapped.settle()
+
+    def drop(self, group: FlatGroup) -> None:
+        """After the all-gather completed: free the shard; its file is still current."""
+        swapped = self._shards[id(group)]
+        swapped.settle()
+        swapped.swap_out(write=False)
+
+    def will_overwrite(self, group: FlatGroup) -> None:
+        """Give the shard memory (without reading: every element is about to be overwritten)."""
+        swapped = self._shards[id(group)]
+        swapped.swap_in(read=False)
+        swapped.settle()
+
+    def changed(self, group: FlatGroup) -> None:
+        """The shard was modified: write it out (behind) and free it once written."""
+        swapped = self._shards[id(group)]
+        swapped.swap_out(write=True)
+        self._writing.append(swapped)
+
+    def _reap(self) -> None:
+        # Free the memory of shards whose writes have completed, without waiting for the others.
+        self._writing = [s for s in self._writing if not s.reap()]
+
+    def settle_all(self) -> None:
+        """Complete every transfer in flight, and free shards read ahead for gathers that did not
+        happen (the trace changed); their files are current."""
+        for swapped in self._shards.values():
+            swapped.settle()
+            if swapped.resident:
+                swapped.swap_out(write=False)
+        self._writing = []
+
+    @contextmanager
+    def resident(self, groups: Iterable[FlatGroup], write_back: bool) -> Iterator[None]:
+        """Every shard in memory for the block; afterwards written (``write_back``) or dropped."""
+        groups = list(groups)
+        for group in groups:
+            self._shards[id(group)].swap_in()
+        for group in groups:
+            self._shards[id(group)].settle()
+        try:
+            yield
+        finally:
+            for group in groups:
+                self._shards[id(group)].swap_out(write=write_back)
+            for group in groups:
+                self._shards[id(group)].settle()
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of parameter shards in CPU memory now and in swap files."""
+        cpu = sum(s.nbytes for s in self._shards.values() if s.resident)
+        return {"cpu": cpu, "nvme": sum(s.nbytes for s in self._shards.values()) - cpu}
