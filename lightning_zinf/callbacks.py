@@ -6,7 +6,11 @@
 - ``zinf/reduce_scattered_bytes``: bytes it sent in gradient reduce-scatters;
 - ``zinf/resident_bytes_{device,cpu,nvme}``: training state it holds on each tier
   (see :meth:`~lightning_zinf.ZeroEngine.resident_bytes`);
-- ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time.
+- ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time;
+- with NVMe offload, ``zinf/swap_read_bytes`` and ``zinf/swap_written_bytes`` (bytes this rank's
+  swapper read and wrote during the step) and ``zinf/swap_read_gbps`` / ``zinf/swap_write_gbps``
+  (those bytes over the time the swapper had a read or write running: the throughput the disk
+  gave, in GB/s, 1e9 bytes per second; 0 when nothing moved).
 
 At the end of ``fit`` rank 0 prints a summary table (means over the steps after the first, whose
 time includes recording the prefetch trace).
@@ -52,6 +56,7 @@ class ZeroMonitor(Callback):
         self.tokens_in_batch = tokens_in_batch or _default_tokens
         self._start = 0.0
         self._tokens = 0
+        self._swap_start: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
         self._means: dict[str, MeanMetric] = {}
 
     @override
@@ -61,7 +66,9 @@ class ZeroMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        trainer.strategy.engine.comm.bytes.reset()
+        engine = trainer.strategy.engine
+        engine.comm.bytes.reset()
+        self._swap_start = _swap_counters(engine.swapper)
         self._tokens = self.tokens_in_batch(batch) * trainer.world_size
         self._start = time.perf_counter()
 
@@ -77,6 +84,12 @@ class ZeroMonitor(Callback):
             **{f"zinf/resident_bytes_{tier}": float(n) for tier, n in engine.resident_bytes().items()},
             "zinf/tokens_per_s": self._tokens / elapsed if elapsed > 0 else 0.0,
         }
+        if engine.swapper is not None:
+            read, written, read_s, write_s = (b - a for a, b in zip(self._swap_start, _swap_counters(engine.swapper)))
+            metrics["zinf/swap_read_bytes"] = float(read)
+            metrics["zinf/swap_written_bytes"] = float(written)
+            metrics["zinf/swap_read_gbps"] = read / read_s / 1e9 if read_s > 0 else 0.0
+            metrics["zinf/swap_write_gbps"] = written / write_s / 1e9 if write_s > 0 else 0.0
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
         if trainer.global_step > 1:  # the first step also records the prefetch trace
             for name, value in metrics.items():
@@ -90,6 +103,13 @@ class ZeroMonitor(Callback):
         width = max(len(name) for name, _ in rows)
         lines = [f"{name.ljust(width)}  {_human(name, value)}" for name, value in rows]
         rank_zero_info("zero_infinity, per step on rank 0 (mean after the first step):\n  " + "\n  ".join(lines))
+
+
+def _swap_counters(swapper: Any) -> tuple[float, ...]:
+    """(bytes read, bytes written, seconds reading, seconds writing) so far; zeros without a swapper."""
+    if swapper is None:
+        return (0.0, 0.0, 0.0, 0.0)
+    return (swapper.bytes_read, swapper.bytes_written, swapper.read_seconds, swapper.write_seconds)
 
 
 def _human(name: str, value: float) -> str:

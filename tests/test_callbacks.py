@@ -42,3 +42,29 @@ def test_monitor_counts_match_hand_computed_bytes(persistence: int) -> None:
     assert metrics["zinf/resident_bytes_device"] == 2 * sum(half) + metrics["pooled"] + gathered
     assert metrics["zinf/resident_bytes_cpu"] == metrics["zinf/resident_bytes_nvme"] == 0
     assert metrics["zinf/tokens_per_s"] > 0
+
+
+def _fit_nvme(rank: int, world: int, nvme: str) -> dict:
+    lit = TinyLit()
+    trainer = L.Trainer(
+        strategy=ZeroInfinityStrategy(
+            prefetch={"persistence_threshold": 0}, offload={"param": "nvme", "optimizer": "nvme", "nvme_path": nvme}
+        ),
+        accelerator="cpu", devices=world, max_steps=3, callbacks=[ZeroMonitor()],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(lit)
+    return {k: float(v) for k, v in trainer.logged_metrics.items()}
+
+
+def test_monitor_counts_swapped_bytes(tmp_path) -> None:
+    """NVMe offload, SGD (no optimizer state): a step reads each parameter shard twice (forward and
+    backward gathers) and the fp32 master once (the step), plus the gradient shard unless its
+    write from backward was still in flight (then it never left memory); it writes the gradient
+    shard (after backward), the master and the parameter shard (after the step)."""
+    metrics = run_distributed(_fit_nvme, 2, str(tmp_path))[0]
+    shards = sum(n // 2 * 4 for n in UNIT_NUMEL)  # one rank's fp32 shard of every unit, in bytes
+    assert 3 * shards <= metrics["zinf/swap_read_bytes"] <= 4 * shards
+    assert metrics["zinf/swap_written_bytes"] == 3 * shards
+    assert metrics["zinf/swap_read_gbps"] > 0 and metrics["zinf/swap_write_gbps"] > 0
+    assert metrics["zinf/resident_bytes_nvme"] > 0

@@ -60,6 +60,7 @@ class OptimizerOffload:
         self._masters: dict[int, SwappedTensor] = {}
         self._grads: dict[int, SwappedTensor] = {}
         self._states: dict[int, list[SwappedTensor]] = {}
+        self._writing: list[SwappedTensor] = []
         self.clip_coef: Optional[Tensor] = None
 
     # --- placement --------------------------------------------------------------------------------
@@ -99,6 +100,9 @@ class OptimizerOffload:
         if index not in self._grads:
             self._grads[index] = SwappedTensor(group.grad_shard, f"g{index}.grad", self.swapper)
         self._grads[index].swap_out()
+        # Free the gradient shards already on disk without waiting for the rest, so backward never
+        # holds more than the shards whose writes are still in flight.
+        self._writing = [s for s in self._writing if not s.reap()] + [self._grads[index]]
 
     # --- clipping and the step --------------------------------------------------------------------
     def global_grad_sq_norm(self) -> Tensor:
@@ -196,6 +200,7 @@ class OptimizerOffload:
 
     def settle_all(self) -> None:
         """Complete every transfer in flight (before a checkpoint, at the end of a step)."""
+        self._writing = []
         for swapped in (*self._masters.values(), *self._grads.values(), *(s for v in self._states.values() for s in v)):
             swapped.settle()
 
