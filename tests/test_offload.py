@@ -170,3 +170,38 @@ def _engine_on(rank: int, world: int, nvme_path: str) -> str:
 def test_missing_nvme_path_is_a_clear_error(tmp_path: Path) -> None:
     message = run_distributed(_engine_on, 1, str(tmp_path / "absent"))[0]
     assert message.startswith("SwapError") and str(tmp_path / "absent") in message, message
+
+
+def _fill_the_disk(rank: int, world: int, small: str, large: str) -> dict:
+    """Rank 0 swaps to a disk that fills up during training; it stops at its error, as a failed
+    process would. Rank 1 must then fail in its next collective instead of waiting forever."""
+    import time
+
+    torch.manual_seed(0)
+    # 275K parameters: per rank 550 KB of fp32 for each of parameter shards, masters, gradients,
+    # and twice that for AdamW's state. The 1.5 MB disk takes the shards and masters, then fills.
+    model = models.MLP(hidden=512)
+    start = time.monotonic()
+    try:
+        engine = ZeroEngine(model, offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=small if rank == 0 else large))
+        opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        for step in range(5):
+            x, y = models.make_batch("mlp", step, 8)
+            models.loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def test_full_disk_stops_every_rank_with_a_clear_error(tmp_path: Path) -> None:
+    from tests.test_swapper import _mount
+
+    with _mount(tmp_path, "tmpfs", "size=1500k,mode=0700") as small:
+        (tmp_path / "large").mkdir()
+        ranks = run_distributed(_fill_the_disk, 2, str(small), str(tmp_path / "large"), timeout=240)
+    assert ranks[0]["error"] is not None and "SwapError" in ranks[0]["error"] and "full" in ranks[0]["error"], ranks[0]
+    # The other rank learns of it from its collective (the peer's connection closed), long before
+    # the 30-minute collective timeout.
+    assert ranks[1]["error"] is not None and ranks[1]["seconds"] < 120, ranks[1]
