@@ -203,6 +203,12 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 device=self.root_device,
                 auto_pass=False,
             )
+        if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
+            raise ValueError(
+                "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
+                "gradients are on disk between backward and the optimizer step, so the scaler cannot unscale them "
+                "or check them for inf/NaN. Use precision='bf16-mixed' (no scaler), or optimizer='cpu'."
+            )
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

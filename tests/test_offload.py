@@ -205,3 +205,47 @@ def test_full_disk_stops_every_rank_with_a_clear_error(tmp_path: Path) -> None:
     # The other rank learns of it from its collective (the peer's connection closed), long before
     # the 30-minute collective timeout.
     assert ranks[1]["error"] is not None and ranks[1]["seconds"] < 120, ranks[1]
+
+
+def _two_optimizers(rank: int, world: int, offload: dict) -> dict:
+    """Matrices and vectors in two AdamW optimizers, global-norm clipping, a discarded batch
+    (``zero_grad(set_to_none=False)`` between backward and step), then normal steps."""
+    torch.manual_seed(0)
+    model = models.GPT()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]  # before partitioning empties them
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(**offload))
+    first = engine.shard_optimizer(torch.optim.AdamW(matrices, lr=1e-2, weight_decay=0.1))
+    second = engine.shard_optimizer(torch.optim.AdamW(vectors, lr=1e-2, weight_decay=0.0))
+    per_rank = BATCH // world
+    losses = []
+    for step in range(4):
+        x, y = models.make_batch("gpt", step, BATCH)
+        loss = models.loss_fn(model, x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+        loss.backward()
+        losses.append(loss.item())
+        if step == 1:  # this batch is thrown away
+            first.zero_grad(set_to_none=False)
+            second.zero_grad(set_to_none=False)
+            continue
+        engine.clip_grad_norm_(0.05)
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights}
+
+
+def test_two_optimizers_clipping_and_a_discarded_batch(tmp_path: Path) -> None:
+    """Found by review: with NVMe optimizer offload, clipping reached only the first optimizer,
+    and zeroing gradients that were on disk crashed. Both tiers now match no offload bit for bit."""
+    want = run_distributed(_two_optimizers, 2, {})
+    for offload in ({"optimizer": "cpu"}, {"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path), "sub_group_size": 20_000}):
+        got = run_distributed(_two_optimizers, 2, offload)
+        for g, w in zip(got, want):
+            assert g["losses"] == w["losses"], offload
+            for name, value in w["weights"].items():
+                assert torch.equal(g["weights"][name], value), (offload, name)

@@ -271,6 +271,8 @@ class ZeroEngine:
                     if group.trainable:
                         group.make_master(separate=True)
         shard_optimizer(optimizer, self.groups)
+        if self.offload is not None and self.offload.nvme:
+            self.offload.wrap_zero_grad(optimizer)
         self.optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
         optimizer.register_step_post_hook(lambda *_: self.after_step())

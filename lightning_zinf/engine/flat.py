@@ -92,6 +92,10 @@ class FlatGroup:
         self.track_grad_norm = False
         self.state_device = device
         self.master_synced_by_offload = False
+        # Offload to NVMe: gradients are handed to the optimizer only inside its step (the shard is
+        # on disk otherwise); ``exposed`` says which fragments have one meanwhile.
+        self.defer_grads = False
+        self.exposed = [False] * len(params)
         self._ready = [False] * len(params)
         self.received = [False] * len(params)  # got a gradient since the last consumption
         self._accumulated = False
@@ -166,6 +170,11 @@ class FlatGroup:
         if self.master is not None and self.master is not self.shard and not self.master_synced_by_offload:
             self.shard.copy_(self.master)
         self._consumed = True
+
+    def discard_accumulated(self) -> None:
+        """The gradients were consumed (a step) or zeroed: the next :meth:`accumulate` starts over."""
+        self._consumed = True
+        self.exposed = [False] * len(self.params)
 
     # --- gradients --------------------------------------------------------------------------------
     def prepare_grads(self, pool: BufferPool) -> None:
@@ -264,6 +273,8 @@ class FlatGroup:
     @property
     def fresh_accumulation(self) -> bool:
         """The next :meth:`accumulate` starts over (after a step or ``zero_grad``)."""
+        if self.defer_grads:  # zero_grad is reported through discard_accumulated
+            return self._consumed
         return self._consumed or (bool(self.fragments) and all(f.grad is None for f in self.fragments))
 
     def expose_grads(self, received: list[bool]) -> None:
@@ -274,5 +285,15 @@ class FlatGroup:
         if not self._accumulated:
             return
         self._accumulated = False
+        if self.defer_grads:
+            self.exposed = list(received)
+            return
         for j, (fragment, has) in enumerate(zip(self.fragments, received)):
             fragment.grad = self._grad_fragments[j] if has and self._grad_fragments else None
+
+    def attach_grads(self, owned: set[int]) -> None:
+        """(``defer_grads``) Give the fragments in ``owned`` (ids) that have a gradient their view
+        of the gradient shard, which must be in memory."""
+        for j, fragment in enumerate(self.fragments):
+            if id(fragment) in owned and self.exposed[j]:
+                fragment.grad = self._grad_fragments[j]

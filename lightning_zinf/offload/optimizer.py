@@ -75,6 +75,7 @@ class OptimizerOffload:
             group.make_master(state_device=cpu, separate=True)
             if self.nvme:
                 group.track_grad_norm = True
+                group.defer_grads = True
                 group.master_synced_by_offload = True
                 swapped = self._masters[i] = SwappedTensor(group.master, f"g{i}.master", self.swapper)
                 swapped.swap_out()
@@ -100,6 +101,7 @@ class OptimizerOffload:
         if index not in self._grads:
             self._grads[index] = SwappedTensor(group.grad_shard, f"g{index}.grad", self.swapper)
         self._grads[index].swap_out()
+        self.clip_coef = None  # new gradients since the last clipping
         # Free the gradient shards already on disk without waiting for the rest, so backward never
         # holds more than the shards whose writes are still in flight.
         self._writing = [s for s in self._writing if not s.reap()] + [self._grads[index]]
@@ -113,14 +115,17 @@ class OptimizerOffload:
         total = torch.zeros((), dtype=torch.float32)
         for i in self.trainable:
             group = self.groups[i]
-            for fragment, sq in zip(group.fragments, group.grad_sq_norms):
-                if fragment.grad is not None:
+            for has, sq in zip(group.exposed, group.grad_sq_norms):
+                if has:
                     total += sq
         return total
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer`` sub-group by sub-group with swapping (``nvme``), then leave its
-        fragments without gradients so its own (hooked) step that follows does nothing.
+        """Step ``optimizer`` sub-group by sub-group with swapping (``nvme``). Its fragments get
+        their ``.grad`` only while their sub-group is in memory, so its own (hooked) step that
+        follows finds no gradient and does nothing. Outside the step ``.grad`` stays ``None``:
+        code between backward and step cannot read offloaded gradients (nor unscale them, hence
+        no fp16 loss scaling with NVMe optimizer offload).
 
         The user's optimizer does the arithmetic: its step function runs on the resident fragments
         only (its param groups restricted for the call), so its hyper-parameters, LR schedule and
@@ -129,7 +134,7 @@ class OptimizerOffload:
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         todo = [
             i for i in self.trainable
-            if any(id(f) in owned and f.grad is not None for f in self.groups[i].fragments)
+            if any(id(f) in owned and has for f, has in zip(self.groups[i].fragments, self.groups[i].exposed))
         ]
         subgroups = self._subgroups(todo)
         raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
@@ -138,25 +143,49 @@ class OptimizerOffload:
         for k, members in enumerate(subgroups):
             for i in members:
                 self._settle_group(i)
+                self.groups[i].attach_grads(owned)
             if self.config.overlap and k + 1 < len(subgroups):
                 self._bring_in(subgroups[k + 1])
-            fragments = {id(f): f for i in members for f in self.groups[i].fragments if f.grad is not None}
+            fragments = {
+                id(f): f for i in members for f in self.groups[i].fragments if id(f) in owned and f.grad is not None
+            }
             if self.clip_coef is not None:
                 for f in fragments.values():
                     f.grad.mul_(self.clip_coef)
             _step_restricted(optimizer, raw_step, fragments)
+            for f in fragments.values():
+                f.grad = None  # the gradient shard leaves memory next
+            for i in members:
+                group = self.groups[i]
+                group.exposed = [has and id(f) not in owned for f, has in zip(group.fragments, group.exposed)]
             for i in members:
                 self._send_out(optimizer, i)
+            if self.config.overlap and k > 0:
+                # The previous sub-group's writes had this whole sub-group's step to complete:
+                # settling them now keeps about three sub-groups in memory, not all of them.
+                for i in subgroups[k - 1]:
+                    self._settle_group(i)
             if not self.config.overlap:
                 self.settle_all()
                 if k + 1 < len(subgroups):
                     self._bring_in(subgroups[k + 1])
         self.settle_all()
-        self.clip_coef = None
-        for i in todo:
-            for f in self.groups[i].fragments:
-                if id(f) in owned:
-                    f.grad = None
+
+    def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """(``nvme``) Make ``optimizer.zero_grad`` discard the gradients accumulated for its
+        fragments. They are on disk and not attached as ``.grad`` outside the step, so there is
+        nothing to zero in memory: the next backward simply starts a fresh accumulation (as after
+        ``set_to_none=True``; a parameter left without gradient is then not stepped)."""
+        original = optimizer.zero_grad
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        groups = [g for i in self.trainable for g in [self.groups[i]] if any(id(f) in owned for f in g.fragments)]
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(set_to_none=True)
+            for group in groups:
+                group.discard_accumulated()
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
     def _subgroups(self, indices: list[int]) -> list[list[int]]:
         out: list[list[int]] = []
