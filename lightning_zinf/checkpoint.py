@@ -27,7 +27,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 from safetensors.torch import save as safetensors_bytes

@@ -27,7 +27,6 @@ D_MODEL, LAYERS, VOCAB = 1536, 10, 32000
 
 def save_rank(workdir: Path) -> None:
     """One rank of step 1 (run under torchrun)."""
-    import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(REPO_ROOT))
