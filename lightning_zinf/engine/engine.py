@@ -22,13 +22,13 @@ One step, as the hooks drive it:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import os
 import multiprocessing.util
+import os
 import uuid
 import zlib
-import contextlib
 from contextlib import contextmanager
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -384,7 +384,7 @@ class ZeroEngine:
         masters into compute shards, mark gradients consumed, re-gather persistent units."""
         self._settle(boundary=True)
         for group in self.groups:
-            rewrites = self.param_offload is not None and group.master is not None and not group.master_synced_by_offload
+            rewrites = self.param_offload is not None and group.master is not None and not group.swapped_optimizer
             if rewrites:
                 self.param_offload.will_overwrite(group)
             group.after_step()
@@ -611,13 +611,12 @@ class ZeroEngine:
     def _finish_reduce(self, pending: tuple[Handle, list[Tensor], list[bool], FlatGroup]) -> None:
         handle, buffers, got, group = pending
         handle.wait()
+        index = self._group_index[id(group)]
         if self.offload is not None:
-            index = self._group_index[id(group)]
             self.offload.before_accumulate(index)
-            group.accumulate(buffers[0], got)
+        group.accumulate(buffers[0], got)
+        if self.offload is not None:
             self.offload.after_accumulate(index)
-        else:
-            group.accumulate(buffers[0], got)
         for buffer in buffers:
             self.pool.give(buffer)
 

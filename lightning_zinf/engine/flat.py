@@ -46,7 +46,11 @@ class FlatGroup:
         grad_shard: fp32 gradient shard accumulated over micro-batches, or ``None`` before the first.
         state_device: Where ``master`` and ``grad_shard`` live: ``device``, or the CPU when the
             optimizer is offloaded (:meth:`make_master` with ``separate=True``).
-        grad_sq_norms: With ``track_grad_norm``, per fragment the squared L2 norm of its gradient
+        swapped_optimizer: Set by the NVMe optimizer offload, which then swaps ``master`` and
+            ``grad_shard`` and does the post-step copy into ``shard`` itself. Gradients are handed to
+            the optimizer only inside its step (``exposed`` says which fragments have one meanwhile),
+            and the norms below are recorded.
+        grad_sq_norms: With ``swapped_optimizer``, per fragment the squared L2 norm of its gradient
             after the last :meth:`accumulate` (fp32, 0-d each), so clipping needs no pass over
             gradients that were swapped out.
     """
@@ -89,12 +93,8 @@ class FlatGroup:
         self.grad_shard: Optional[Tensor] = None
         self._grad_fragments: list[Tensor] = []
         self.grad_sq_norms: list[Tensor] = []
-        self.track_grad_norm = False
         self.state_device = device
-        self.master_synced_by_offload = False
-        # Offload to NVMe: gradients are handed to the optimizer only inside its step (the shard is
-        # on disk otherwise); ``exposed`` says which fragments have one meanwhile.
-        self.defer_grads = False
+        self.swapped_optimizer = False
         self.exposed = [False] * len(params)
         self._ready = [False] * len(params)
         self.received = [False] * len(params)  # got a gradient since the last consumption
@@ -167,7 +167,7 @@ class FlatGroup:
     def after_step(self) -> None:
         """Cast the stepped fp32 master back into the compute-dtype shard; the gradients are
         consumed (the next backward starts a fresh accumulation, as after ``zero_grad``)."""
-        if self.master is not None and self.master is not self.shard and not self.master_synced_by_offload:
+        if self.master is not None and self.master is not self.shard and not self.swapped_optimizer:
             self.shard.copy_(self.master)
         self._consumed = True
 
@@ -266,14 +266,14 @@ class FlatGroup:
         else:
             self.grad_shard.add_(reduced.to(self.state_device))
             self.received = [a or b for a, b in zip(self.received, got)]
-        if self.track_grad_norm:
+        if self.swapped_optimizer:
             self.grad_sq_norms = [g.pow(2).sum() for g in self._grad_fragments]
         self._accumulated = True
 
     @property
     def fresh_accumulation(self) -> bool:
         """The next :meth:`accumulate` starts over (after a step or ``zero_grad``)."""
-        if self.defer_grads:  # zero_grad is reported through discard_accumulated
+        if self.swapped_optimizer:  # zero_grad is reported through discard_accumulated
             return self._consumed
         return self._consumed or (bool(self.fragments) and all(f.grad is None for f in self.fragments))
 
@@ -285,14 +285,14 @@ class FlatGroup:
         if not self._accumulated:
             return
         self._accumulated = False
-        if self.defer_grads:
+        if self.swapped_optimizer:
             self.exposed = list(received)
             return
         for j, (fragment, has) in enumerate(zip(self.fragments, received)):
             fragment.grad = self._grad_fragments[j] if has and self._grad_fragments else None
 
     def attach_grads(self, owned: set[int]) -> None:
-        """(``defer_grads``) Give the fragments in ``owned`` (ids) that have a gradient their view
+        """(``swapped_optimizer``) Give the fragments in ``owned`` (ids) that have a gradient their view
         of the gradient shard, which must be in memory."""
         for j, fragment in enumerate(self.fragments):
             if id(fragment) in owned and self.exposed[j]:

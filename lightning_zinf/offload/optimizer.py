@@ -74,9 +74,7 @@ class OptimizerOffload:
                 continue
             group.make_master(state_device=cpu, separate=True)
             if self.nvme:
-                group.track_grad_norm = True
-                group.defer_grads = True
-                group.master_synced_by_offload = True
+                group.swapped_optimizer = True
                 swapped = self._masters[i] = SwappedTensor(group.master, f"g{i}.master", self.swapper)
                 swapped.swap_out()
         self.settle_all()
@@ -273,7 +271,7 @@ class OptimizerOffload:
         for j, fragment in enumerate(group.fragments):
             state = optimizer.state.get(fragment, {})
             for name, value in list(state.items()):
-                if isinstance(value, Tensor) and value.numel() == fragment.numel() > 0 and id(value) not in tracked:
+                if isinstance(value, Tensor) and value.shape == fragment.shape and fragment.numel() > 0 and id(value) not in tracked:
                     if value._base is not None or value.device.type != "cpu":
                         # A view (a loaded checkpoint's) cannot shrink its own storage: own a copy.
                         value = state[name] = value.to("cpu", copy=True)
