@@ -94,12 +94,24 @@ class OffloadConfig:
             Only useful with an accelerator; on a CPU device it costs a copy and saves nothing.
         aio: How the NVMe swapper does its I/O (block size, queue depth, threads, ``O_DIRECT``):
             an :class:`~lightning_zinf.offload.AioConfig` or a mapping of its fields.
+        staging_bytes: Cap, in bytes per rank, on the host memory that holds records swapped in
+            from NVMe (parameter shards read ahead, optimizer sub-groups being stepped, gradient
+            shards being written). Buffers are page-aligned (``O_DIRECT`` without a copy), reused
+            by size, and never exceed the cap: when it is reached, writes in flight are completed
+            to free buffers, and if that is not enough training stops with an error naming this
+            option. ``None``: half of this machine's memory shared among the ranks on it
+            (``LOCAL_WORLD_SIZE``, else the world size). What DeepSpeed splits into
+            ``buffer_count`` x ``buffer_size`` (per kind) is one budget here; how many buffers are
+            in use at once follows ``read_ahead`` (parameters) and ``sub_group_size`` (optimizer).
+        pin_memory: Page-lock the staging buffers (faster, asynchronous copies to an accelerator).
+            ``None``: on when the compute device is an accelerator, off on the CPU, where pinning
+            fails; ``True`` without an accelerator is an error.
         overlap: Read the next sub-group ahead and write the previous one behind while the current
             one steps. ``False`` runs every transfer to completion first (to measure what overlap buys).
 
     Raises:
         ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
-            ``sub_group_size``, a negative ``read_ahead``.
+            ``sub_group_size`` or ``staging_bytes``, a negative ``read_ahead``.
     """
 
     param: str = "none"
@@ -110,6 +122,8 @@ class OffloadConfig:
     overlap: bool = True
     activations: bool = False
     aio: AioConfig = AioConfig()
+    staging_bytes: Optional[int] = None
+    pin_memory: Optional[bool] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aio", coerce_config(AioConfig, self.aio))  # a YAML mapping works too
@@ -137,6 +151,16 @@ class OffloadConfig:
         )
         for name in ("overlap", "activations"):
             _require(isinstance(getattr(self, name), bool), "OffloadConfig", name, getattr(self, name), "True or False")
+        _require(self.pin_memory is None or isinstance(self.pin_memory, bool), "OffloadConfig", "pin_memory",
+                 self.pin_memory, "None (automatic), True or False")
+        _require(
+            self.staging_bytes is None or (isinstance(self.staging_bytes, int) and not isinstance(self.staging_bytes, bool)
+                                           and self.staging_bytes > 0),
+            "OffloadConfig",
+            "staging_bytes",
+            self.staging_bytes,
+            "None (automatic) or an integer > 0 (bytes per rank, e.g. 4_000_000_000)",
+        )
 
 
 def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:

@@ -44,7 +44,8 @@ def _train(rank: int, world: int, offload: dict, accumulate: int, clip: float | 
         tiers.append(engine.resident_bytes())
     with engine.gathered():
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "weights": weights, "tiers": tiers}
+    staging = {"peak": engine.space.pool.peak, "held": engine.space.pool.held} if engine.space is not None else {}
+    return {"losses": losses, "weights": weights, "tiers": tiers, "staging": staging}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,35 @@ def test_nvme_state_saves_and_resumes_bit_exactly(tmp_path: Path, world: int) ->
     assert list((tmp_path / "nvme").iterdir()) == []
 
 
+def _capped(rank: int, world: int, nvme_path: str, cap: int) -> dict:
+    """NVMe offload with ``staging_bytes=cap``: the training result, the staging pool's peak and
+    what it holds, or the error."""
+    try:
+        result = _train(rank, world, {"param": "nvme", "optimizer": "nvme", "nvme_path": nvme_path,
+                                      "sub_group_size": 5_000, "staging_bytes": cap}, 1, None)
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {**result, **result["staging"], "error": None}
+
+
+def test_staging_cap_bounds_host_memory_without_changing_results(reference: dict, tmp_path: Path) -> None:
+    """With 5K-element sub-groups, NVMe offload stages at most 272 KiB per rank when uncapped; the
+    largest group alone needs 108 KiB (its fp32 master, gradient and two AdamW moments). A cap of
+    140 KB in between still trains bit for bit like no offload: writes in flight are completed and
+    reads ahead given up to free buffers. A cap too small for one record stops with an error
+    naming the option to raise."""
+    cap = 140_000
+    ranks = run_distributed(_capped, 2, str(tmp_path), cap)
+    for got, want in zip(ranks, reference[(1, None)]):
+        assert got["error"] is None, got["error"]
+        assert got["losses"] == want["losses"]
+        for name, value in want["weights"].items():
+            assert torch.equal(got["weights"][name], value), name
+        assert 0 < got["peak"] <= cap and got["held"] <= cap
+    small = run_distributed(_capped, 2, str(tmp_path), 16_384)
+    assert all("SwapError" in r["error"] and "OffloadConfig.staging_bytes" in r["error"] for r in small), small
+
+
 def _trainer_losses(rank: int, world: int, strategy) -> list[float]:
     from lightning_zinf import ZeroInfinityStrategy
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
@@ -157,6 +187,14 @@ def test_bad_offload_settings_name_the_fix() -> None:
         OffloadConfig(optimizer="nvme")
     with pytest.raises(ValueError, match="sub_group_size"):
         OffloadConfig(sub_group_size=0)
+    with pytest.raises(ValueError, match="staging_bytes"):
+        OffloadConfig(staging_bytes=0)
+
+
+def test_pinning_without_an_accelerator_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="pin_memory=True needs an accelerator"):
+        ZeroEngine(models.MLP(), offload=OffloadConfig(param="nvme", nvme_path=str(tmp_path), pin_memory=True))
+    assert list(tmp_path.iterdir()) == []  # refused before any swap folder was made
 
 
 def _engine_on(rank: int, world: int, nvme_path: str) -> str:

@@ -45,6 +45,8 @@ from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materializ
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.staging import StagingPool
+from lightning_zinf.offload.swapped import SwapSpace
 from lightning_zinf.offload.swapper import NvmeSwapper
 
 __all__ = ["ZeroEngine", "Unit"]
@@ -130,8 +132,9 @@ class ZeroEngine:
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
         self.offload_config = offload
-        self.swapper = _make_swapper(offload, self.comm.rank)
-        self.param_offload = ParamOffload(self.swapper) if offload.param == "nvme" else None
+        self.space = _make_swap_space(offload, self.comm, self.device)
+        self.swapper = self.space.swapper if self.space is not None else None
+        self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
         self._created_groups = 0
         self._shard_device = torch.device("cpu") if offload.param != "none" else self.device
         specs, uses = plan_units(module, block_classes)
@@ -151,7 +154,7 @@ class ZeroEngine:
         self._group_index = {id(g): i for i, g in enumerate(self.groups)}
         self.offload: Optional[OptimizerOffload] = None
         if offload.optimizer != "none":
-            self.offload = OptimizerOffload(self.groups, offload, self.swapper, self.param_offload)
+            self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
         self._hooks = self._install_hooks()
         module._zinf_engine = self  # type: ignore[assignment]
         self._gather_all([u for u in self.units if u.persistent])
@@ -299,9 +302,11 @@ class ZeroEngine:
         seen: set[int] = set()
 
         def add(tier: str, t: Optional[Tensor]) -> None:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                by_tier[tier] += t.untyped_storage().nbytes()  # 0 while released or swapped out
+            # By storage: swapped tensors are views of one staging buffer per record.
+            storage = t.untyped_storage() if t is not None else None
+            if storage is not None and storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                by_tier[tier] += storage.nbytes()  # 0 while released or swapped out
 
         param_tier = "device" if self.offload_config.param == "none" else "cpu"
         for group in self.groups:
@@ -664,14 +669,30 @@ def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[st
     return list(kinds.values())
 
 
-def _make_swapper(config: OffloadConfig, rank: int):
-    """The rank's NVMe swapper in a folder of its own under ``config.nvme_path`` (``nvme`` only);
-    the folder and its files are removed when the swapper is closed or the process exits cleanly."""
+def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.device) -> Optional[SwapSpace]:
+    """The rank's NVMe swapper, in a folder of its own under ``config.nvme_path``, and its staging
+    pool (``nvme`` only). The folder and its files are removed when the swapper is closed or the
+    process exits cleanly.
+
+    Raises:
+        ValueError: ``pin_memory=True`` with a CPU compute device.
+        SwapError: the folder cannot be created (see :class:`NvmeSwapper`).
+    """
     if "nvme" not in (config.param, config.optimizer):
         return None
-    folder = os.path.join(config.nvme_path, f"zinf-rank{rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    pin = config.pin_memory if config.pin_memory is not None else device.type != "cpu"
+    if pin and device.type == "cpu":
+        raise ValueError(
+            "OffloadConfig.pin_memory=True needs an accelerator: page-locking host memory fails without "
+            "one. Leave pin_memory unset (it is on exactly when the compute device is an accelerator)."
+        )
+    cap = config.staging_bytes
+    if cap is None:
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (2 * max(ranks_here, 1))
+    folder = os.path.join(config.nvme_path, f"zinf-rank{comm.rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     swapper = NvmeSwapper(folder, config.aio)
     # At a clean exit: multiprocessing's exit hook covers worker processes (which leave through
     # os._exit, skipping atexit), and it is itself registered with atexit in a main process.
     multiprocessing.util.Finalize(swapper, swapper.close, exitpriority=10)
-    return swapper
+    return SwapSpace(swapper, StagingPool(cap, pin_memory=pin))

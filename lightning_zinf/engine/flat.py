@@ -152,6 +152,12 @@ class FlatGroup:
         if not self.fragments:  # once: several optimizers may each hold some of them
             self.fragments = [self.master[lo:hi] for lo, hi in self.owned_ranges()]
 
+    def layout(self, which: str) -> list[tuple[Tensor, int]]:
+        """``master`` or ``grad``: that shard and the per-parameter views of it, each with its
+        element offset in the shard (for offload, which re-points them into staging memory)."""
+        whole, parts = (self.master, self.fragments) if which == "master" else (self.grad_shard, self._grad_fragments)
+        return [(whole, 0)] + [(part, lo) for part, (lo, _) in zip(parts, self.owned_ranges())]
+
     def owned_ranges(self) -> list[tuple[int, int]]:
         """Per parameter, the [lo, hi) range of this rank's shard that holds its elements."""
         return self._ranges

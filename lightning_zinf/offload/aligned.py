@@ -29,7 +29,7 @@ def is_aligned(address: int, alignment: int = ALIGNMENT) -> bool:
     return address % alignment == 0
 
 
-def aligned_empty(numel: int, dtype: torch.dtype, *, alignment: int = ALIGNMENT) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype, *, alignment: int = ALIGNMENT, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor whose data pointer is a multiple of ``alignment`` bytes.
 
     The tensor holds ``numel`` elements of ``dtype``; its storage extends at least to
@@ -42,6 +42,8 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, alignment: int = ALIGNMENT)
         numel: Number of elements, >= 0.
         dtype: Any torch dtype.
         alignment: Bytes; a power of two that is a multiple of ``dtype``'s item size.
+        pin_memory: Allocate page-locked memory (needs an accelerator; copies to it are faster and
+            can be asynchronous).
 
     Raises:
         ValueError: ``numel`` < 0, or ``alignment`` not a power of two or not a multiple of the
@@ -58,7 +60,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, alignment: int = ALIGNMENT)
     padded = round_up(numel * itemsize, alignment)
     # Over-allocate by one alignment unit and start at the first aligned byte: torch's CPU
     # allocator only guarantees 64-byte alignment.
-    raw = torch.empty(padded + alignment, dtype=torch.uint8)
+    raw = torch.empty(padded + alignment, dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % alignment
     return raw[skip : skip + padded].view(dtype)[:numel]
 

@@ -6,12 +6,14 @@ Ren et al. ATC'21, §4 for the CPU step).
 there (its states are created next to them); the updated master is copied into the compute-dtype
 shard on the device after the step.
 
-``nvme``: the same tensors, but between uses their bytes live in swap files and their storage is
-shrunk to zero bytes (views made while resident stay valid, as for gathered parameters). A gradient
-shard is swapped out as soon as backward has accumulated into it. The optimizer step runs one
-sub-group of flat groups at a time: swap in its master, gradient and states, step them with the
-user's optimizer restricted to their fragments, copy the master into the compute shard, swap the
-master and states out (the gradient is consumed: dropped, not written). With ``overlap`` the next
+``nvme``: the same tensors, but between uses their bytes live in swap files, one
+:class:`~lightning_zinf.offload.swapped.SwapRecord` per group and kind (its fp32 master, its
+gradient shard, and all the per-element states one optimizer keeps for it, back to back), and the
+tensors themselves are empty; in memory they are views of a staging buffer. A gradient shard is
+swapped out as soon as backward has accumulated into it. The optimizer step runs one sub-group of
+flat groups at a time: swap in its master, gradient and states, step them with the user's
+optimizer restricted to their fragments, copy the master into the compute shard, swap the master
+and states out (the gradient is consumed: dropped, not written). With ``overlap`` the next
 sub-group is read while the current one steps and the previous one's writes complete in the
 background (the swapper's threads release the GIL).
 """
@@ -27,7 +29,7 @@ from torch import Tensor
 from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.offload.params import ParamOffload
-from lightning_zinf.offload.swapped import SwappedTensor
+from lightning_zinf.offload.swapped import SwapRecord, SwapSpace
 
 __all__ = ["OptimizerOffload"]
 
@@ -39,28 +41,31 @@ class OptimizerOffload:
         groups: The engine's flat groups (frozen ones are ignored), in the engine's order; a group's
             index there names its swap files.
         config: The offload settings (``config.optimizer`` is ``"cpu"`` or ``"nvme"``).
-        swapper: The rank's :class:`~lightning_zinf.offload.NvmeSwapper` (``nvme`` only).
+        space: The rank's swapper and staging pool (``nvme`` only).
         params: The parameter offload, when shards are on NVMe too (the step rewrites them).
 
     Raises:
-        ValueError: ``nvme`` without a swapper.
+        ValueError: ``nvme`` without a swap space.
     """
 
     def __init__(
-        self, groups: list[FlatGroup], config: OffloadConfig, swapper=None, params: Optional[ParamOffload] = None
+        self, groups: list[FlatGroup], config: OffloadConfig, space: Optional[SwapSpace] = None,
+        params: Optional[ParamOffload] = None,
     ) -> None:
-        if config.optimizer == "nvme" and swapper is None:
-            raise ValueError("NVMe optimizer offload needs a swapper.")
+        if config.optimizer == "nvme" and space is None:
+            raise ValueError("NVMe optimizer offload needs a swap space.")
         self.config = config
         self.nvme = config.optimizer == "nvme"
-        self.swapper = swapper
+        self.space = space
         self.params = params
         self.groups = groups
         self.trainable = [i for i, g in enumerate(groups) if g.trainable]
-        self._masters: dict[int, SwappedTensor] = {}
-        self._grads: dict[int, SwappedTensor] = {}
-        self._states: dict[int, list[SwappedTensor]] = {}
-        self._writing: list[SwappedTensor] = []
+        self._masters: dict[int, SwapRecord] = {}
+        self._grads: dict[int, SwapRecord] = {}
+        self._states: dict[int, list[SwapRecord]] = {}  # per group, one record per optimizer
+        self._state_of: dict[tuple[int, int], tuple[SwapRecord, set[int]]] = {}  # (optimizer, group)
+        self._generation = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
 
     # --- placement --------------------------------------------------------------------------------
@@ -75,8 +80,8 @@ class OptimizerOffload:
             group.make_master(state_device=cpu, separate=True)
             if self.nvme:
                 group.swapped_optimizer = True
-                swapped = self._masters[i] = SwappedTensor(group.master, f"g{i}.master", self.swapper)
-                swapped.swap_out()
+                record = self._masters[i] = self._record(f"g{i}.master", group, "master")
+                record.swap_out()
         self.settle_all()
 
     # --- gradients during backward ----------------------------------------------------------------
@@ -95,14 +100,13 @@ class OptimizerOffload:
         """Swap group ``index``'s gradient shard out (written behind; freed once on disk)."""
         if not self.nvme:
             return
-        group = self.groups[index]
         if index not in self._grads:
-            self._grads[index] = SwappedTensor(group.grad_shard, f"g{index}.grad", self.swapper)
+            self._grads[index] = self._record(f"g{index}.grad", self.groups[index], "grad")
         self._grads[index].swap_out()
         self.clip_coef = None  # new gradients since the last clipping
         # Free the gradient shards already on disk without waiting for the rest, so backward never
         # holds more than the shards whose writes are still in flight.
-        self._writing = [s for s in self._writing if not s.reap()] + [self._grads[index]]
+        self.space.reap()
 
     # --- clipping and the step --------------------------------------------------------------------
     def global_grad_sq_norm(self) -> Tensor:
@@ -136,14 +140,13 @@ class OptimizerOffload:
         ]
         subgroups = self._subgroups(todo)
         raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
-        if subgroups:
-            self._bring_in(subgroups[0])
         for k, members in enumerate(subgroups):
+            self._bring_in(members)  # what the read ahead left out, if anything
             for i in members:
                 self._settle_group(i)
                 self.groups[i].attach_grads(owned)
             if self.config.overlap and k + 1 < len(subgroups):
-                self._bring_in(subgroups[k + 1])
+                self._bring_in(subgroups[k + 1], ahead=True)
             fragments = {
                 id(f): f for i in members for f in self.groups[i].fragments if id(f) in owned and f.grad is not None
             }
@@ -165,8 +168,6 @@ class OptimizerOffload:
                     self._settle_group(i)
             if not self.config.overlap:
                 self.settle_all()
-                if k + 1 < len(subgroups):
-                    self._bring_in(subgroups[k + 1])
         self.settle_all()
 
     def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
@@ -198,18 +199,25 @@ class OptimizerOffload:
                 size = n
         return out
 
-    def _bring_in(self, members: list[int]) -> None:
+    def _record(self, key: str, group: FlatGroup, which: str) -> SwapRecord:
+        """A record holding ``group``'s master or gradient shard, its fragments bound into it."""
+        record = SwapRecord(self.space, key, [(which, torch.float32, group.shard_numel)])
+        for tensor, offset in group.layout(which):
+            record.bind(tensor, which, offset)
+        record.adopt()
+        return record
+
+    def _records(self, i: int) -> list[SwapRecord]:
+        return [r for r in (self._masters.get(i), self._grads.get(i), *self._states.get(i, [])) if r is not None]
+
+    def _bring_in(self, members: list[int], ahead: bool = False) -> None:
         for i in members:
-            self._masters[i].swap_in()
-            if i in self._grads:
-                self._grads[i].swap_in()
-            for state in self._states.get(i, []):
-                state.swap_in()
+            for record in self._records(i):
+                record.swap_in(ahead=ahead)
 
     def _settle_group(self, i: int) -> None:
-        for swapped in (self._masters[i], self._grads.get(i), *self._states.get(i, [])):
-            if swapped is not None:
-                swapped.settle()
+        for record in self._records(i):
+            record.settle()
 
     def _send_out(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         group = self.groups[i]
@@ -227,9 +235,8 @@ class OptimizerOffload:
 
     def settle_all(self) -> None:
         """Complete every transfer in flight (before a checkpoint, at the end of a step)."""
-        self._writing = []
-        for swapped in (*self._masters.values(), *self._grads.values(), *(s for v in self._states.values() for s in v)):
-            swapped.settle()
+        for i in self.trainable:
+            self._settle_group(i)
 
     # --- whole state, for checkpoints -------------------------------------------------------------
     @contextmanager
@@ -241,51 +248,73 @@ class OptimizerOffload:
         if not self.nvme:
             yield
             return
-        for i in self.trainable:
-            self._bring_in([i])
-        self.settle_all()
-        try:
-            yield
-        finally:
-            if write_back:  # a load may have replaced the optimizers' state tensors
-                current = {id(v) for o in optimizers for st in o.state.values() for v in st.values()}
-                for i, states in self._states.items():
-                    self._states[i] = [state for state in states if id(state.tensor) in current]
-                for optimizer in optimizers:
-                    for i in self.trainable:
-                        self._collect_states(optimizer, i)
+        with self.space.uncapped():
             for i in self.trainable:
-                self._masters[i].swap_out(write=write_back)
-                for state in self._states.get(i, []):
-                    state.swap_out(write=write_back)
-                if i in self._grads:
-                    self._grads[i].swap_out(write=write_back)
+                self._bring_in([i])
             self.settle_all()
+            try:
+                yield
+            finally:
+                if write_back:  # a load may have replaced the optimizers' state tensors
+                    for optimizer in optimizers:
+                        for i in self.trainable:
+                            self._collect_states(optimizer, i)
+                for i in self.trainable:
+                    for record in self._records(i):
+                        record.swap_out(write=write_back)
+                self.settle_all()
 
     def _collect_states(self, optimizer: torch.optim.Optimizer, i: int) -> None:
-        """Track the per-element state ``optimizer`` holds for group ``i``'s fragments (tensors of
-        the fragment's size; scalars such as Adam's step count stay in memory)."""
+        """Keep the per-element state ``optimizer`` holds for group ``i``'s fragments (tensors of the
+        fragment's shape; scalars such as Adam's step count stay in memory) in one record, laid out
+        like the master: state ``name`` of the fragment at shard offset ``lo`` is at ``lo`` of
+        region ``name``. Rebuilt when the optimizer holds other tensors than the record's (its first
+        step created them, or a checkpoint load replaced them); they must be in memory then."""
         group = self.groups[i]
-        found = self._states.setdefault(i, [])
-        tracked = {id(state.tensor) for state in found}
-        for j, fragment in enumerate(group.fragments):
+        o = next((k for k, opt in enumerate(self._optimizers) if opt is optimizer), None)
+        if o is None:
+            o = len(self._optimizers)
+            self._optimizers.append(optimizer)
+        found: list[tuple[dict, str, int]] = []
+        for fragment, (lo, _) in zip(group.fragments, group.owned_ranges()):
             state = optimizer.state.get(fragment, {})
-            for name, value in list(state.items()):
-                if isinstance(value, Tensor) and value.shape == fragment.shape and fragment.numel() > 0 and id(value) not in tracked:
-                    if value._base is not None or value.device.type != "cpu":
-                        # A view (a loaded checkpoint's) cannot shrink its own storage: own a copy.
-                        value = state[name] = value.to("cpu", copy=True)
-                    found.append(SwappedTensor(value, f"g{i}.p{j}.{name}", self.swapper))
+            for name, value in state.items():
+                if isinstance(value, Tensor) and value.shape == fragment.shape and fragment.numel() > 0:
+                    found.append((state, name, lo))
+        ids = {id(state[name]) for state, name, _ in found}
+        old = self._state_of.get((o, i))
+        if not found or (old is not None and old[1] == ids):
+            return
+        regions: dict[str, torch.dtype] = {}
+        for state, name, _ in found:
+            regions.setdefault(f"{name}.{state[name].dtype}", state[name].dtype)
+        self._generation += 1
+        record = SwapRecord(self.space, f"g{i}.o{o}.state{self._generation}",
+                            [(region, dtype, group.shard_numel) for region, dtype in regions.items()])
+        for state, name, lo in found:
+            value = state[name]
+            if value._base is not None or value.device.type != "cpu":
+                # A view (a loaded checkpoint's) would keep its base alive: own a copy.
+                value = state[name] = value.to("cpu", copy=True)
+            record.bind(value, f"{name}.{value.dtype}", lo)
+        record.adopt()
+        states = self._states.setdefault(i, [])
+        if old is not None:
+            states.remove(old[0])
+            old[0].discard()
+        states.append(record)
+        self._state_of[(o, i)] = (record, {id(state[name]) for state, name, _ in found})
 
     # --- accounting -------------------------------------------------------------------------------
     def tier_bytes(self) -> dict[str, int]:
-        """Bytes of offloaded state in CPU memory now and in swap files (``cpu``, ``nvme``)."""
+        """Bytes of offloaded state in staging memory now and in swap files (``cpu``, ``nvme``)."""
         cpu = nvme = 0
-        for swapped in (*self._masters.values(), *self._grads.values(), *(s for v in self._states.values() for s in v)):
-            if swapped.resident:
-                cpu += swapped.nbytes
-            else:
-                nvme += swapped.nbytes
+        for i in self.trainable:
+            for record in self._records(i):
+                if record.resident:
+                    cpu += record.nbytes
+                else:
+                    nvme += record.nbytes
         return {"cpu": cpu, "nvme": nvme}
 
 

@@ -16,8 +16,7 @@ from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 from lightning_zinf.engine.flat import FlatGroup
-from lightning_zinf.offload.swapped import SwappedTensor
-from lightning_zinf.offload.swapper import NvmeSwapper
+from lightning_zinf.offload.swapped import SwapRecord, SwapSpace
 
 __all__ = ["ParamOffload"]
 
@@ -27,80 +26,75 @@ class ParamOffload:
     beyond placing the shards in CPU memory, which :class:`FlatGroup` does.
 
     Args:
-        swapper: The rank's swapper.
+        space: The rank's swapper and staging pool.
     """
 
-    def __init__(self, swapper: NvmeSwapper) -> None:
-        self.swapper = swapper
-        self._shards: dict[int, SwappedTensor] = {}
-        self._writing: list[SwappedTensor] = []
+    def __init__(self, space: SwapSpace) -> None:
+        self.space = space
+        self._shards: dict[int, SwapRecord] = {}
 
     def add(self, group: FlatGroup, key: str) -> None:
         """Take over ``group``'s shard: write it out and free its memory (at construction, so the
         model never has all of its shards in memory)."""
-        swapped = self._shards[id(group)] = SwappedTensor(group.shard, key, self.swapper)
-        swapped.swap_out()
+        record = self._shards[id(group)] = SwapRecord(self.space, key, [("shard", group.dtype, group.shard_numel)])
+        record.bind(group.shard, "shard")
+        record.adopt()
+        record.swap_out()
 
     def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
         """Start reading these groups' shards (they are gathered soon)."""
         for group in groups:
-            self._shards[id(group)].swap_in()
+            self._shards[id(group)].swap_in(ahead=True)
 
     def acquire(self, group: FlatGroup) -> None:
         """The shard in memory now (before its all-gather starts)."""
-        self._reap()
-        swapped = self._shards[id(group)]
-        swapped.swap_in()
-        swapped.settle()
+        self.space.reap()
+        record = self._shards[id(group)]
+        record.swap_in()
+        record.settle()
 
     def drop(self, group: FlatGroup) -> None:
         """After the all-gather completed: free the shard; its file is still current."""
-        swapped = self._shards[id(group)]
-        swapped.settle()
-        swapped.swap_out(write=False)
+        record = self._shards[id(group)]
+        record.settle()
+        record.swap_out(write=False)
 
     def will_overwrite(self, group: FlatGroup) -> None:
         """Give the shard memory (without reading: every element is about to be overwritten)."""
-        swapped = self._shards[id(group)]
-        swapped.swap_in(read=False)
-        swapped.settle()
+        record = self._shards[id(group)]
+        record.swap_in(read=False)
+        record.settle()
 
     def changed(self, group: FlatGroup) -> None:
         """The shard was modified: write it out (behind) and free it once written."""
-        swapped = self._shards[id(group)]
-        swapped.swap_out(write=True)
-        self._writing.append(swapped)
-
-    def _reap(self) -> None:
-        # Free the memory of shards whose writes have completed, without waiting for the others.
-        self._writing = [s for s in self._writing if not s.reap()]
+        self._shards[id(group)].swap_out(write=True)
 
     def settle_all(self) -> None:
         """Complete every transfer in flight, and free shards read ahead for gathers that did not
         happen (the trace changed); their files are current."""
-        for swapped in self._shards.values():
-            swapped.settle()
-            if swapped.resident:
-                swapped.swap_out(write=False)
-        self._writing = []
+        for record in self._shards.values():
+            record.settle()
+            if record.resident:
+                record.swap_out(write=False)
 
     @contextmanager
     def resident(self, groups: Iterable[FlatGroup], write_back: bool) -> Iterator[None]:
         """Every shard in memory for the block; afterwards written (``write_back``) or dropped."""
-        groups = list(groups)
-        for group in groups:
-            self._shards[id(group)].swap_in()
-        for group in groups:
-            self._shards[id(group)].settle()
-        try:
-            yield
-        finally:
-            for group in groups:
-                self._shards[id(group)].swap_out(write=write_back)
-            for group in groups:
-                self._shards[id(group)].settle()
+        records = [self._shards[id(group)] for group in groups]
+        with self.space.uncapped():
+            for record in records:
+                record.swap_in()
+            for record in records:
+                record.settle()
+            try:
+                yield
+            finally:
+                for record in records:
+                    record.swap_out(write=write_back)
+                for record in records:
+                    record.settle()
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards in CPU memory now and in swap files."""
-        cpu = sum(s.nbytes for s in self._shards.values() if s.resident)
+        cpu = sum(s.nbytes for s in self._shards.values() if s.resident)  # staged, O_DIRECT-padded
         return {"cpu": cpu, "nvme": sum(s.nbytes for s in self._shards.values()) - cpu}

@@ -1,80 +1,264 @@
-"""A CPU tensor swapped between memory and an NVMe swap file, keeping its identity."""
+"""Swap records: named tensors laid out in one swap file, staged in one aligned buffer when in memory.
+
+ZeRO-Infinity (Rajbhandari et al., SC'21, §5.1 and §6.3) keeps shards and optimizer states on NVMe
+and brings them into CPU memory only around their use. Here the unit of swapping is a *record*: a
+few regions (e.g. one group's fp32 master, or its Adam moments) stored back to back in one file, so
+one swap is one large sequential transfer instead of many small files, and staged in one buffer of
+the rank's :class:`~lightning_zinf.offload.staging.StagingPool`, page-aligned so that ``O_DIRECT``
+moves it without a bounce copy.
+
+The tensors that user code and the optimizer hold (a master shard, its per-parameter fragments,
+optimizer states) are *bound* to places in a record: while the record is in memory their ``.data``
+points into the staging buffer, while it is out they are empty tensors. They keep their identity
+throughout, so optimizers and parameter lists keep their references.
+"""
 
 from __future__ import annotations
 
+import collections
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
 from torch import Tensor
 
+from lightning_zinf.offload.aligned import round_up
+from lightning_zinf.offload.errors import SwapError
+from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapper import NvmeSwapper
 
-__all__ = ["SwappedTensor"]
+__all__ = ["SwapRecord", "SwapSpace"]
+
+_REGION_ALIGN = 64  # bytes: every region starts on a cache line (vectorised CPU kernels)
 
 
-class SwappedTensor:
-    """A CPU tensor whose bytes move between memory and one swap file (ZeRO-Infinity §5.1: a
-    shard on the nvme tier).
+class SwapSpace:
+    """A rank's swapper plus its staging pool, and the records whose writes are in flight.
 
-    States: resident (storage allocated, maybe a write in flight) or out (zero bytes of storage,
-    the file holds the bytes), maybe with a read in flight after :meth:`swap_in`. The tensor object
-    stays the same throughout, and views of it made while it was resident see the bytes again
-    after a swap in, so optimizers and parameters keep their references.
+    When the pool is at its cap, taking a buffer first completes the oldest writes in flight (their
+    buffers come back), then gives up reads made ahead of need, newest first (their files are
+    current): the back-pressure that bounds staging memory.
 
     Args:
-        tensor: A contiguous CPU tensor that owns its storage (not a view).
-        key: Its swap file's name in ``swapper``.
-        swapper: The rank's :class:`~lightning_zinf.offload.NvmeSwapper`.
+        swapper: The rank's NVMe swapper.
+        pool: The rank's staging pool.
     """
 
-    def __init__(self, tensor: Tensor, key: str, swapper: NvmeSwapper) -> None:
-        self.tensor, self.key, self.swapper = tensor, key, swapper
-        self.nbytes = tensor.numel() * tensor.element_size()
-        self.resident = True
+    def __init__(self, swapper: NvmeSwapper, pool: StagingPool) -> None:
+        self.swapper = swapper
+        self.pool = pool
+        self._writing: collections.deque[SwapRecord] = collections.deque()
+        self._ahead: list[SwapRecord] = []
+        self._uncapped = 0
+
+    def take(self, nbytes: int, key: str, optional: bool = False) -> Optional[Tensor]:
+        """A staging buffer of at least ``nbytes`` bytes for record ``key``; ``optional`` (a read
+        ahead, which may be skipped): ``None`` instead of an error when none can be had.
+
+        Raises:
+            SwapError: the pool's cap is reached and neither a write in flight nor a read ahead
+                can give a buffer back; the message names ``OffloadConfig.staging_bytes`` and what
+                else lowers the need.
+        """
+        while True:
+            buffer = self.pool.take(nbytes, capped=not self._uncapped)
+            if buffer is not None:
+                return buffer
+            while self._writing and not self._writing[0].writing:
+                self._writing.popleft()
+            if self._writing:
+                self._writing.popleft().settle()
+                continue
+            self._ahead = [r for r in self._ahead if r.ahead]
+            if self._ahead and not optional:
+                self._ahead.pop().give_up()
+                continue
+            if optional:
+                return None
+            raise SwapError(
+                f"NVMe staging memory exhausted: swapping in {key!r} needs {nbytes} bytes while "
+                f"{self.pool.in_use} of the cap of {self.pool.cap} bytes are in use by records "
+                "needed at the same time. Raise OffloadConfig.staging_bytes, or lower "
+                "OffloadConfig.sub_group_size (optimizer records stepped at once)."
+            )
+
+    @contextmanager
+    def uncapped(self) -> Iterator[None]:
+        """Let staging exceed the cap inside the block (whole-state operations: checkpoints)."""
+        self._uncapped += 1
+        try:
+            yield
+        finally:
+            self._uncapped -= 1
+
+    def read_ahead(self, record: "SwapRecord") -> None:
+        """``record`` was swapped in ahead of need: its buffer may be taken back under pressure."""
+        self._ahead.append(record)
+
+    def wrote(self, record: "SwapRecord") -> None:
+        """``record`` has a write in flight; its buffer comes back once the write completes."""
+        self._writing.append(record)
+
+    def reap(self) -> None:
+        """Give back the buffers of completed writes, without waiting for the others."""
+        self._writing = collections.deque(r for r in self._writing if not r.reap())
+
+    def settle_all(self) -> None:
+        """Complete every write in flight."""
+        while self._writing:
+            self._writing.popleft().settle()
+
+
+class SwapRecord:
+    """Regions of tensors stored back to back in one swap file, staged in one buffer when in memory.
+
+    States: in memory (a staging buffer, maybe a write in flight) or out (no buffer; the file holds
+    the bytes), maybe with a read in flight after :meth:`swap_in`.
+
+    Args:
+        space: The rank's :class:`SwapSpace`.
+        key: The swap file's key.
+        regions: ``(name, dtype, numel)`` per region, in file order.
+    """
+
+    def __init__(self, space: SwapSpace, key: str, regions: list[tuple[str, torch.dtype, int]]) -> None:
+        self.space, self.key = space, key
+        self._regions: dict[str, tuple[int, torch.dtype, int]] = {}
+        offset = 0
+        for name, dtype, numel in regions:
+            self._regions[name] = (offset, dtype, numel)
+            offset = round_up(offset + numel * dtype.itemsize, _REGION_ALIGN)
+        self.nbytes = round_up(max(offset, 1))  # whole O_DIRECT blocks: no bounced tail
+        self._bindings: list[tuple[Tensor, str, int, torch.Size]] = []
+        self._buffer: Optional[Tensor] = None
         self._write = None
         self._read = None
+        self.ahead = False  # swapped in ahead of need and not used since
+
+    @property
+    def resident(self) -> bool:
+        """A staging buffer holds the record (possibly still being read or written)."""
+        return self._buffer is not None
 
     @property
     def writing(self) -> bool:
-        """A write of the bytes is in flight."""
+        """A write of the record is in flight."""
         return self._write is not None
 
+    def bind(self, tensor: Tensor, region: str, offset: int = 0) -> None:
+        """While in memory, ``tensor`` (its current shape, the region's dtype) is elements
+        ``[offset, offset + tensor.numel())`` of ``region``; while out it is an empty tensor. Bind
+        every tensor before :meth:`adopt`, which takes their values."""
+        start, dtype, numel = self._regions[region]
+        if tensor.dtype != dtype or offset + tensor.numel() > numel:
+            raise ValueError(f"cannot bind a {tensor.dtype} tensor of {tensor.numel()} elements at {offset} of "
+                             f"region {region!r} ({dtype}, {numel} elements) of swap record {self.key!r}.")
+        self._bindings.append((tensor, region, offset, tensor.shape))
+
+    def view(self, region: str) -> Tensor:
+        """The region as a 1-D tensor of its dtype (the record must be in memory)."""
+        assert self._buffer is not None, f"swap record {self.key!r} is not in memory"
+        start, dtype, numel = self._regions[region]
+        return self._buffer[start : start + numel * dtype.itemsize].view(dtype)
+
+    def adopt(self) -> None:
+        """Move the bound tensors' current values into a staging buffer and point them there (the
+        record is in memory and unwritten afterwards; their old memory is freed once unreferenced)."""
+        assert self._buffer is None, f"swap record {self.key!r} adopted twice"
+        self._buffer = self.space.take(self.nbytes, self.key)
+        for tensor, region, offset, _ in self._bindings:
+            self.view(region)[offset : offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+        self._point()
+
     def swap_out(self, write: bool = True) -> None:
-        """Start writing the bytes (``write``) and free the storage once written (:meth:`settle`)."""
-        if not self.resident or self._write is not None:
+        """Start writing the record (``write``) and give its buffer back once written (:meth:`settle`);
+        without ``write`` the buffer is given back at once (the file is current)."""
+        if self._buffer is None or self._write is not None:
             return
+        if self._read is not None:
+            self.settle()
         if write:
-            self._write = self.swapper.write(self.key, self.tensor)
+            self._write = self.space.swapper.write(self.key, self._buffer[: self.nbytes])
+            self.space.wrote(self)
         else:
             self._release()
 
     def settle(self) -> None:
         """Complete whatever transfer is in flight (raises the swapper's error if it failed)."""
         if self._write is not None:
-            self._write.wait()
-            self._write = None
-            self._release()
+            write, self._write = self._write, None
+            try:
+                write.wait()
+            finally:
+                self._release()
         if self._read is not None:
-            self._read.wait()
-            self._read = None
+            read, self._read = self._read, None
+            read.wait()
 
     def reap(self) -> bool:
-        """If a write has completed, free the storage (non-blocking); True when nothing is left in flight."""
+        """If a write has completed, give the buffer back (non-blocking); True when no write is in flight."""
         if self._write is not None and self._write.done():
             self.settle()
         return self._write is None
 
-    def swap_in(self, read: bool = True) -> None:
-        """Make the storage exist again; ``read``: start reading the file into it (:meth:`settle`
-        completes it). A tensor whose write is still in flight keeps its bytes and needs no read."""
+    def swap_in(self, read: bool = True, ahead: bool = False) -> None:
+        """Give the record a staging buffer and point the bound tensors at it; ``read``: start reading
+        the file into it (:meth:`settle` completes it). A record whose write is still in flight
+        keeps its buffer and needs no read. ``ahead``: a read ahead of need, skipped when the
+        staging cap leaves no room (a later swap in does it)."""
         if self._write is not None:
             self._write.wait()  # the bytes never left memory; the file is now current too
             self._write = None
             return
-        if self.resident:
+        if self._buffer is not None:
+            self.ahead = self.ahead and ahead  # used now: no longer given up under pressure
             return
-        self.tensor.untyped_storage().resize_(self.nbytes)
-        self.resident = True
+        buffer = self.space.take(self.nbytes, self.key, optional=ahead)
+        if buffer is None:
+            return
+        self._buffer = buffer
+        self._point()
+        if ahead:
+            self.ahead = True
+            self.space.read_ahead(self)
         if read:
-            self._read = self.swapper.read(self.key, self.tensor)
+            self._read = self.space.swapper.read(self.key, self._buffer[: self.nbytes])
+
+    def give_up(self) -> None:
+        """Undo a swap in made ahead of need (staging memory is needed elsewhere); the file is current."""
+        self.settle()
+        self._release()
+
+    def discard(self) -> None:
+        """Retire the record (another one replaces it): delete its file and give its buffer back.
+        Bound tensors that another record has adopted since keep their new memory; the others
+        become empty."""
+        if self._write is not None:
+            self._write.wait()
+            self._write = None
+        if self._read is not None:
+            self._read.wait()
+            self._read = None
+        if self._buffer is not None:
+            lo = self._buffer.data_ptr()
+            with torch.no_grad():
+                for tensor, region, _, _ in self._bindings:
+                    if tensor.numel() and lo <= tensor.data_ptr() < lo + self.nbytes:
+                        tensor.data = torch.empty(0, dtype=self._regions[region][1])
+            self.space.pool.give(self._buffer)
+            self._buffer = None
+        self.space.swapper.remove(self.key)
+
+    def _point(self) -> None:
+        with torch.no_grad():
+            for tensor, region, offset, shape in self._bindings:
+                tensor.data = self.view(region)[offset : offset + shape.numel()].view(shape)
 
     def _release(self) -> None:
-        self.tensor.untyped_storage().resize_(0)
-        self.resident = False
+        with torch.no_grad():
+            for tensor, region, _, _ in self._bindings:
+                tensor.data = torch.empty(0, dtype=self._regions[region][1])
+        buffer, self._buffer = self._buffer, None
+        self.ahead = False
+        if buffer is not None:
+            self.space.pool.give(buffer)
