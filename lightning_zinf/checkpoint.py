@@ -115,7 +115,9 @@ def _owner_of(optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple[int, t
 
 def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]]) -> dict[str, Tensor]:
     tensors = {f"{i}.param": group.shard}
-    if group.master is not None and group.master is not group.shard:
+    # An fp32 master that is the shard's own memory (NVMe offload shares one record) is not saved
+    # twice: loading takes the master from ".param" when ".master" is absent.
+    if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
         tensors[f"{i}.master"] = group.master
     ranges = group.owned_ranges()
     for j, fragment in enumerate(group.fragments):

@@ -65,6 +65,7 @@ class OptimizerOffload:
         self._states: dict[int, list[SwapRecord]] = {}  # per group, one record per optimizer
         self._state_of: dict[tuple[int, int], tuple[SwapRecord, set[int]]] = {}  # (optimizer, group)
         self._generation = 0
+        self._shared: set[int] = set()  # groups whose master is their parameter shard's record
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
 
@@ -78,10 +79,20 @@ class OptimizerOffload:
             if group.master is not None:
                 continue
             group.make_master(state_device=cpu, separate=True)
-            if self.nvme:
-                group.swapped_optimizer = True
-                record = self._masters[i] = self._record(f"g{i}.master", group, "master")
+            if not self.nvme:
+                continue
+            group.swapped_optimizer = True
+            if self.params is not None and group.dtype == torch.float32:
+                # An fp32 shard holds exactly the master's values: one record serves both, which
+                # saves writing the shard after every step (ZeRO-Infinity keeps one fp32 copy too).
+                record = self.params.record(group)  # in memory: this runs inside params.resident
+                for tensor, offset in group.layout("master"):
+                    record.attach(tensor, "shard", offset)
+                self._shared.add(i)
+            else:
+                record = self._record(f"g{i}.master", group, "master")
                 record.swap_out()
+            self._masters[i] = record
         self.settle_all()
 
     # --- gradients during backward ----------------------------------------------------------------
@@ -221,9 +232,10 @@ class OptimizerOffload:
 
     def _send_out(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         group = self.groups[i]
-        if self.params is not None:
-            self.params.will_overwrite(group)
-        group.shard.copy_(group.master)  # the compute-dtype shard the next forward gathers
+        if i not in self._shared:  # a shared record: the stepped master is the shard already
+            if self.params is not None:
+                self.params.will_overwrite(group)
+            group.shard.copy_(group.master)  # the compute-dtype shard the next forward gathers
         if self.params is not None:
             self.params.changed(group)
         self._collect_states(optimizer, i)  # states the optimizer created in this step, if any
@@ -311,6 +323,8 @@ class OptimizerOffload:
         cpu = nvme = 0
         for i in self.trainable:
             for record in self._records(i):
+                if record is self._masters.get(i) and i in self._shared:
+                    continue  # counted by the parameter offload
                 if record.resident:
                     cpu += record.nbytes
                 else:

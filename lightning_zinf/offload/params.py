@@ -41,6 +41,10 @@ class ParamOffload:
         record.adopt()
         record.swap_out()
 
+    def record(self, group: FlatGroup) -> SwapRecord:
+        """The swap record holding ``group``'s shard (region ``"shard"``)."""
+        return self._shards[id(group)]
+
     def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
         """Start reading these groups' shards (they are gathered soon)."""
         for group in groups:

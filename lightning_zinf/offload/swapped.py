@@ -155,6 +155,14 @@ class SwapRecord:
                              f"region {region!r} ({dtype}, {numel} elements) of swap record {self.key!r}.")
         self._bindings.append((tensor, region, offset, tensor.shape))
 
+    def attach(self, tensor: Tensor, region: str, offset: int = 0) -> None:
+        """Bind ``tensor`` to a record already in use (see :meth:`bind`); it takes the record's
+        values at once if the record is in memory (its own are dropped)."""
+        self.bind(tensor, region, offset)
+        if self._buffer is not None:
+            with torch.no_grad():
+                tensor.data = self.view(region)[offset : offset + tensor.numel()].view(tensor.shape)
+
     def view(self, region: str) -> Tensor:
         """The region as a 1-D tensor of its dtype (the record must be in memory)."""
         assert self._buffer is not None, f"swap record {self.key!r} is not in memory"
