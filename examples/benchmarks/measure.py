@@ -3,13 +3,19 @@
 Each rank writes ``<result_dir>/rank<r>.json`` with:
   - ``step_times_s``: wall time of each optimizer step (forward + backward + step), seconds;
   - ``losses``: the training loss of each step (a sanity check that the model learns the same task);
-  - ``peak_rss_mib``: the process's peak resident set size (``ru_maxrss``), MiB.
+  - ``peak_rss_mib``: the process's peak resident set size (``ru_maxrss``), MiB;
+  - ``io``: snapshots of the process's I/O counters, one before the first step and one after each
+    step: ``read_bytes``/``write_bytes`` from ``/proc/self/io`` (bytes this process, all of its
+    threads, made the block layer read or write, ``O_DIRECT`` and kernel AIO included; the same
+    measure for every contender), plus whatever ``StepClock.extra_counters`` returns (e.g. a
+    swapper's own byte counts). The difference between two snapshots is what moved in between.
 """
 
 import json
 import resource
 import time
 from pathlib import Path
+from typing import Callable
 
 SEED = 0
 LR = 1e-4
@@ -17,19 +23,41 @@ MICRO_BATCH = 1
 
 
 class StepClock:
-    """Collects per-step wall times (``time.perf_counter``, seconds) and losses."""
+    """Collects per-step wall times (``time.perf_counter``, seconds), losses and I/O counters.
+
+    ``extra_counters``, if set, returns more cumulative counters (name -> number) to snapshot with
+    ``/proc/self/io``'s.
+    """
 
     def __init__(self) -> None:
         self.step_times_s: list[float] = []
         self.losses: list[float] = []
+        self.io: list[dict[str, int]] = []
+        self.extra_counters: Callable[[], dict[str, int]] | None = None
         self._t0 = 0.0
 
     def start(self) -> None:
+        if not self.io:
+            self.io.append(self._counters())
         self._t0 = time.perf_counter()
 
     def stop(self, loss: float) -> None:
         self.step_times_s.append(time.perf_counter() - self._t0)
         self.losses.append(loss)
+        self.io.append(self._counters())
+
+    def _counters(self) -> dict[str, int]:
+        return {**proc_io(), **(self.extra_counters() if self.extra_counters else {})}
+
+
+def proc_io() -> dict[str, int]:
+    """``read_bytes`` and ``write_bytes`` of ``/proc/self/io`` (zeros where it does not exist)."""
+    try:
+        lines = Path("/proc/self/io").read_text().splitlines()
+    except OSError:
+        return {"read_bytes": 0, "write_bytes": 0}
+    fields = dict(line.split(": ") for line in lines)
+    return {name: int(fields[name]) for name in ("read_bytes", "write_bytes")}
 
 
 def peak_rss_mib() -> float:
@@ -43,5 +71,6 @@ def write_rank_result(result_dir: str, rank: int, clock: StepClock) -> None:
         "step_times_s": clock.step_times_s,
         "losses": clock.losses,
         "peak_rss_mib": peak_rss_mib(),
+        "io": clock.io,
     }
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))

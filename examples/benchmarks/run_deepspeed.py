@@ -1,6 +1,10 @@
 """One rank of the ``deepspeed`` contender: a raw DeepSpeed ZeRO-3 engine on CPU with gloo.
 
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 run_deepspeed.py --steps N --result-dir DIR
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 run_deepspeed.py --steps N --result-dir DIR [--nvme DIR]
+
+With ``--nvme DIR`` it is ZeRO-Infinity: parameters and optimizer state offloaded to NVMe under DIR
+through DeepSpeed's libaio op (``nvme_config``, the working configuration of
+``shared/research/deepspeed_cpu_peer.md``).
 
 Runs in a separate venv with DeepSpeed installed (Lightning's DeepSpeedStrategy needs CUDA).
 A step is timed around ``engine(x)``, the loss, ``engine.backward`` and ``engine.step``.
@@ -31,20 +35,62 @@ DS_CONFIG = {
 }
 
 
+def nvme_config(nvme_path: str) -> dict:
+    """ZeRO-Infinity: parameters and optimizer state on NVMe under ``nvme_path``.
+
+    The configuration the research note found to work with DeepSpeed 0.19.8 on CPU. With
+    prefetching or parameter reuse on, param swap-in runs out of buffers ("Not enough buffers 0 for
+    swapping 1", deepspeedai/DeepSpeed#3062), so ``stage3_prefetch_bucket_size`` and
+    ``stage3_max_reuse_distance`` are 0 and ``offload_param.buffer_count`` is 16;
+    ``sub_group_size`` 1e7 lowered the peak RSS (4.0 -> 3.2 GiB per rank) and did not abort at exit.
+    ``offload_param.buffer_size`` (elements) must hold the largest parameter (the 6.3M-element
+    embedding). The optimizer (AdamW as in ``DS_CONFIG``) becomes DeepSpeedCPUAdam.
+    """
+    zero = {
+        "stage": 3,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 50_000_000,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": 10_000,
+        "stage3_max_live_parameters": 30_000_000,
+        "stage3_max_reuse_distance": 0,
+        "sub_group_size": 10_000_000,
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "buffer_count": 4,
+            "pipeline_read": False,
+            "pipeline_write": False,
+        },
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": nvme_path,
+            "buffer_count": 16,
+            "buffer_size": 10_000_000,
+            "max_in_cpu": 1_000_000,
+        },
+    }
+    aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
+    return {**DS_CONFIG, "zero_optimization": zero, "aio": aio}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--nvme", help="offload parameters and optimizer state to NVMe in this folder")
     args = parser.parse_args()
+    config = nvme_config(args.nvme) if args.nvme else DS_CONFIG
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(SEED)
     # Partition parameters as they are created, as ZeRO-3 users do for large models.
-    with deepspeed.zero.Init(config_dict_or_path=DS_CONFIG):
+    with deepspeed.zero.Init(config_dict_or_path=config):
         model = GPT()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     data = RandomTokens(args.steps * world_size * MICRO_BATCH, seed=SEED)
     # The same sharding of the data set that Lightning applies for the other contenders.

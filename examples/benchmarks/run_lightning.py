@@ -1,6 +1,11 @@
-"""One rank of a Lightning contender (``zinf``, ``fsdp2`` or ``ddp``); launched by throughput.py.
+"""One rank of a Lightning contender; launched by throughput.py and offload_vs_deepspeed.py.
 
     torchrun --nproc_per_node 2 run_lightning.py {zinf,fsdp2,ddp} --steps N --result-dir DIR
+    torchrun --nproc_per_node 2 run_lightning.py zinf_nvme --nvme DIR --steps N --result-dir DIR
+
+``zinf_nvme`` is ``zinf`` with parameters and optimizer state (fp32 masters, gradients, AdamW
+state) on NVMe: ``OffloadConfig(param="nvme", optimizer="nvme", nvme_path=DIR)``, everything else
+at the strategy's defaults. It also snapshots the swapper's own byte counters with every step.
 
 A step is timed from ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward and the
 optimizer step, plus Lightning's per-batch overhead, which every Lightning contender pays alike.
@@ -66,12 +71,13 @@ class StepTimer(L.Callback):
         self.clock.stop(outputs["loss"].item())
 
 
-def make_strategy(mode: str):
-    if mode == "zinf":
+def make_strategy(mode: str, nvme_path: str | None = None):
+    if mode in ("zinf", "zinf_nvme"):
         import lightning_zinf  # noqa: F401  (registers the strategy names)
-        from lightning_zinf import ZeroInfinityStrategy
+        from lightning_zinf import OffloadConfig, ZeroInfinityStrategy
 
-        return ZeroInfinityStrategy(block_classes=[Block.__name__])
+        offload = OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path) if mode == "zinf_nvme" else None
+        return ZeroInfinityStrategy(block_classes=[Block.__name__], offload=offload)
     if mode == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -79,17 +85,26 @@ def make_strategy(mode: str):
     return "ddp"
 
 
+def swapper_counters(swapper) -> dict[str, int]:
+    """The swapper's own count of the bytes it read and wrote (a cross-check of /proc/self/io)."""
+    return {"swapper_read_bytes": swapper.bytes_read, "swapper_written_bytes": swapper.bytes_written}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["zinf", "fsdp2", "ddp"])
+    parser.add_argument("mode", choices=["zinf", "zinf_nvme", "fsdp2", "ddp"])
+    parser.add_argument("--nvme", help="folder for the swap files (zinf_nvme)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
 
+    if (args.mode == "zinf_nvme") != bool(args.nvme):
+        parser.error("--nvme is required with zinf_nvme and only with it")
+
     world_size = int(os.environ["WORLD_SIZE"])
     clock = StepClock()
     trainer = L.Trainer(
-        strategy=make_strategy(args.mode),
+        strategy=make_strategy(args.mode, args.nvme),
         accelerator="cpu",
         devices=world_size,
         max_steps=args.steps,
@@ -99,6 +114,8 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if args.mode == "zinf_nvme":
+        clock.extra_counters = lambda: swapper_counters(trainer.strategy.engine.swapper)
     trainer.fit(GPTModule(args.mode, num_samples=args.steps * world_size * MICRO_BATCH))
     write_rank_result(args.result_dir, trainer.global_rank, clock)
 

@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,33 +54,50 @@ WARMUP_STEPS = 2
 DEFAULT_DS_PYTHON = "/work/dsvenv/bin/python"
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def benchmark_parser(description: str, contenders: Sequence[str], default_out: Path) -> argparse.ArgumentParser:
+    """The options every side-by-side benchmark driver has (``--only`` chooses among ``contenders``)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=7, help=f"steps per contender; the first {WARMUP_STEPS} are warm-up")
-    parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated contenders to run")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "throughput.json", help="JSON results path")
+    parser.add_argument("--only", default=",".join(contenders), help="comma-separated contenders to run")
+    parser.add_argument("--out", type=Path, default=default_out, help="JSON results path")
     parser.add_argument(
         "--python-deepspeed",
         default=DEFAULT_DS_PYTHON if Path(DEFAULT_DS_PYTHON).exists() else sys.executable,
         help="interpreter of a venv with DeepSpeed, for the deepspeed contender",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a contender is killed")
-    args = parser.parse_args()
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, contenders: Sequence[str]) -> None:
+    """Validates ``--steps`` and turns ``--only`` into a list of contender names."""
     args.only = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = set(args.only) - set(CONTENDERS)
+    unknown = set(args.only) - set(contenders)
     if not args.only or unknown:
-        parser.error(f"--only must name one or more of {CONTENDERS}, got {args.only}")
+        parser.error(f"--only must name one or more of {tuple(contenders)}, got {args.only}")
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = benchmark_parser(__doc__, CONTENDERS, HERE / "results" / "throughput.json")
+    args = parser.parse_args()
+    check_args(parser, args, CONTENDERS)
     return args
 
 
-def launch_command(name: str, args: argparse.Namespace, result_dir: str) -> tuple[list[str], dict[str, str]]:
-    """The torchrun command line and environment of one contender."""
+def launch_command(
+    name: str, args: argparse.Namespace, result_dir: str, script_args: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line and environment of one contender.
+
+    A contender whose name starts with ``deepspeed`` runs run_deepspeed.py in the DeepSpeed venv;
+    any other runs run_lightning.py with its name as the mode. ``script_args`` go to the script.
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # lightning_zinf is imported from this checkout whether or not it is installed.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    if name == "deepspeed":
+    if name.startswith("deepspeed"):
         python, script, mode = args.python_deepspeed, "run_deepspeed.py", []
         env["DS_ACCELERATOR"] = "cpu"
         # As if that venv were activated: DeepSpeed JIT-builds its ops with the first `ninja` on
@@ -91,15 +109,15 @@ def launch_command(name: str, args: argparse.Namespace, result_dir: str) -> tupl
     else:
         python, script, mode = sys.executable, "run_lightning.py", [name]
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}"]
-    rest = ["--steps", str(args.steps), "--result-dir", result_dir]
+    rest = ["--steps", str(args.steps), "--result-dir", result_dir, *script_args]
     return [*torchrun, str(HERE / script), *mode, *rest], env
 
 
-def run_contender(name: str, args: argparse.Namespace, log_dir: Path) -> dict:
+def run_contender(name: str, args: argparse.Namespace, log_dir: Path, script_args: Sequence[str] = ()) -> dict:
     """Runs one contender to completion and returns its raw per-rank results and status."""
     log_path = log_dir / f"{name}.log"
     with tempfile.TemporaryDirectory(prefix=f"zinf_bench_{name}_") as result_dir:
-        cmd, env = launch_command(name, args, result_dir)
+        cmd, env = launch_command(name, args, result_dir, script_args)
         start = time.perf_counter()
         with open(log_path, "w") as log:
             # A new session, so that on timeout the whole torchrun tree can be killed at once.
@@ -123,7 +141,7 @@ def read_rank_result(path: Path) -> dict | None:
 
 
 def summarize(ranks: list[dict]) -> dict:
-    """s/step and tokens/s from rank 0's timed steps; peak RSS of every rank."""
+    """s/step and tokens/s from rank 0's timed steps; peak RSS and I/O bytes per timed step of every rank."""
     timed = ranks[0]["step_times_s"][WARMUP_STEPS:]
     mean_step_s = sum(timed) / len(timed)
     tokens_per_step = RANKS * MICRO_BATCH * GPTConfig().seq_len
@@ -132,7 +150,23 @@ def summarize(ranks: list[dict]) -> dict:
         "mean_step_s": mean_step_s,
         "tokens_per_s": tokens_per_step / mean_step_s,
         "peak_rss_mib": [rank["peak_rss_mib"] for rank in ranks],
+        "bytes_per_step": bytes_per_step(ranks),
         "losses": ranks[0]["losses"],
+    }
+
+
+def bytes_per_step(ranks: list[dict]) -> dict[str, list[float]]:
+    """For each I/O counter (``read_bytes``, ``write_bytes``, ...): each rank's mean per timed step.
+
+    Taken between the snapshot after the last warm-up step and the one after the last step, so
+    I/O that runs on between steps (write-behind) counts too.
+    """
+    if not all(rank.get("io") for rank in ranks):
+        return {}
+    timed = len(ranks[0]["step_times_s"]) - WARMUP_STEPS
+    return {
+        key: [(rank["io"][-1][key] - rank["io"][WARMUP_STEPS][key]) / timed for rank in ranks]
+        for key in ranks[0]["io"][0]
     }
 
 
@@ -148,9 +182,9 @@ def error_line(path: Path) -> str:
     return (errors or lines or ["(no output)"])[-1][:160]
 
 
-def zinf_ratios(results: dict) -> dict:
-    """For each peer: zinf tokens/s / peer tokens/s, and zinf max-rank RSS / peer max-rank RSS."""
-    zinf = results.get("zinf", {})
+def zinf_ratios(results: dict, ours: str = "zinf") -> dict:
+    """For each peer: our tokens/s / peer tokens/s, and our max-rank RSS / peer max-rank RSS."""
+    zinf = results.get(ours, {})
     if zinf.get("status") != "ok":
         return {}
     return {
@@ -159,16 +193,23 @@ def zinf_ratios(results: dict) -> dict:
             "memory": max(zinf["peak_rss_mib"]) / max(peer["peak_rss_mib"]),
         }
         for name, peer in results.items()
-        if name != "zinf" and peer["status"] == "ok"
+        if name != ours and peer["status"] == "ok"
     }
 
 
-def format_table(results: dict, ratios: dict) -> str:
-    header = ("contender", "s/step", "tokens/s", "RSS r0 MiB", "RSS r1 MiB", "zinf/peer tok/s", "zinf/peer RSS", "note")
+# An extra table column: its header and a function of a finished contender's results.
+Column = tuple[str, Callable[[dict], str]]
+
+
+def format_table(results: dict, ratios: dict, extra_columns: Sequence[Column] = ()) -> str:
+    header = (
+        "contender", "s/step", "tokens/s", "RSS r0 MiB", "RSS r1 MiB",
+        *(title for title, _ in extra_columns), "zinf/peer tok/s", "zinf/peer RSS", "note",
+    )
     rows = [header]
     for name, res in results.items():
         if res["status"] != "ok":
-            rows.append((name, "FAILED", *["-"] * 5, res["error"]))
+            rows.append((name, "FAILED", *["-"] * (len(header) - 3), res["error"]))
             continue
         ratio = ratios.get(name)
         rows.append((
@@ -176,6 +217,7 @@ def format_table(results: dict, ratios: dict) -> str:
             f"{res['mean_step_s']:.3f}",
             f"{res['tokens_per_s']:.1f}",
             *(f"{rss:.0f}" for rss in res["peak_rss_mib"]),
+            *(cell(res) for _, cell in extra_columns),
             f"{ratio['throughput']:.2f}" if ratio else "-",
             f"{ratio['memory']:.2f}" if ratio else "-",
             "; ".join(notes(res)),
@@ -210,20 +252,29 @@ def setup_record(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    args = parse_args()
+def run_all(
+    args: argparse.Namespace, record: dict, tag: str, ours: str = "zinf", script_args: dict[str, list[str]] | None = None
+) -> tuple[dict, dict]:
+    """Runs the contenders of ``args.only`` one after another (``script_args[name]`` passed to each
+    one's script), writing ``args.out`` after each; returns the results and ``ours``'s ratios."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="zinf_bench_logs_"))
-    record = setup_record(args)
     results: dict[str, dict] = {}
+    ratios: dict = {}
     for name in args.only:
-        print(f"[throughput] running {name} ...", flush=True)
-        results[name] = run_contender(name, args, log_dir)
+        print(f"[{tag}] running {name} ...", flush=True)
+        results[name] = run_contender(name, args, log_dir, (script_args or {}).get(name, ()))
         res = results[name]
-        print(f"[throughput] {name}: {res['status']} in {res['wall_s']:.0f} s (log {res['log']})", flush=True)
+        print(f"[{tag}] {name}: {res['status']} in {res['wall_s']:.0f} s (log {res['log']})", flush=True)
         # Written after every contender so that an interrupted run keeps what it measured.
-        ratios = zinf_ratios(results)
+        ratios = zinf_ratios(results, ours)
         args.out.write_text(json.dumps({**record, "results": results, "zinf_ratios": ratios}, indent=2))
+    return results, ratios
+
+
+def main() -> None:
+    args = parse_args()
+    results, ratios = run_all(args, setup_record(args), "throughput")
     print()
     print(format_table(results, ratios))
     print(f"\nresults: {args.out}")
