@@ -99,7 +99,7 @@ class OffloadConfig:
             shards being written). Buffers are page-aligned (``O_DIRECT`` without a copy), reused
             by size, and never exceed the cap: when it is reached, writes in flight are completed
             to free buffers, and if that is not enough training stops with an error naming this
-            option. ``None``: half of this machine's memory shared among the ranks on it
+            option. ``None``: an eighth of this machine's memory shared among the ranks on it
             (``LOCAL_WORLD_SIZE``, else the world size). What DeepSpeed splits into
             ``buffer_count`` x ``buffer_size`` (per kind) is one budget here; how many buffers are
             in use at once follows ``read_ahead`` (parameters) and ``sub_group_size`` (optimizer).
@@ -117,7 +117,7 @@ class OffloadConfig:
     param: str = "none"
     optimizer: str = "none"
     nvme_path: Optional[str] = None
-    sub_group_size: int = 100_000_000
+    sub_group_size: int = 25_000_000
     read_ahead: int = 2
     overlap: bool = True
     activations: bool = False

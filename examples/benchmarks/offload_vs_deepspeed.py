@@ -6,7 +6,8 @@ with parameters and optimizer state (fp32 masters, gradients, Adam moments) on N
 
   zinf_nvme       Lightning + ZeroInfinityStrategy(block_classes=["Block"],
                   offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=...)),
-                  every other option at its default (run_lightning.py)
+                  every other option at its default, torch.optim.AdamW(fused=True): the step
+                  runs on the CPU, as DeepSpeed's runs its vectorised CPU Adam (run_lightning.py)
   deepspeed_nvme  a raw DeepSpeed ZeRO-3 engine with offload_param and offload_optimizer on
                   device "nvme" through its libaio op, in the configuration that works on this
                   machine (run_deepspeed.py's nvme_config: prefetch and reuse distance 0 against

@@ -689,7 +689,7 @@ def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.dev
     cap = config.staging_bytes
     if cap is None:
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))
-        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (2 * max(ranks_here, 1))
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (8 * max(ranks_here, 1))
     folder = os.path.join(config.nvme_path, f"zinf-rank{comm.rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     swapper = NvmeSwapper(folder, config.aio)
     # At a clean exit: multiprocessing's exit hook covers worker processes (which leave through

@@ -60,6 +60,7 @@ class SwapSpace:
                 can give a buffer back; the message names ``OffloadConfig.staging_bytes`` and what
                 else lowers the need.
         """
+        self.reap()  # buffers of completed writes first, so that they are reused, not added
         while True:
             buffer = self.pool.take(nbytes, capped=not self._uncapped)
             if buffer is not None:
@@ -96,8 +97,13 @@ class SwapSpace:
         self._ahead.append(record)
 
     def wrote(self, record: "SwapRecord") -> None:
-        """``record`` has a write in flight; its buffer comes back once the write completes."""
+        """``record`` has a write in flight; its buffer comes back once the write completes. Writes
+        behind are bounded to a quarter of the cap: a producer faster than the disk (partitioning
+        a model, the step) waits for the oldest instead of filling staging memory with them."""
         self._writing.append(record)
+        if self.pool.cap is not None and not self._uncapped:
+            while sum(r.nbytes for r in self._writing if r.writing) > self.pool.cap // 4 and len(self._writing) > 1:
+                self._writing.popleft().settle()
 
     def reap(self) -> None:
         """Give back the buffers of completed writes, without waiting for the others."""

@@ -1,0 +1,255 @@
+"""The largest model this machine trains: a multi-billion-parameter GPT with ZeRO-Infinity NVMe offload.
+
+``zinf`` (the default): one process builds a GPT (examples/gpt.py) on the meta device, partitions it
+with :class:`~lightning_zinf.ZeroEngine` (transformer blocks as units) with parameters and optimizer
+state on NVMe (``OffloadConfig(param="nvme", optimizer="nvme")``), and takes real AdamW steps
+(``fused=True``, torch's vectorised CPU AdamW) on random tokens, micro-batch 1 x 128 tokens, fp32.
+Measured in the same run:
+  - the training state: bytes per parameter on NVMe (fp32 master, which is the parameter shard, the
+    fp32 gradient and the two Adam moments) and its total against this machine's RAM;
+  - per step: wall time, bytes read from and written to the swap files (the swapper's counters);
+  - peak RSS (``ru_maxrss``) against RAM;
+  - the bound: bytes read / the disk's read bandwidth + bytes written / its write bandwidth + the
+    step's matmul FLOPs (6 x parameters x tokens) / the measured matmul rate. Both rates are
+    measured first, in this run: sequential ``O_DIRECT`` writes and reads of a 2 GiB file in 1 MiB
+    blocks, by 1 and by 4 threads (the better is used), in the swap folder's filesystem, and an fp32
+    ``(128, d) x (d, 4d)`` matmul, the shape of the model's largest;
+  - the largest model that DDP and FSDP2 could train here, by arithmetic: fp32 AdamW keeps 16 bytes
+    per parameter in RAM (parameter, gradient, two moments), replicated per rank under DDP and
+    sharded under FSDP2, whose ranks share this machine's RAM.
+
+``overlap``: the same training at a given size twice, with overlap on (prefetch along the trace,
+shards read ahead, the next optimizer sub-group read while one steps, writes behind) and off
+(``OffloadConfig(overlap=False, read_ahead=0)``, ``PrefetchConfig(enabled=False)``), and the ratio.
+
+``ddp``: plain single-process PyTorch, what each DDP rank holds (the model, its gradients and AdamW
+state in RAM), at the given size, with the address space limited to this machine's RAM so that a
+model too large fails with an allocation error instead of invoking the kernel's OOM killer. Run it
+just above the arithmetic limit to confirm it.
+
+    python examples/benchmarks/scale.py zinf [--layers 29 --d-model 3072] [--steps 3] [--nvme-root /tmp]
+    python examples/benchmarks/scale.py overlap --layers 8 --d-model 2048 --steps 4
+    python examples/benchmarks/scale.py ddp --layers 14 --d-model 3072
+
+--nvme-root needs room for 16 bytes per parameter (53 GB for the default 3.3B model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from examples.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
+from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters  # noqa: E402
+from lightning_zinf.offload import aligned_empty  # noqa: E402
+from lightning_zinf.offload.aligned import memory_view  # noqa: E402
+
+GIB = 1 << 30
+TOKENS = 128
+BYTES_PER_PARAM_RAM = 16  # fp32 AdamW in RAM: parameter, gradient, exp_avg, exp_avg_sq
+
+
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def disk_bandwidth(folder: Path, threads: int, nbytes: int = 2 * GIB, chunk: int = 256 << 20) -> tuple[float, float]:
+    """Sequential O_DIRECT write and read bandwidth of ``folder``'s disk, bytes/s: a ``nbytes`` file
+    written, then read, in 1 MiB blocks by ``threads`` threads from one ``chunk``-byte buffer (so
+    the measurement adds little to the peak RSS reported later)."""
+    buf = aligned_empty(chunk, torch.uint8).random_(0, 256)
+    view = memory_view(buf.data_ptr(), chunk)
+    block = 1 << 20
+    path = folder / "bandwidth.bin"
+    rates = []
+    for flags, call in ((os.O_WRONLY | os.O_CREAT, os.pwritev), (os.O_RDONLY, os.preadv)):
+        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+        start = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(lambda off: call(fd, [view[off % chunk : off % chunk + block]], off),
+                              range(0, nbytes, block)))
+            if call is os.pwritev:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        rates.append(nbytes / (time.perf_counter() - start))
+    path.unlink()
+    return rates[0], rates[1]
+
+
+def matmul_rate(d: int) -> float:
+    """fp32 FLOP/s of the model's largest matmul shape, (TOKENS, d) x (d, 4d)."""
+    x, w = torch.randn(TOKENS, d), torch.randn(4 * d, d)
+    torch.nn.functional.linear(x, w)
+    start = time.perf_counter()
+    for _ in range(5):
+        torch.nn.functional.linear(x, w)
+    return 5 * 2 * TOKENS * d * 4 * d / (time.perf_counter() - start)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 1e9:.1f} GB ({n / GIB:.1f} GiB)"
+
+
+def train(cfg: GPTConfig, steps: int, folder: Path, **offload) -> tuple[int, int, list[tuple[float, int, int, float]]]:
+    """Partition a GPT onto NVMe under ``folder`` and take ``steps`` AdamW steps.
+
+    Returns:
+        ``(parameters, bytes on NVMe, rows)``, one row per step: seconds, bytes read, bytes
+        written, loss.
+    """
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with meta_parameters():
+        model = GPT(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine = ZeroEngine(model, block_classes=[Block], prefetch=PrefetchConfig(enabled=offload.pop("prefetch", True)),
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=str(folder), **offload))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    print(f"{n_params / 1e9:.2f}B parameters, partitioned onto NVMe in {time.perf_counter() - start:.0f} s", flush=True)
+    swapper = engine.swapper
+    rows = []
+    for step in range(steps):
+        x = torch.randint(0, cfg.vocab_size, (1, TOKENS + 1), generator=torch.Generator().manual_seed(step))
+        read0, written0 = swapper.bytes_read, swapper.bytes_written
+        start = time.perf_counter()
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        engine.release_all()
+        seconds = time.perf_counter() - start
+        rows.append((seconds, swapper.bytes_read - read0, swapper.bytes_written - written0, loss.item()))
+        print(f"step {step}: {seconds:.1f} s, loss {loss.item():.4f}, read {fmt_bytes(rows[-1][1])}, "
+              f"written {fmt_bytes(rows[-1][2])}, peak RSS {fmt_bytes(peak_rss())}", flush=True)
+    on_disk = engine.resident_bytes()["nvme"]
+    swapper.close()
+    return n_params, on_disk, rows
+
+
+def steady(rows: list[tuple[float, int, int, float]]) -> tuple[float, float, float]:
+    """Mean seconds, bytes read and bytes written per step, without step 0 (which creates the Adam
+    moments: they are written, never read)."""
+    kept = rows[1:] or rows
+    return tuple(sum(r[k] for r in kept) / len(kept) for k in range(3))  # type: ignore[return-value]
+
+
+def run_zinf(cfg: GPTConfig, steps: int, nvme_root: Path) -> int:
+    ram = ram_bytes()
+    folder = Path(tempfile.mkdtemp(prefix="zinf-scale-", dir=nvme_root))
+    try:
+        # The disk's best: one stream, or as many as the swapper runs (AioConfig's default 4 threads).
+        measured = {threads: disk_bandwidth(folder, threads) for threads in (1, 4)}
+        write_bw = max(w for w, _ in measured.values())
+        read_bw = max(r for _, r in measured.values())
+        flops_rate = matmul_rate(cfg.d_model)
+        for threads, (w, r) in measured.items():
+            print(f"disk (O_DIRECT, 1 MiB blocks, {threads} thread(s)): write {w / 1e9:.2f} GB/s, read {r / 1e9:.2f} GB/s")
+        print(f"matmul (128 x {cfg.d_model}) x ({cfg.d_model} x {4 * cfg.d_model}) fp32: {flops_rate / 1e9:.0f} GFLOP/s",
+              flush=True)
+        n_params, on_disk, rows = train(cfg, steps, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+    seconds, read, written = steady(rows)
+    flops = 6 * n_params * TOKENS
+    bound = read / read_bw + written / write_bw + flops / flops_rate
+    largest_ddp = ram / BYTES_PER_PARAM_RAM
+    print()
+    print(f"model                    {n_params / 1e9:.2f}B parameters (d_model {cfg.d_model}, {cfg.n_layers} layers)")
+    print(f"training state on NVMe   {fmt_bytes(on_disk)} = {on_disk / n_params:.1f} B/parameter "
+          f"= {on_disk / ram:.2f}x this machine's RAM ({fmt_bytes(ram)})")
+    print(f"peak RSS                 {fmt_bytes(peak_rss())} = {peak_rss() / ram:.2f}x RAM (target < 0.5)")
+    print(f"step time (steps 1-)     {seconds:.1f} s")
+    print(f"bytes per step           read {fmt_bytes(read)}, written {fmt_bytes(written)}")
+    print(f"bound                    {bound:.1f} s = read {read / read_bw:.1f} + write {written / write_bw:.1f} "
+          f"+ compute {flops / flops_rate:.1f}")
+    print(f"step / bound             {seconds / bound:.2f} (target <= 2)")
+    print(f"DDP, by arithmetic       fp32 AdamW holds {BYTES_PER_PARAM_RAM} B/parameter in RAM per replica: at most "
+          f"{largest_ddp / 1e9:.2f}B parameters with 1 rank, {largest_ddp / 2e9:.2f}B with 2 (before activations)")
+    print(f"FSDP2, by arithmetic     the same {BYTES_PER_PARAM_RAM} B/parameter sharded over ranks that share this RAM: "
+          f"at most {largest_ddp / 1e9:.2f}B parameters (CPU offload moves it to the same RAM)")
+    print(f"this run / DDP limit     {n_params / largest_ddp:.1f}x")
+    return 0
+
+
+def run_overlap(cfg: GPTConfig, steps: int, nvme_root: Path) -> int:
+    """The same training with every overlap on (prefetch along the trace, shards read ahead, the
+    next optimizer sub-group read while one steps, writes behind) and off (each transfer completes
+    before the work that follows it starts); small sub-groups so that the step has several."""
+    results = {}
+    for name, knobs in (("on", {}), ("off", {"overlap": False, "read_ahead": 0, "prefetch": False})):
+        folder = Path(tempfile.mkdtemp(prefix="zinf-overlap-", dir=nvme_root))
+        try:
+            print(f"overlap {name}:", flush=True)
+            _, _, rows = train(cfg, steps, folder, sub_group_size=10_000_000, **knobs)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        results[name] = steady(rows)[0]
+        if name == "off":
+            print(f"losses equal with overlap on and off: {[r[3] for r in rows] == losses}")
+        losses = [r[3] for r in rows]
+    print(f"\ns/step: overlap on {results['on']:.2f}, off {results['off']:.2f}; "
+          f"speed-up from overlap {results['off'] / results['on']:.2f}x")
+    return 0
+
+
+def run_ddp(cfg: GPTConfig) -> int:
+    ram = ram_bytes()
+    resource.setrlimit(resource.RLIMIT_AS, (ram, ram))
+    n_params = 12 * cfg.n_layers * cfg.d_model**2 + (cfg.vocab_size + cfg.seq_len) * cfg.d_model
+    print(f"plain PyTorch (one DDP rank's state), {n_params / 1e9:.2f}B parameters, "
+          f"needs {fmt_bytes(BYTES_PER_PARAM_RAM * n_params)} for fp32 AdamW; address space capped at RAM "
+          f"({fmt_bytes(ram)})", flush=True)
+    stage = "building the model"
+    try:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        x = torch.randint(0, cfg.vocab_size, (1, TOKENS + 1))
+        stage = "forward and backward"
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        stage = "the optimizer step"
+        opt.step()
+    except (MemoryError, RuntimeError) as error:
+        print(f"FAILED during {stage}: {type(error).__name__}: {str(error).splitlines()[0][:200]}; "
+              f"peak RSS {fmt_bytes(peak_rss())}")
+        return 1
+    print(f"trained one step; peak RSS {fmt_bytes(peak_rss())}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", choices=("zinf", "overlap", "ddp"), default="zinf")
+    parser.add_argument("--layers", type=int, default=29)
+    parser.add_argument("--d-model", type=int, default=3072)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (zinf); the first creates the moments")
+    parser.add_argument("--nvme-root", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args(argv)
+    cfg = GPTConfig(vocab_size=8192, d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 128,
+                    seq_len=TOKENS)
+    if args.mode == "ddp":
+        return run_ddp(cfg)
+    return (run_zinf if args.mode == "zinf" else run_overlap)(cfg, args.steps, args.nvme_root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
