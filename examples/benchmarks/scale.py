@@ -194,7 +194,7 @@ def run_overlap(cfg: GPTConfig, steps: int, nvme_root: Path) -> int:
     """The same training with every overlap on (prefetch along the trace, shards read ahead, the
     next optimizer sub-group read while one steps, writes behind) and off (each transfer completes
     before the work that follows it starts); small sub-groups so that the step has several."""
-    results = {}
+    results, losses = {}, {}
     for name, knobs in (("on", {}), ("off", {"overlap": False, "read_ahead": 0, "prefetch": False})):
         folder = Path(tempfile.mkdtemp(prefix="zinf-overlap-", dir=nvme_root))
         try:
@@ -203,9 +203,8 @@ def run_overlap(cfg: GPTConfig, steps: int, nvme_root: Path) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         results[name] = steady(rows)[0]
-        if name == "off":
-            print(f"losses equal with overlap on and off: {[r[3] for r in rows] == losses}")
-        losses = [r[3] for r in rows]
+        losses[name] = [r[3] for r in rows]
+    print(f"losses equal with overlap on and off: {losses['on'] == losses['off']}")
     print(f"\ns/step: overlap on {results['on']:.2f}, off {results['off']:.2f}; "
           f"speed-up from overlap {results['off'] / results['on']:.2f}x")
     return 0
