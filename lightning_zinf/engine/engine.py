@@ -264,14 +264,19 @@ class ZeroEngine:
 
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
         """
-        # Masters are made from the shards, which may be on NVMe.
-        with self.param_offload.resident(self.groups, write_back=False) if self.param_offload else contextlib.nullcontext():
-            if self.offload is not None:
-                self.offload.place_masters()
-            elif self.offload_config.param != "none":
-                # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be it.
-                for group in self.groups:
-                    if group.trainable:
+        # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
+        def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
+            if self.param_offload is None:
+                return contextlib.nullcontext()
+            return self.param_offload.resident([group], write_back=False)
+
+        if self.offload is not None:
+            self.offload.place_masters(shard_resident)
+        elif self.offload_config.param != "none":
+            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be it.
+            for group in self.groups:
+                if group.trainable and group.master is None:
+                    with shard_resident(group):
                         group.make_master(separate=True)
         shard_optimizer(optimizer, self.groups)
         if self.offload is not None and self.offload.nvme:

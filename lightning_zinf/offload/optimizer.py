@@ -21,7 +21,7 @@ background (the swapper's threads release the GIL).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -70,30 +70,39 @@ class OptimizerOffload:
         self.clip_coef: Optional[Tensor] = None
 
     # --- placement --------------------------------------------------------------------------------
-    def place_masters(self) -> None:
+    def place_masters(self, shard_resident: Callable[[FlatGroup], ContextManager[None]]) -> None:
         """Create every trainable group's fp32 master on the CPU (separate from the compute shard),
-        and with ``nvme`` swap it out. Idempotent; call before the optimizer is sharded."""
+        and with ``nvme`` swap it out. Idempotent; call before the optimizer is sharded.
+
+        Args:
+            shard_resident: Keeps a group's parameter shard in memory for the block (it may be on
+                NVMe); one group at a time, so that no more than one shard is in memory at once.
+        """
         cpu = torch.device("cpu")
         for i in self.trainable:
             group = self.groups[i]
             if group.master is not None:
                 continue
-            group.make_master(state_device=cpu, separate=True)
-            if not self.nvme:
-                continue
-            group.swapped_optimizer = True
-            if self.params is not None and group.dtype == torch.float32:
-                # An fp32 shard holds exactly the master's values: one record serves both, which
-                # saves writing the shard after every step (ZeRO-Infinity keeps one fp32 copy too).
-                record = self.params.record(group)  # in memory: this runs inside params.resident
-                for tensor, offset in group.layout("master"):
-                    record.attach(tensor, "shard", offset)
-                self._shared.add(i)
-            else:
-                record = self._record(f"g{i}.master", group, "master")
-                record.swap_out()
-            self._masters[i] = record
+            with shard_resident(group):
+                self._place_master(i, group, cpu)
         self.settle_all()
+
+    def _place_master(self, i: int, group: FlatGroup, cpu: torch.device) -> None:
+        group.make_master(state_device=cpu, separate=True)
+        if not self.nvme:
+            return
+        group.swapped_optimizer = True
+        if self.params is not None and group.dtype == torch.float32:
+            # An fp32 shard holds exactly the master's values: one record serves both, which
+            # saves writing the shard after every step (ZeRO-Infinity keeps one fp32 copy too).
+            record = self.params.record(group)  # in memory: inside shard_resident
+            for tensor, offset in group.layout("master"):
+                record.attach(tensor, "shard", offset)
+            self._shared.add(i)
+        else:
+            record = self._record(f"g{i}.master", group, "master")
+            record.swap_out()
+        self._masters[i] = record
 
     # --- gradients during backward ----------------------------------------------------------------
     def before_accumulate(self, index: int) -> None:
