@@ -133,15 +133,19 @@ def train(cfg: GPTConfig, steps: int, folder: Path, **offload) -> tuple[int, int
     for step in range(steps):
         x = torch.randint(0, cfg.vocab_size, (1, TOKENS + 1), generator=torch.Generator().manual_seed(step))
         read0, written0 = swapper.bytes_read, swapper.bytes_written
-        start = time.perf_counter()
+        marks = [time.perf_counter()]
         loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        marks.append(time.perf_counter())
         loss.backward()
+        marks.append(time.perf_counter())
         opt.step()
         opt.zero_grad()
         engine.release_all()
-        seconds = time.perf_counter() - start
+        marks.append(time.perf_counter())
+        seconds = marks[-1] - marks[0]
         rows.append((seconds, swapper.bytes_read - read0, swapper.bytes_written - written0, loss.item()))
-        print(f"step {step}: {seconds:.1f} s, loss {loss.item():.4f}, read {fmt_bytes(rows[-1][1])}, "
+        phases = ", ".join(f"{name} {b - a:.1f}" for name, a, b in zip(("forward", "backward", "step"), marks, marks[1:]))
+        print(f"step {step}: {seconds:.1f} s ({phases}), loss {loss.item():.4f}, read {fmt_bytes(rows[-1][1])}, "
               f"written {fmt_bytes(rows[-1][2])}, peak RSS {fmt_bytes(peak_rss())}", flush=True)
     on_disk = engine.resident_bytes()["nvme"]
     swapper.close()
