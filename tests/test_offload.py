@@ -306,3 +306,42 @@ def test_scale_benchmark_runs_and_overlap_changes_no_result(tmp_path: Path, caps
     assert scale.main(["overlap", *tiny]) == 0
     assert "losses equal with overlap on and off: True" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def _bf16_with_an_edit(rank: int, world: int, offload: dict) -> dict:
+    """bf16 parameters (fp32 masters: a record of their own on NVMe), 3 AdamW steps, then an edit
+    of the full weights written back into the shards and masters, then 2 more steps."""
+    torch.manual_seed(0)
+    model = models.GPT().to(torch.bfloat16)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(**offload))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    per_rank = BATCH // world
+    losses = []
+    for step in range(5):
+        if step == 3:
+            with engine.gathered(write_back=True), torch.no_grad():
+                model.wte.weight.mul_(0.5)
+        x, y = models.make_batch("gpt", step, BATCH)
+        loss = models.loss_fn(model, x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights}
+
+
+def test_bf16_parameters_and_an_edit_on_nvme_match_no_offload(tmp_path: Path) -> None:
+    """With bf16 parameters the fp32 master is not the parameter shard: both are swapped as records
+    of their own; an edit inside ``gathered(write_back=True)`` reaches both. Bit for bit as no
+    offload."""
+    want = run_distributed(_bf16_with_an_edit, 2, {})
+    got = run_distributed(_bf16_with_an_edit, 2, {"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path),
+                                                  "sub_group_size": 5_000})
+    for g, w in zip(got, want):
+        assert g["losses"] == w["losses"]
+        for name, value in w["weights"].items():
+            assert torch.equal(g["weights"][name], value), name
+    assert list(tmp_path.iterdir()) == []

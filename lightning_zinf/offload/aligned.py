@@ -58,6 +58,12 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, alignment: int = ALIGNMENT,
             f"multiple of {dtype}'s item size ({itemsize} bytes), e.g. 4096."
         )
     padded = round_up(numel * itemsize, alignment)
+    if pin_memory:
+        # The accelerator's host allocator hands out page-aligned blocks of its own sizes:
+        # over-allocating would double a power-of-two request.
+        pinned = torch.empty(max(padded, alignment), dtype=torch.uint8, pin_memory=True)
+        if pinned.data_ptr() % alignment == 0:
+            return pinned[:padded].view(dtype)[:numel]
     # Over-allocate by one alignment unit and start at the first aligned byte: torch's CPU
     # allocator only guarantees 64-byte alignment.
     raw = torch.empty(padded + alignment, dtype=torch.uint8, pin_memory=pin_memory)

@@ -102,6 +102,7 @@ class OptimizerOffload:
         else:
             record = self._record(f"g{i}.master", group, "master")
             record.swap_out()
+            record.settle()  # written now: placing every master must not fill memory with writes
         self._masters[i] = record
 
     # --- gradients during backward ----------------------------------------------------------------
@@ -275,6 +276,9 @@ class OptimizerOffload:
             self.settle_all()
             try:
                 yield
+            except BaseException:
+                write_back = False  # a failed load: the files keep the state from before
+                raise
             finally:
                 if write_back:  # a load may have replaced the optimizers' state tensors
                     for optimizer in optimizers:
@@ -299,11 +303,20 @@ class OptimizerOffload:
         found: list[tuple[dict, str, int]] = []
         for fragment, (lo, _) in zip(group.fragments, group.owned_ranges()):
             state = optimizer.state.get(fragment, {})
-            for name, value in state.items():
-                if isinstance(value, Tensor) and value.shape == fragment.shape and fragment.numel() > 0:
+            for name, value in list(state.items()):
+                if not isinstance(value, Tensor) or value.shape != fragment.shape:
+                    continue
+                if fragment.numel() > 0:
                     found.append((state, name, lo))
+                elif value._base is not None:  # an empty view of a loaded flat state keeps it alive
+                    state[name] = value.new_empty(value.shape)
         ids = {id(state[name]) for state, name, _ in found}
         old = self._state_of.get((o, i))
+        if old is not None and not found:  # a load left no state here: retire the record
+            self._states[i].remove(old[0])
+            old[0].discard()
+            del self._state_of[(o, i)]
+            return
         if not found or (old is not None and old[1] == ids):
             return
         regions: dict[str, torch.dtype] = {}

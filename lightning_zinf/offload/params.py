@@ -92,6 +92,9 @@ class ParamOffload:
                 record.settle()
             try:
                 yield
+            except BaseException:
+                write_back = False  # a failed edit or load: the files keep the state from before
+                raise
             finally:
                 for record in records:
                     record.swap_out(write=write_back)

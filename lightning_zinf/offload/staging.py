@@ -67,6 +67,8 @@ class StagingPool:
         self.in_use -= size
         if self.cap is not None and self.held > self.cap:
             self.held -= size
+            del buffer
+            self._release_pinned()
             return
         self._free.setdefault(size, []).append(buffer)
 
@@ -78,3 +80,9 @@ class StagingPool:
                 kept.pop()
                 self.held -= size
                 need -= size
+        self._release_pinned()
+
+    def _release_pinned(self) -> None:
+        # Pinned blocks go back to the accelerator's host cache when freed, not to the OS.
+        if self.pin_memory and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()

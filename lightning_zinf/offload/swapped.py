@@ -94,6 +94,7 @@ class SwapSpace:
 
     def read_ahead(self, record: "SwapRecord") -> None:
         """``record`` was swapped in ahead of need: its buffer may be taken back under pressure."""
+        self._ahead = [r for r in self._ahead if r.ahead]  # used or released since: forgotten
         self._ahead.append(record)
 
     def wrote(self, record: "SwapRecord") -> None:
@@ -207,7 +208,11 @@ class SwapRecord:
                 self._release()
         if self._read is not None:
             read, self._read = self._read, None
-            read.wait()
+            try:
+                read.wait()
+            except BaseException:
+                self._release()  # the buffer holds no valid bytes: nothing may use or save them
+                raise
 
     def reap(self) -> bool:
         """If a write has completed, give the buffer back (non-blocking); True when no write is in flight."""
@@ -253,6 +258,7 @@ class SwapRecord:
         if self._read is not None:
             self._read.wait()
             self._read = None
+        self.ahead = False
         if self._buffer is not None:
             lo = self._buffer.data_ptr()
             with torch.no_grad():
