@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from lightning_zinf.engine import ZeroEngine
@@ -175,14 +174,8 @@ def save_sharded(
     comm.barrier()
 
     engine.release_all()
-    owners = _owner_of(list(optimizers))
-    tensors: dict[str, Tensor] = {}
-    with engine.state_resident(write_back=False):
-        for i, group in enumerate(engine.groups):
-            tensors.update(_group_tensors(i, group, owners))
-        data = safetensors_bytes({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-    (staging / shard_file(comm.rank)).write_bytes(data)
-    checksums = comm.all_gather_object(hashlib.sha256(data).hexdigest())
+    checksum = _write_shard(engine, _owner_of(list(optimizers)), staging / shard_file(comm.rank))
+    checksums = comm.all_gather_object(checksum)
 
     if comm.rank == 0:
         zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
@@ -195,6 +188,38 @@ def save_sharded(
         if old.exists():
             shutil.rmtree(old)
     comm.barrier()
+
+
+def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Optimizer]], target: Path) -> str:
+    """Write this rank's shard file (safetensors) one flat group at a time, so that no more than one
+    group's state is in memory (with NVMe offload the rest stays in swap files); returns its SHA-256.
+
+    The tensors go to a body file as they come; the header, known only at the end, is written to
+    ``target`` followed by the body, copied in 8 MiB blocks (and hashed on the way).
+    """
+    body_path = target.with_name(target.name + ".body")
+    header: dict[str, Any] = {}
+    offset = 0
+    with open(body_path, "wb") as body:
+        for i, group in enumerate(engine.groups):
+            with engine.state_resident(write_back=False, groups=[group]):
+                for name, tensor in _group_tensors(i, group, owners).items():
+                    data = tensor.detach().contiguous().cpu()
+                    nbytes = data.numel() * data.element_size()
+                    header[name] = {"dtype": SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape),
+                                    "data_offsets": [offset, offset + nbytes]}
+                    if nbytes:
+                        body.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                    offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes with spaces
+    digest = hashlib.sha256()
+    with open(target, "wb") as out, open(body_path, "rb") as body:
+        for block in (struct.pack("<Q", len(encoded)) + encoded, *iter(lambda: body.read(1 << 23), b"")):
+            out.write(block)
+            digest.update(block)
+    body_path.unlink()
+    return digest.hexdigest()
 
 
 # --- load -------------------------------------------------------------------------------------------
@@ -313,8 +338,9 @@ def load_sharded(
     reader = ShardReader(path, zinf)
     owners = _owner_of(list(optimizers))
     engine.release_all()
-    with engine.state_resident(write_back=True):
-        for i, (group, saved) in enumerate(zip(engine.groups, zinf["groups"])):
+    for i, (group, saved) in enumerate(zip(engine.groups, zinf["groups"])):
+        # One group's state in memory at a time (with NVMe offload the rest stays in swap files).
+        with engine.state_resident(write_back=True, groups=[group]):
             old_shard = -(-saved["numel"] // zinf["world_size"])
             lo, hi = group.shard_start, min(group.shard_start + group.shard_numel, group.numel)
             group.shard.zero_()

@@ -359,16 +359,18 @@ class ZeroEngine:
         )
 
     @contextmanager
-    def state_resident(self, write_back: bool) -> Iterator[None]:
-        """Every parameter shard, fp32 master, gradient shard and optimizer state in memory for the
-        block (with NVMe offload they are in swap files otherwise); ``write_back``: they were
-        modified (a load, an edit), so write them out afterwards. For checkpoints and edits."""
+    def state_resident(self, write_back: bool, groups: Optional[list[FlatGroup]] = None) -> Iterator[None]:
+        """The parameter shards, fp32 masters, gradient shards and optimizer states of ``groups``
+        (default: all) in memory for the block (with NVMe offload they are in swap files
+        otherwise); ``write_back``: they were modified (a load, an edit), so write them out
+        afterwards. For checkpoints and edits: one group at a time keeps memory to one group's state."""
         self._settle()
+        groups = self.groups if groups is None else groups
         with contextlib.ExitStack() as stack:
             if self.param_offload is not None:
-                stack.enter_context(self.param_offload.resident(self.groups, write_back))
+                stack.enter_context(self.param_offload.resident(groups, write_back))
             if self.offload is not None:
-                stack.enter_context(self.offload.resident(self.optimizers, write_back))
+                stack.enter_context(self.offload.resident(self.optimizers, write_back, groups))
             yield
 
     def master_fragments(self) -> list[Tensor]:

@@ -262,18 +262,23 @@ class OptimizerOffload:
 
     # --- whole state, for checkpoints -------------------------------------------------------------
     @contextmanager
-    def resident(self, optimizers: list[torch.optim.Optimizer], write_back: bool) -> Iterator[None]:
-        """Every master, gradient and state tensor in memory for the block (checkpoint save/load);
+    def resident(
+        self, optimizers: list[torch.optim.Optimizer], write_back: bool, groups: Optional[list[FlatGroup]] = None
+    ) -> Iterator[None]:
+        """Every master, gradient and state tensor of ``groups`` (default: all) in memory for the block (checkpoint save/load);
         afterwards swapped out again, and rewritten only if ``write_back`` (they were loaded into;
         the optimizers' state tensors may then be new objects, which are picked up).
         """
         if not self.nvme:
             yield
             return
+        chosen = {id(g) for g in groups} if groups is not None else None
+        indices = [i for i in self.trainable if chosen is None or id(self.groups[i]) in chosen]
         with self.space.uncapped():
-            for i in self.trainable:
+            for i in indices:
                 self._bring_in([i])
-            self.settle_all()
+            for i in indices:
+                self._settle_group(i)
             try:
                 yield
             except BaseException:
@@ -282,12 +287,13 @@ class OptimizerOffload:
             finally:
                 if write_back:  # a load may have replaced the optimizers' state tensors
                     for optimizer in optimizers:
-                        for i in self.trainable:
+                        for i in indices:
                             self._collect_states(optimizer, i)
-                for i in self.trainable:
+                for i in indices:
                     for record in self._records(i):
                         record.swap_out(write=write_back)
-                self.settle_all()
+                for i in indices:
+                    self._settle_group(i)
 
     def _collect_states(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         """Keep the per-element state ``optimizer`` holds for group ``i``'s fragments (tensors of the
