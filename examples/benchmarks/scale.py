@@ -25,11 +25,13 @@ shards read ahead, the next optimizer sub-group read while one steps, writes beh
 ``ddp``: plain single-process PyTorch, what each DDP rank holds (the model, its gradients and AdamW
 state in RAM), at the given size, with the address space limited to this machine's RAM so that a
 model too large fails with an allocation error instead of invoking the kernel's OOM killer. Run it
-just above the arithmetic limit to confirm it.
+just above the arithmetic limit to confirm it. ``fsdp2``: the same with FSDP2 (``fully_shard`` per
+block and on the root) on 2 ranks, each capped at half the RAM.
 
     python examples/benchmarks/scale.py zinf [--layers 29 --d-model 3072] [--steps 3] [--nvme-root /tmp]
     python examples/benchmarks/scale.py overlap --layers 8 --d-model 2048 --steps 4
     python examples/benchmarks/scale.py ddp --layers 14 --d-model 3072
+    python examples/benchmarks/scale.py fsdp2 --layers 14 --d-model 3072
 
 --nvme-root needs room for 16 bytes per parameter (53 GB for the default 3.3B model).
 """
@@ -243,9 +245,56 @@ def run_ddp(cfg: GPTConfig) -> int:
     return 0
 
 
+def _fsdp2_rank(rank: int, cfg: GPTConfig, port: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    share = ram_bytes() // 2  # the two ranks share this machine's RAM
+    resource.setrlimit(resource.RLIMIT_AS, (share, share))
+    stage = "building and sharding the model"
+    try:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        x = torch.randint(0, cfg.vocab_size, (1, TOKENS + 1), generator=torch.Generator().manual_seed(rank))
+        stage = "forward and backward"
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        stage = "the optimizer step"
+        opt.step()
+    except (MemoryError, RuntimeError) as error:
+        print(f"rank {rank}: FAILED during {stage}: {type(error).__name__}: {str(error).splitlines()[0][:160]}; "
+              f"peak RSS {fmt_bytes(peak_rss())}", flush=True)
+        os._exit(1)  # no collective may follow: the other rank may be dead
+    print(f"rank {rank}: trained one step; peak RSS {fmt_bytes(peak_rss())}", flush=True)
+    dist.destroy_process_group()
+
+
+def run_fsdp2(cfg: GPTConfig) -> int:
+    import torch.multiprocessing as mp
+
+    n_params = 12 * cfg.n_layers * cfg.d_model**2 + (cfg.vocab_size + cfg.seq_len) * cfg.d_model
+    print(f"FSDP2 (fully_shard per block and on the root), 2 ranks, gloo, {n_params / 1e9:.2f}B parameters, "
+          f"{fmt_bytes(BYTES_PER_PARAM_RAM * n_params)} of fp32 AdamW state in all; each rank's address space "
+          f"capped at half the RAM ({fmt_bytes(ram_bytes() // 2)})", flush=True)
+    context = mp.start_processes(_fsdp2_rank, args=(cfg, 29000 + os.getpid() % 1000), nprocs=2, join=False,
+                                 start_method="spawn")
+    for process in context.processes:
+        process.join()
+    return max(p.exitcode or 0 for p in context.processes)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", choices=("zinf", "overlap", "ddp"), default="zinf")
+    parser.add_argument("mode", nargs="?", choices=("zinf", "overlap", "ddp", "fsdp2"), default="zinf")
     parser.add_argument("--layers", type=int, default=29)
     parser.add_argument("--d-model", type=int, default=3072)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (zinf); the first creates the moments")
@@ -256,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                     seq_len=TOKENS)
     if args.mode == "ddp":
         return run_ddp(cfg)
+    if args.mode == "fsdp2":
+        return run_fsdp2(cfg)
     if args.mode == "overlap":
         return run_overlap(cfg, args.steps, args.nvme_root)
     return run_zinf(cfg, args.steps, args.nvme_root, args.bandwidth_mib << 20)
