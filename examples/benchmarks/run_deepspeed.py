@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from data import RandomTokens
-from examples.gpt import GPT, lm_loss
+from examples.gpt import GPT, GPTConfig, lm_loss
 from measure import LR, MICRO_BATCH, SEED, StepClock, write_rank_result
 
 # fp32 ZeRO-3 without offload, with DeepSpeed's own defaults for everything else (prefetch,
@@ -35,7 +35,7 @@ DS_CONFIG = {
 }
 
 
-def nvme_config(nvme_path: str) -> dict:
+def nvme_config(nvme_path: str, largest_param: int = 10_000_000) -> dict:
     """ZeRO-Infinity: parameters and optimizer state on NVMe under ``nvme_path``.
 
     The configuration the research note found to work with DeepSpeed 0.19.8 on CPU. With
@@ -44,7 +44,8 @@ def nvme_config(nvme_path: str) -> dict:
     ``stage3_max_reuse_distance`` are 0 and ``offload_param.buffer_count`` is 16;
     ``sub_group_size`` 1e7 lowered the peak RSS (4.0 -> 3.2 GiB per rank) and did not abort at exit.
     ``offload_param.buffer_size`` (elements) must hold the largest parameter (the 6.3M-element
-    embedding). The optimizer (AdamW as in ``DS_CONFIG``) becomes DeepSpeedCPUAdam.
+    embedding; ``largest_param`` for other models). The optimizer (AdamW as in ``DS_CONFIG``)
+    becomes DeepSpeedCPUAdam.
     """
     zero = {
         "stage": 3,
@@ -67,7 +68,7 @@ def nvme_config(nvme_path: str) -> dict:
             "device": "nvme",
             "nvme_path": nvme_path,
             "buffer_count": 16,
-            "buffer_size": 10_000_000,
+            "buffer_size": max(10_000_000, largest_param),
             "max_in_cpu": 1_000_000,
         },
     }
@@ -80,8 +81,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     parser.add_argument("--nvme", help="offload parameters and optimizer state to NVMe in this folder")
+    parser.add_argument("--d-model", type=int, default=GPTConfig.d_model, help="model width (scale runs)")
+    parser.add_argument("--layers", type=int, default=GPTConfig.n_layers, help="blocks (scale runs)")
     args = parser.parse_args()
-    config = nvme_config(args.nvme) if args.nvme else DS_CONFIG
+    cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 64)
+    largest = max(4 * cfg.d_model * cfg.d_model, cfg.vocab_size * cfg.d_model)
+    config = nvme_config(args.nvme, largest) if args.nvme else DS_CONFIG
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -89,7 +94,7 @@ def main() -> None:
     torch.manual_seed(SEED)
     # Partition parameters as they are created, as ZeRO-3 users do for large models.
     with deepspeed.zero.Init(config_dict_or_path=config):
-        model = GPT()
+        model = GPT(cfg)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     data = RandomTokens(args.steps * world_size * MICRO_BATCH, seed=SEED)
