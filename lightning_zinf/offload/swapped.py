@@ -110,11 +110,6 @@ class SwapSpace:
         """Give back the buffers of completed writes, without waiting for the others."""
         self._writing = collections.deque(r for r in self._writing if not r.reap())
 
-    def settle_all(self) -> None:
-        """Complete every write in flight."""
-        while self._writing:
-            self._writing.popleft().settle()
-
 
 class SwapRecord:
     """Regions of tensors stored back to back in one swap file, staged in one buffer when in memory.
