@@ -7,18 +7,22 @@ harmless). The engine underneath, :class:`ZeroEngine`, needs no Lightning.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zinf.checkpoint import CheckpointError, load_full_state_dict
-from lightning_zinf.config import OffloadConfig, PrefetchConfig
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.strategy import ZeroInfinityStrategy
+from lightning_zinf.tiling import TiledLinear, tile_linear_layers
 
 __all__ = [
     "CheckpointError",
     "OffloadConfig",
     "PrefetchConfig",
+    "TiledLinear",
+    "TilingConfig",
     "ZeroEngine",
     "ZeroInfinityStrategy",
     "load_full_state_dict",
     "meta_parameters",
+    "tile_linear_layers",
 ]
 
 ZeroInfinityStrategy.register_strategies(StrategyRegistry)

@@ -27,13 +27,14 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.tiling import tile_views, view_segments
 
 __all__ = ["save_sharded", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "CheckpointError", "META_FILE"]
 
@@ -70,11 +71,19 @@ def _layout(engine: ZeroEngine) -> list[dict[str, Any]]:
     aliases: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
+    views = tile_views(engine.module)
+
+    def view(p: Tensor) -> Optional[dict[str, Any]]:
+        v = views.get(id(p))
+        return None if v is None else {"of": v.name, "shape": list(v.shape), "start": list(v.start)}
+
     return [
         {
             "unit": unit.name,
             "names": group.names,
             "aliases": [aliases.get(id(p), [n]) for p, n in zip(group.params, group.names)],
+            # A TiledLinear's tiles: which part of the untiled layer's tensor each one is.
+            "views": [view(p) for p in group.params],
             "shapes": [list(s) for s in group.shapes],
             "offsets": group.offsets,
             "dtype": str(group.dtype).removeprefix("torch."),
@@ -90,14 +99,16 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
     if len(saved) != len(current):
         raise CheckpointError(
             f"{path} holds {len(saved)} flat groups but the model has {len(current)}: it was saved from a "
-            "different model (or with different block_classes)."
+            "different model (or with different block_classes or tiling; to move weights between tilings, "
+            "consolidate the checkpoint and load it with load_full_state_dict)."
         )
     for old, new in zip(saved, current):
         for key in ("names", "shapes", "dtype", "trainable"):
             if old[key] != new[key]:
                 raise CheckpointError(
                     f"{path} was saved from a different model: unit '{new['unit']}' has {key} "
-                    f"{new[key]} in the model but {old[key]} in the checkpoint."
+                    f"{new[key]} in the model but {old[key]} in the checkpoint (a different tiling? "
+                    "consolidate the checkpoint and load it with load_full_state_dict)."
                 )
 
 
@@ -458,29 +469,37 @@ def load_full_state_dict(
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         if name.startswith(prefix):
             aliases.setdefault(id(p), []).append(name[len(prefix):])
+    # A tile of a TiledLinear reads its part of the untiled layer's entry ("fc.weight").
+    views = {i: v._replace(name=v.name[len(prefix):]) for i, v in tile_views(engine.module).items() if v.name.startswith(prefix)}
     used: set[str] = set()
     missing: list[str] = []
     with engine.state_resident(write_back=True):  # shards and fp32 masters may be on NVMe
         for group in engine.groups:
             lo_shard = group.shard_start
             for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
-                names = aliases.get(id(p), [])
+                view = views.get(id(p))
+                names = [view.name] if view is not None else aliases.get(id(p), [])
                 key = next((n for n in names if n in available), None)
                 if key is None:
                     missing.extend(names[:1])
                     continue
                 used.update(n for n in names if n in available)
-                if src.shape(key) != list(shape):
+                expected = list(view.shape) if view is not None else list(shape)
+                if src.shape(key) != expected:
                     raise CheckpointError(
-                        f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {list(shape)}."
+                        f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {expected}."
                     )
                 lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
                 hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
-                if hi > lo:
-                    values = src.flat_range(key, lo - offset, hi - offset)
-                    group.shard[lo - lo_shard : hi - lo_shard].copy_(values)
+                if hi <= lo:
+                    continue
+                runs = view_segments(view, tuple(shape), lo - offset, hi - offset) if view is not None else [(lo - offset, lo - offset, hi - lo)]
+                for at, full_at, length in runs:
+                    values = src.flat_range(key, full_at, full_at + length)
+                    start = offset + at - lo_shard
+                    group.shard[start : start + length].copy_(values)
                     if group.master is not None and group.master is not group.shard:
-                        group.master[lo - lo_shard : hi - lo_shard].copy_(values)
+                        group.master[start : start + length].copy_(values)
     buffers = {n[len(prefix):]: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)}
     matched_buffers = {key: src.full(key) for key in available & set(buffers)}
     if matched_buffers:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, TypeVar
 
 from lightning_zinf.offload.aio import AioConfig
 
-__all__ = ["OffloadConfig", "PrefetchConfig", "coerce_config"]
+__all__ = ["OffloadConfig", "PrefetchConfig", "TilingConfig", "coerce_config"]
 
 _C = TypeVar("_C")
 
@@ -161,6 +161,53 @@ class OffloadConfig:
             self.staging_bytes,
             "None (automatic) or an integer > 0 (bytes per rank, e.g. 4_000_000_000)",
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TilingConfig:
+    """Which ``nn.Linear`` layers are split into tiles, and how large a tile may be
+    (ZeRO-Infinity §5.1.3, memory-centric tiling).
+
+    At partition time every ``nn.Linear`` (exactly that class, not a subclass) whose weight has
+    more than ``min_numel`` elements becomes a :class:`~lightning_zinf.TiledLinear` whose tiles
+    hold at most ``tile_numel`` weight elements each. Each tile is its own unit, so gathering the
+    layer needs memory for one tile (two with prefetch) instead of the whole weight.
+
+    Attributes:
+        tile_numel: Most weight elements in one tile (a count, not bytes). Layers are split along
+            their output features into nearly equal row blocks; only a layer with more than
+            ``tile_numel`` input features is also split along them.
+        min_numel: Layers whose weight has at most this many elements are left alone. ``None``:
+            ``tile_numel`` (a layer is tiled exactly when it does not fit in one tile).
+
+    Raises:
+        ValueError: ``tile_numel`` is not a positive integer, or ``min_numel`` is negative.
+    """
+
+    tile_numel: int
+    min_numel: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.tile_numel, int) and not isinstance(self.tile_numel, bool) and self.tile_numel > 0,
+            "TilingConfig",
+            "tile_numel",
+            self.tile_numel,
+            "an integer > 0 (weight elements per tile, e.g. 50_000_000)",
+        )
+        _require(
+            self.min_numel is None
+            or (isinstance(self.min_numel, int) and not isinstance(self.min_numel, bool) and self.min_numel >= 0),
+            "TilingConfig",
+            "min_numel",
+            self.min_numel,
+            "None (= tile_numel) or an integer >= 0 (weight elements)",
+        )
+
+    @property
+    def threshold(self) -> int:
+        """Weight elements above which a layer is tiled."""
+        return self.tile_numel if self.min_numel is None else self.min_numel
 
 
 def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:

@@ -7,7 +7,9 @@ The output loads with ``load_state_dict`` on the plain (unpartitioned) model. A 
 written under every name the model's ``state_dict()`` has. Either format is laid out first (the
 safetensors header, or a ``torch.save`` archive with empty records) and then each tensor is
 assembled from the rank files and written before the next is read, so peak memory is about the
-largest tensor, not the model.
+largest tensor, not the model. The tiles of a :class:`~lightning_zinf.TiledLinear` are written as the
+untiled layer's ``weight`` and ``bias`` (so the file loads into a tiled or an untiled model), one row
+of tiles at a time: a tiled layer never has to fit in memory whole.
 """
 
 from __future__ import annotations
@@ -28,10 +30,14 @@ from lightning_zinf.checkpoint import META_FILE, SAFETENSORS_DTYPES, CheckpointE
 __all__ = ["consolidate", "main"]
 
 _Item = tuple[list[str], torch.dtype, list[int]]  # every name of one tensor, its dtype and shape
+# Where an item's values are: (group index, offset in the flat group, piece shape, piece start in the
+# item), one piece for a plain parameter, one per tile for a TiledLinear's weight.
+_Piece = tuple[int, int, list[int], list[int]]
 
 
-def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], dict[str, Any], dict[str, Tensor]]:
-    """Every output tensor (with all its names: a tied parameter has several), in file order."""
+def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], list[list[_Piece]], dict[str, Any], dict[str, Tensor]]:
+    """Every output tensor (with all its names: a tied parameter has several) and its pieces, in
+    file order. A TiledLinear's tiles make one ``weight`` (and one ``bias``), as the untiled layer has."""
     if not is_sharded_checkpoint(path):
         raise CheckpointError(f"{path} is not a lightning_zinf checkpoint (no {META_FILE}).")
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
@@ -41,23 +47,71 @@ def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], dict[str, Any], 
         return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
 
     items: list[_Item] = []
-    for group in zinf["groups"]:
+    pieces: list[list[_Piece]] = []
+    tiled: dict[str, int] = {}
+    for i, group in enumerate(zinf["groups"]):
         dtype = getattr(torch, group["dtype"])
-        items.extend(([rename(a) for a in aliases], dtype, shape) for aliases, shape in zip(group["aliases"], group["shapes"]))
+        views = group.get("views") or [None] * len(group["shapes"])
+        for aliases, shape, offset, view in zip(group["aliases"], group["shapes"], group["offsets"], views):
+            if view is None:
+                items.append(([rename(a) for a in aliases], dtype, shape))
+                pieces.append([(i, offset, shape, [0] * len(shape))])
+                continue
+            if view["of"] not in tiled:
+                tiled[view["of"]] = len(items)
+                items.append(([rename(view["of"])], dtype, view["shape"]))
+                pieces.append([])
+            pieces[tiled[view["of"]]].append((i, offset, shape, view["start"]))
     buffers = meta.get("state_dict", {})
     items.extend(([rename(name)], value.dtype, list(value.shape)) for name, value in buffers.items())
-    return items, zinf, buffers
+    return items, pieces, zinf, buffers
 
 
-def _tensors(path: Path, zinf: dict[str, Any], buffers: dict[str, Tensor]) -> Iterator[Tensor]:
-    """The tensors of :func:`_items`, in order, one at a time."""
+def _row_blocks(name: str, shape: list[int], pieces: list[_Piece]) -> list[list[_Piece]]:
+    """The pieces of one tensor as row blocks, top to bottom, each block's pieces left to right;
+    raises :class:`CheckpointError` unless they tile the tensor exactly."""
+    blocks: dict[int, list[_Piece]] = {}
+    for piece in pieces:
+        blocks.setdefault(piece[3][0], []).append(piece)
+    ordered = [sorted(blocks[r], key=lambda q: q[3][1:]) for r in sorted(blocks)]
+    row = 0
+    for block in ordered:
+        height = block[0][2][0]
+        col = 0
+        for _, _, piece_shape, start in block:
+            if start[0] != row or piece_shape[0] != height or (len(shape) == 2 and start[1] != col):
+                raise CheckpointError(f"The checkpoint's tiles of '{name}' do not cover it exactly (corrupt meta.pt?).")
+            col += piece_shape[1] if len(shape) == 2 else 0
+        if len(shape) == 2 and col != shape[1]:
+            raise CheckpointError(f"The checkpoint's tiles of '{name}' do not cover it exactly (corrupt meta.pt?).")
+        row += height
+    if row != shape[0]:
+        raise CheckpointError(f"The checkpoint's tiles of '{name}' do not cover it exactly (corrupt meta.pt?).")
+    return ordered
+
+
+def _tensors(path: Path, zinf: dict[str, Any], items: list[_Item], pieces: list[list[_Piece]],
+             buffers: dict[str, Tensor]) -> Iterator[Iterator[Tensor]]:
+    """For each item of :func:`_items`, in order, its values as consecutive row blocks (one block
+    for a plain tensor, one per row of tiles for a tiled weight), read one block at a time."""
     reader = ShardReader(path, zinf)
-    for i, group in enumerate(zinf["groups"]):
-        old_shard = -(-group["numel"] // zinf["world_size"])
-        for offset, shape in zip(group["offsets"], group["shapes"]):
-            numel = torch.Size(shape).numel()
-            yield reader.read(f"{i}.param", offset, offset + numel, old_shard).reshape(shape)
-    yield from buffers.values()
+
+    def read(piece: _Piece) -> Tensor:
+        i, offset, shape, _ = piece
+        old_shard = -(-zinf["groups"][i]["numel"] // zinf["world_size"])
+        return reader.read(f"{i}.param", offset, offset + torch.Size(shape).numel(), old_shard).reshape(shape)
+
+    def blocks(item: _Item, its_pieces: list[_Piece]) -> Iterator[Tensor]:
+        if len(its_pieces) == 1 and its_pieces[0][2] == item[2]:
+            yield read(its_pieces[0])
+            return
+        for block in _row_blocks(item[0][0], item[2], its_pieces):
+            yield torch.cat([read(piece) for piece in block], dim=1) if len(block) > 1 else read(block[0])
+
+    for item, its_pieces in zip(items, pieces):
+        yield blocks(item, its_pieces)
+    for value in buffers.values():
+        yield iter([value])
 
 
 def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str = "") -> Path:
@@ -80,15 +134,15 @@ def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str
     checkpoint, output = Path(checkpoint), Path(output)
     if output.suffix not in (".safetensors", ".pt"):
         raise ValueError(f"Output {output} must end in .safetensors or .pt.")
-    items, zinf, buffers = _items(checkpoint, strip_prefix)
-    tensors = _tensors(checkpoint, zinf, buffers)
+    items, pieces, zinf, buffers = _items(checkpoint, strip_prefix)
+    tensors = _tensors(checkpoint, zinf, items, pieces, buffers)
     partial = output.with_name(output.name + ".partial")
     (_write_pt if output.suffix == ".pt" else _write_safetensors)(partial, items, tensors)
     partial.rename(output)
     return output
 
 
-def _write_safetensors(path: Path, items: list[_Item], tensors: Iterator[Tensor]) -> None:
+def _write_safetensors(path: Path, items: list[_Item], tensors: Iterator[Iterator[Tensor]]) -> None:
     """The safetensors format written as a stream: 8-byte little-endian header size, a JSON header
     with each tensor's dtype, shape and byte range, then the tensors' bytes in that order (a tied
     tensor once per name: safetensors has no shared entries)."""
@@ -104,13 +158,15 @@ def _write_safetensors(path: Path, items: list[_Item], tensors: Iterator[Tensor]
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(encoded)))
         out.write(encoded)
-        for (names, dtype, _), tensor in zip(items, tensors):
-            data = tensor.to(dtype).contiguous().view(torch.uint8).numpy().data  # no copy
+        for (names, dtype, _), blocks in zip(items, tensors):
+            # A tied tensor (several names) is one block; a tiled weight comes in row blocks.
+            blocks = list(blocks) if len(names) > 1 else blocks
             for _ in names:
-                out.write(data)
+                for block in blocks:
+                    out.write(block.to(dtype).contiguous().view(torch.uint8).numpy().data)  # no copy
 
 
-def _write_pt(path: Path, items: list[_Item], tensors: Iterator[Tensor]) -> None:
+def _write_pt(path: Path, items: list[_Item], tensors: Iterator[Iterator[Tensor]]) -> None:
     """A ``torch.save`` file written in two passes: ``torch.serialization.skip_data`` writes the
     archive with every storage's space reserved but not filled (from empty, never-touched
     tensors), then each tensor's bytes go into its record, found with ``zipfile``. Tied names
@@ -126,13 +182,17 @@ def _write_pt(path: Path, items: list[_Item], tensors: Iterator[Tensor]) -> None
     fd = os.open(path, os.O_RDWR)
     try:
         # torch.save numbers storages in the order it first meets them: the items' order.
-        for key, tensor in enumerate(tensors):
+        for key, blocks in enumerate(tensors):
             info = records[str(key)]
             name_len, extra_len = struct.unpack("<HH", os.pread(fd, 4, info.header_offset + 26))
-            data = tensor.to(items[key][1]).contiguous().view(torch.uint8).numpy()
-            if data.nbytes != info.file_size:
-                raise RuntimeError(f"torch.save laid out storage {key} as {info.file_size} bytes, expected {data.nbytes}.")
-            os.pwrite(fd, data.data, info.header_offset + 30 + name_len + extra_len)
+            at = info.header_offset + 30 + name_len + extra_len
+            written = 0
+            for block in blocks:
+                data = block.to(items[key][1]).contiguous().view(torch.uint8).numpy()
+                os.pwrite(fd, data.data, at + written)
+                written += data.nbytes
+            if written != info.file_size:
+                raise RuntimeError(f"torch.save laid out storage {key} as {info.file_size} bytes, wrote {written}.")
     finally:
         os.close(fd)
 

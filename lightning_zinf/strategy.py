@@ -39,10 +39,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import load_sharded, save_sharded
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, coerce_config
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.precision import to_zero_precision
+from lightning_zinf.tiling import tile_views
 
 __all__ = ["ZeroInfinityStrategy"]
 
@@ -68,6 +69,9 @@ class ZeroInfinityStrategy(ParallelStrategy):
         prefetch: A :class:`~lightning_zinf.PrefetchConfig` (or a mapping of its fields).
         offload: An :class:`~lightning_zinf.OffloadConfig` (or a mapping of its fields): where the
             optimizer's fp32 state lives (device, CPU or NVMe).
+        tiling: A :class:`~lightning_zinf.TilingConfig` (or a mapping of its fields): split every
+            ``nn.Linear`` with more weight elements than its threshold into tiles gathered one at a
+            time (ZeRO-Infinity §5.1.3), at setup, before the model is partitioned. Default: none.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: As for
             any Lightning ``ParallelStrategy``; the Trainer sets them.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
@@ -86,6 +90,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         block_classes: Sequence[str | type] = (),
         prefetch: Optional[PrefetchConfig] = None,
         offload: Optional[OffloadConfig] = None,
+        tiling: Optional[TilingConfig] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -106,6 +111,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         self.block_classes = tuple(block_classes)
         self.prefetch = coerce_config(PrefetchConfig, prefetch)
         self.offload = coerce_config(OffloadConfig, offload)
+        self.tiling = None if tiling is None else coerce_config(TilingConfig, tiling)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
@@ -202,6 +208,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 offload=self.offload,
                 device=self.root_device,
                 auto_pass=False,
+                tiling=self.tiling,
             )
         if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
             raise ValueError(
@@ -313,6 +320,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         """The model's buffers (replicated on every rank); parameters live in the shard files."""
         assert self.lightning_module is not None
         params = {name for name, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
+        params.update(view.name for view in tile_views(self.lightning_module).values())  # a TiledLinear's "weight"
         return {k: v for k, v in self.lightning_module.state_dict().items() if k not in params}
 
     @override

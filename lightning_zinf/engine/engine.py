@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
-from lightning_zinf.config import OffloadConfig, PrefetchConfig
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
@@ -48,6 +48,7 @@ from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapped import SwapSpace
 from lightning_zinf.offload.swapper import NvmeSwapper
+from lightning_zinf.tiling import tile_linear_layers
 
 __all__ = ["ZeroEngine", "Unit"]
 
@@ -103,6 +104,11 @@ class ZeroEngine:
             ``torch.distributed``).
         auto_pass: Start a new trace pass at every forward of ``module`` itself. Drivers that call
             :meth:`begin_pass` themselves (the Lightning strategy) set this to ``False``.
+        tiling: Replace large ``nn.Linear`` layers by :class:`~lightning_zinf.TiledLinear` before
+            partitioning (:func:`~lightning_zinf.tiling.tile_linear_layers`), so each tile is a unit
+            and gathering the layer needs memory for one tile. ``None``: no tiling (layers the
+            model builds as ``TiledLinear`` are tiled regardless). The names of the replaced layers
+            are in :attr:`tiled_layers`.
 
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
@@ -119,6 +125,7 @@ class ZeroEngine:
         device: Union[str, torch.device] = "cpu",
         group: Optional[dist.ProcessGroup] = None,
         auto_pass: bool = True,
+        tiling: Optional[TilingConfig] = None,
     ) -> None:
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
@@ -137,6 +144,7 @@ class ZeroEngine:
         self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
         self._created_groups = 0
         self._shard_device = torch.device("cpu") if offload.param != "none" else self.device
+        self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
         specs, uses = plan_units(module, block_classes)
         self.units = self._partition(specs)
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}

@@ -16,6 +16,8 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from lightning_zinf.tiling import LinearTile
+
 __all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "parameter_slots", "resolve_block_classes"]
 
 
@@ -92,15 +94,9 @@ def plan_units(
     # materialisation must still reset them in module order to draw the same random numbers.
     reset_only: list[nn.Module] = []
 
-    for mod_name, module in root.named_modules():
-        if id(module) in inside_block:
-            continue
-        block = module is not root and _is_block(module, classes, names)
-        members = list(module.named_modules(prefix=mod_name)) if block else [(mod_name, module)]
-        if block:
-            inside_block.update(id(m) for _, m in members[1:])
-        spec = UnitSpec(name=mod_name, module=module, is_root=module is root)
-        needed: list[int] = []
+    def add_unit(name: str, module: nn.Module, members: list[tuple[str, nn.Module]], needed: list[int]) -> None:
+        nonlocal reset_only
+        spec = UnitSpec(name=name, module=module, is_root=module is root)
         for member_name, member in members:
             for p_name, p in member._parameters.items():
                 if p is None or p.numel() == 0:
@@ -113,12 +109,43 @@ def plan_units(
                 spec.params.append((f"{member_name}.{p_name}" if member_name else p_name, p))
             spec.modules.append(member)
         if spec.params:
-            needed.insert(0, len(units))
+            needed.insert(sum(1 for i in needed if units[i].module is module), len(units))
             spec.modules[:0] = reset_only
             reset_only = []
             units.append(spec)
         elif any(p is not None for _, m in members for p in m._parameters.values()):
             reset_only.extend(m for _, m in members)
+
+    for mod_name, module in root.named_modules():
+        if id(module) in inside_block:
+            continue
+        block = module is not root and _is_block(module, classes, names)
+        if not block:
+            needed: list[int] = []
+            add_unit(mod_name, module, [(mod_name, module)], needed)
+            if needed:
+                uses[module] = needed
+            continue
+        members = list(module.named_modules(prefix=mod_name))
+        inside_block.update(id(m) for _, m in members[1:])
+        # A tile of a TiledLinear stays its own unit inside a block (the block would otherwise gather
+        # the whole layer): the block's other members form units between the tiles, in module order,
+        # the order in which construction draws initial values. The block gathers all its own units.
+        needed = []
+        segment: list[tuple[str, nn.Module]] = []
+        pieces = 0
+        for member_name, member in members + [("", None)]:
+            if member is not None and not isinstance(member, LinearTile):
+                segment.append((member_name, member))
+                continue
+            if segment:
+                add_unit(mod_name if pieces == 0 else f"{mod_name}#{pieces}", module, segment, needed)
+                pieces, segment = pieces + 1, []
+            if member is not None:
+                tile_needed: list[int] = []
+                add_unit(member_name, member, [(member_name, member)], tile_needed)
+                if tile_needed:
+                    uses[member] = tile_needed
         if needed:
             uses[module] = needed
 
