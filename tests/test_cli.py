@@ -35,7 +35,8 @@ class TinyLit(L.LightningModule):
     def on_fit_end(self) -> None:
         strategy = self.trainer.strategy
         TinyLit.seen.update(strategy=type(strategy).__name__, blocks=list(getattr(strategy, "block_classes", [])),
-                            bucket=getattr(getattr(strategy, "prefetch", None), "bucket_size", None))
+                            bucket=getattr(getattr(strategy, "prefetch", None), "bucket_size", None),
+                            tiled=strategy.engine.tiled_layers)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -62,7 +63,8 @@ _BY_CLASS_PATH = """trainer:
     class_path: lightning_zinf.ZeroInfinityStrategy
     init_args:
       block_classes: [MLP]
-      prefetch: {{bucket_size: 1000}}""" + _TRAINER + "  init_args: {{hidden: 32}}\n"
+      prefetch: {{bucket_size: 1000}}
+      tiling: {{tile_numel: 600}}""" + _TRAINER + "  init_args: {{hidden: 32}}\n"
 
 
 def _zinf_fit(rank: int, world: int, config: str) -> dict:
@@ -72,12 +74,13 @@ def _zinf_fit(rank: int, world: int, config: str) -> dict:
     return TinyLit.seen
 
 
-@pytest.mark.parametrize("text, blocks, bucket", [(_BY_NAME, [], 10_000_000), (_BY_CLASS_PATH, ["MLP"], 1000)],
+@pytest.mark.parametrize("text, blocks, bucket, tiled", [(_BY_NAME, [], 10_000_000, []),
+                                                        (_BY_CLASS_PATH, ["MLP"], 1000, ["model.fc2"])],
                          ids=["by-name", "by-class-path"])
-def test_zinf_fit_from_yaml(tmp_path: Path, text: str, blocks: list, bucket: int) -> None:
+def test_zinf_fit_from_yaml(tmp_path: Path, text: str, blocks: list, bucket: int, tiled: list) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(text.format(root=tmp_path))
     seen = run_distributed(_zinf_fit, 2, str(config), init_pg=False)[0]
     assert seen["strategy"] == "ZeroInfinityStrategy"
-    assert seen["blocks"] == blocks and seen["bucket"] == bucket
+    assert seen["blocks"] == blocks and seen["bucket"] == bucket and seen["tiled"] == tiled
     assert len(seen["losses"]) == 3 and all(torch.isfinite(torch.tensor(seen["losses"])))

@@ -150,6 +150,10 @@ class ZeroEngine:
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
         self._ahead: dict[int, Unit] = {}
         self.gathered_ahead = 0  # units gathered by prefetch, over the run (for tests and monitoring)
+        # Bytes of full (gathered or in-flight) parameter buffers now, and the most at once so far: the
+        # working memory that units (and tiles) bound.
+        self.gathered_bytes = 0
+        self.peak_gathered_bytes = 0
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []
         self.pool = BufferPool(self.device)
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
@@ -457,6 +461,8 @@ class ZeroEngine:
                 self.param_offload.acquire(group)
         unit.handles = [g.start_gather() for g in unit.groups]
         unit.state = _INFLIGHT
+        self.gathered_bytes += sum(g.full.untyped_storage().nbytes() for g in unit.groups)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _wait_gather(self, unit: Unit) -> None:
         if unit.state != _INFLIGHT:
@@ -512,6 +518,7 @@ class ZeroEngine:
             and unit.index not in self._ahead
         ):
             for group in unit.groups:
+                self.gathered_bytes -= group.full.untyped_storage().nbytes()
                 group.release()
             unit.state = _RELEASED
 

@@ -69,7 +69,10 @@ def plan_units(
     """Assign every parameter of ``root`` to exactly one unit.
 
     By default each module's own parameters (``recurse=False``) form a unit. A module whose class is
-    named in ``block_classes`` takes all parameters of its subtree as one coarser unit. A parameter
+    named in ``block_classes`` takes all parameters of its subtree as one coarser unit, except the
+    tiles of a :class:`~lightning_zinf.TiledLinear` inside it, which stay units of their own (memory-
+    centric tiling, ZeRO-Infinity §5.1.3): the block's other parameters then form several units, cut
+    at the tiles so that units keep module order, and the block gathers all of them. A parameter
     registered in several modules (tied embeddings) belongs to the first unit that reaches it in
     ``named_modules()`` order; the other modules list that unit as an *external* unit and gather it
     with their own.
