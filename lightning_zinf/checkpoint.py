@@ -443,7 +443,8 @@ def load_full_state_dict(
     elements of its own shards (from a ``.safetensors`` file, only the byte ranges that hold them), so no
     rank ever holds the whole model. For starting fine-tuning from pretrained weights.
 
-    Collective only in its last step (persistent units are re-gathered): call it on every rank.
+    Collective only in its last step (persistent units are re-gathered): call it on every rank. With
+    NVMe offload one flat group's state is in memory at a time.
 
     Args:
         engine: The engine partitioning the model.
@@ -461,7 +462,8 @@ def load_full_state_dict(
 
     Raises:
         CheckpointError: the file does not exist, a shape differs, or (``strict``) keys are missing
-            or unexpected; the message names them.
+            or unexpected; the message names them. Nothing is loaded then. A :class:`TiledLinear`'s
+            tiles read their parts of the untiled ``weight``/``bias`` entries.
     """
     src = _Source(source)
     available = src.keys()
@@ -473,43 +475,54 @@ def load_full_state_dict(
     views = {i: v._replace(name=v.name[len(prefix):]) for i, v in tile_views(engine.module).items() if v.name.startswith(prefix)}
     used: set[str] = set()
     missing: list[str] = []
-    with engine.state_resident(write_back=True):  # shards and fp32 masters may be on NVMe
-        for group in engine.groups:
-            lo_shard = group.shard_start
-            for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
-                view = views.get(id(p))
-                names = [view.name] if view is not None else aliases.get(id(p), [])
-                key = next((n for n in names if n in available), None)
-                if key is None:
-                    missing.extend(names[:1])
-                    continue
-                used.update(n for n in names if n in available)
-                expected = list(view.shape) if view is not None else list(shape)
-                if src.shape(key) != expected:
-                    raise CheckpointError(
-                        f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {expected}."
-                    )
-                lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
-                hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
-                if hi <= lo:
-                    continue
-                runs = view_segments(view, tuple(shape), lo - offset, hi - offset) if view is not None else [(lo - offset, lo - offset, hi - lo)]
-                for at, full_at, length in runs:
-                    values = src.flat_range(key, full_at, full_at + length)
-                    start = offset + at - lo_shard
-                    group.shard[start : start + length].copy_(values)
-                    if group.master is not None and group.master is not group.shard:
-                        group.master[start : start + length].copy_(values)
+    # Match every parameter first, so a mismatch raises before anything is changed.
+    plan: list[tuple[FlatGroup, list[tuple[int, int, torch.Size, str, Any]]]] = []
+    for group in engine.groups:
+        entries = []
+        for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
+            view = views.get(id(p))
+            names = [view.name] if view is not None else aliases.get(id(p), [])
+            key = next((n for n in names if n in available), None)
+            if key is None:
+                missing.extend(names[:1])
+                continue
+            used.update(n for n in names if n in available)
+            expected = list(view.shape) if view is not None else list(shape)
+            if src.shape(key) != expected:
+                raise CheckpointError(
+                    f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {expected}."
+                )
+            entries.append((offset, numel, shape, key, view))
+        plan.append((group, entries))
     buffers = {n[len(prefix):]: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)}
-    matched_buffers = {key: src.full(key) for key in available & set(buffers)}
-    if matched_buffers:
-        engine.module.load_state_dict({buffers[k]: v for k, v in matched_buffers.items()}, strict=False)
-    unexpected = sorted(available - used - set(matched_buffers))
+    matched_buffers = available & set(buffers)
+    unexpected = sorted(available - used - matched_buffers)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{src.where} does not match the model under prefix {prefix!r}: missing {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
             f"{' ...' if len(unexpected) > 10 else ''}. Pass strict=False to load what matches."
         )
+    for group, entries in plan:
+        if not entries:
+            continue
+        # Shards and fp32 masters may be on NVMe: one group's state in memory at a time.
+        with engine.state_resident(write_back=True, groups=[group]):
+            lo_shard = group.shard_start
+            for offset, numel, shape, key, view in entries:
+                lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
+                hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
+                if hi <= lo:
+                    continue
+                runs = (view_segments(view, tuple(shape), lo - offset, hi - offset) if view is not None
+                        else [(lo - offset, lo - offset, hi - lo)])
+                for at, full_at, length in runs:
+                    values = src.flat_range(key, full_at, full_at + length)
+                    start = offset + at - lo_shard
+                    group.shard[start : start + length].copy_(values)
+                    if group.master is not None and group.master is not group.shard:
+                        group.master[start : start + length].copy_(values)
+    if matched_buffers:
+        engine.module.load_state_dict({buffers[k]: src.full(k) for k in matched_buffers}, strict=False)
     engine.after_step()  # the shards changed: re-gather persistent units
     return unexpected

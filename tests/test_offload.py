@@ -348,7 +348,7 @@ def test_bf16_parameters_and_an_edit_on_nvme_match_no_offload(tmp_path: Path) ->
 
 
 def _checkpoint_peak(rank: int, world: int, nvme_path: str, ckpt: str) -> dict:
-    from lightning_zinf.checkpoint import load_sharded, save_sharded
+    from lightning_zinf.checkpoint import load_full_state_dict, load_sharded, save_sharded
 
     torch.manual_seed(0)
     model = models.GPT()
@@ -369,7 +369,13 @@ def _checkpoint_peak(rank: int, world: int, nvme_path: str, ckpt: str) -> dict:
     save_sharded(engine, [opt], ckpt, {})
     save_peak, pool.peak = pool.peak, pool.in_use
     load_sharded(engine, [opt], ckpt)
-    return {"on_disk": on_disk, "save_peak": save_peak, "load_peak": pool.peak}
+    load_peak, pool.peak = pool.peak, pool.in_use
+    torch.manual_seed(1)
+    pretrained = models.GPT().state_dict()
+    load_full_state_dict(engine, pretrained)
+    with engine.gathered():
+        loaded = all(torch.equal(v, pretrained[k]) for k, v in model.state_dict().items())
+    return {"on_disk": on_disk, "save_peak": save_peak, "load_peak": load_peak, "full_peak": pool.peak, "loaded": loaded}
 
 
 def test_nvme_checkpoints_stream_one_group_at_a_time(tmp_path: Path) -> None:
@@ -382,3 +388,5 @@ def test_nvme_checkpoints_stream_one_group_at_a_time(tmp_path: Path) -> None:
         # a load also holds that group's newly loaded moments while their record is rebuilt.
         assert 0 < got["save_peak"] <= 0.45 * got["on_disk"], got
         assert 0 < got["load_peak"] <= 0.65 * got["on_disk"], got
+        assert 0 < got["full_peak"] <= 0.45 * got["on_disk"], got  # load_full_state_dict
+        assert got["loaded"]

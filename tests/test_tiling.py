@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_zinf import PrefetchConfig, TiledLinear, TilingConfig, ZeroEngine, load_full_state_dict, tile_linear_layers
+from lightning_zinf import OffloadConfig, PrefetchConfig, TiledLinear, TilingConfig, ZeroEngine, load_full_state_dict, tile_linear_layers
 from lightning_zinf.checkpoint import save_sharded
 from lightning_zinf.consolidate import consolidate
 from lightning_zinf.tiling import tile_splits
@@ -190,13 +190,14 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _tiled_rank(rank: int, world: int, prefetch: bool, ckpt: str) -> dict:
+def _tiled_rank(rank: int, world: int, prefetch: bool, nvme: str | None, ckpt: str) -> dict:
     torch.manual_seed(0)
+    offload = OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme) if nvme else OffloadConfig()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing in Net is tied: no layer may be skipped
         model = Net(tiled=True)
-        engine = ZeroEngine(model, tiling=TILING, prefetch=PrefetchConfig(enabled=prefetch, persistence_threshold=0,
-                                                                          bucket_size=1))
+        engine = ZeroEngine(model, tiling=TILING, offload=offload,
+                            prefetch=PrefetchConfig(enabled=prefetch, persistence_threshold=0, bucket_size=1))
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     losses = _train(model, opt, rank, world)
     peak = engine.peak_gathered_bytes  # forward and backward of every step
@@ -208,10 +209,11 @@ def _tiled_rank(rank: int, world: int, prefetch: bool, ckpt: str) -> dict:
             "units": [u.name for u in engine.units]}
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["on-demand", "prefetch"])
-def test_tiled_model_trains_like_the_untiled_one(tmp_path: Path, prefetch: bool) -> None:
+@pytest.mark.parametrize("prefetch, nvme", [(False, False), (True, False), (True, True)],
+                         ids=["on-demand", "prefetch", "prefetch-nvme-offload"])
+def test_tiled_model_trains_like_the_untiled_one(tmp_path: Path, prefetch: bool, nvme: bool) -> None:
     ref_losses, ref_state = _reference()
-    ranks = run_distributed(_tiled_rank, 2, prefetch, str(tmp_path / "ckpt"))
+    ranks = run_distributed(_tiled_rank, 2, prefetch, str(tmp_path) if nvme else None, str(tmp_path / "ckpt"))
     got = ranks[0]
     assert got["tiled"] == ["inp", "mid"]
     assert len([n for n in got["units"] if ".tiles." in n]) == 4 + 16 + 6
