@@ -7,7 +7,7 @@ harmless). The engine underneath, :class:`ZeroEngine`, needs no Lightning.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zinf.checkpoint import CheckpointError, load_full_state_dict
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.strategy import ZeroInfinityStrategy
 from lightning_zinf.tiling import TiledLinear, tile_linear_layers
@@ -20,6 +20,7 @@ __all__ = [
     "TilingConfig",
     "ZeroEngine",
     "ZeroInfinityStrategy",
+    "ZeroPPConfig",
     "load_full_state_dict",
     "meta_parameters",
     "tile_linear_layers",

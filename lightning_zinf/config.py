@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, TypeVar
 
 from lightning_zinf.offload.aio import AioConfig
 
-__all__ = ["OffloadConfig", "PrefetchConfig", "TilingConfig", "coerce_config"]
+__all__ = ["OffloadConfig", "PrefetchConfig", "TilingConfig", "ZeroPPConfig", "coerce_config"]
 
 _C = TypeVar("_C")
 
@@ -208,6 +208,44 @@ class TilingConfig:
     def threshold(self) -> int:
         """Weight elements above which a layer is tiled."""
         return self.tile_numel if self.min_numel is None else self.min_numel
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroPPConfig:
+    """ZeRO++ (Wang et al. 2023, arXiv:2306.10209): less communication across nodes.
+
+    Attributes:
+        ranks_per_node: Ranks on each node; ranks are numbered node by node, as launchers do.
+            ``None``: the Lightning strategy's devices per node, else ``LOCAL_WORLD_SIZE``, else the
+            world size (one node). Set it to simulate several nodes on one machine.
+        hpz: hpZ (§3.2): after a unit's first gather since the last optimizer step, each rank keeps a
+            *secondary partition* (1/``hpz_partition_size`` of the unit) and later gathers of the
+            unit (backward, further micro-batches, validation) all-gather those inside the partition
+            group, which does not cross nodes. Costs 1/``hpz_partition_size`` of the model per
+            rank in memory on the compute device; the partitions are dropped at each optimizer
+            step and whenever shards change (a load, an edit).
+        hpz_partition_size: Ranks that together hold one secondary copy (consecutive ranks).
+            ``None``: ``ranks_per_node``. Must divide the world size.
+
+    Raises:
+        ValueError: a size that is not a positive integer.
+    """
+
+    ranks_per_node: Optional[int] = None
+    hpz: bool = False
+    hpz_partition_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.hpz, bool), "ZeroPPConfig", "hpz", self.hpz, "True or False")
+        for name in ("ranks_per_node", "hpz_partition_size"):
+            value = getattr(self, name)
+            _require(
+                value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                "ZeroPPConfig",
+                name,
+                value,
+                "None (automatic) or an integer >= 1 (a number of ranks)",
+            )
 
 
 def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:

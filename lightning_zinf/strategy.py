@@ -8,6 +8,7 @@ work), and each ``*_step`` starts a trace pass.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -39,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import load_sharded, save_sharded
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, coerce_config
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig, coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.precision import to_zero_precision
@@ -72,6 +73,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
         tiling: A :class:`~lightning_zinf.TilingConfig` (or a mapping of its fields): split every
             ``nn.Linear`` with more weight elements than its threshold into tiles gathered one at a
             time (ZeRO-Infinity §5.1.3), at setup, before the model is partitioned. Default: none.
+        zero_pp: A :class:`~lightning_zinf.ZeroPPConfig` (or a mapping of its fields): ZeRO++'s hpZ,
+            and the ranks per node (default: the devices per node the Trainer was given).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: As for
             any Lightning ``ParallelStrategy``; the Trainer sets them.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
@@ -91,6 +94,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         prefetch: Optional[PrefetchConfig] = None,
         offload: Optional[OffloadConfig] = None,
         tiling: Optional[TilingConfig] = None,
+        zero_pp: Optional[ZeroPPConfig] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -112,6 +116,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         self.prefetch = coerce_config(PrefetchConfig, prefetch)
         self.offload = coerce_config(OffloadConfig, offload)
         self.tiling = None if tiling is None else coerce_config(TilingConfig, tiling)
+        self.zero_pp = coerce_config(ZeroPPConfig, zero_pp)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
@@ -209,6 +214,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 device=self.root_device,
                 auto_pass=False,
                 tiling=self.tiling,
+                # Lightning numbers ranks node by node, with this many processes on each.
+                zero_pp=dataclasses.replace(self.zero_pp, ranks_per_node=self.zero_pp.ranks_per_node or self.num_processes),
             )
         if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
             raise ValueError(

@@ -16,6 +16,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from lightning_zinf.comm.topology import NodeGroups, Topology
+
 __all__ = ["Collectives", "CommBytes", "Handle"]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -42,17 +44,25 @@ class CommBytes:
 
     Attributes:
         gathered: Bytes received by all-gathers of parameter shards (the full buffer minus this
-            rank's own shard).
+            rank's own shard), from the primary shards or (hpZ) the secondary partitions.
         reduce_scattered: Bytes sent by gradient reduce-scatters (the full flat gradient minus
             this rank's own shard).
+        intra_node: Of both, the bytes exchanged with ranks on this rank's node.
+        inter_node: Of both, the bytes exchanged with ranks on other nodes (what ZeRO++ reduces).
     """
 
     gathered: int = 0
     reduce_scattered: int = 0
+    intra_node: int = 0
+    inter_node: int = 0
 
     def reset(self) -> None:
-        self.gathered = 0
-        self.reduce_scattered = 0
+        self.gathered = self.reduce_scattered = self.intra_node = self.inter_node = 0
+
+    def add_split(self, split: tuple[int, int]) -> None:
+        """Add ``(intra-node, inter-node)`` bytes."""
+        self.intra_node += split[0]
+        self.inter_node += split[1]
 
 
 class Collectives:
@@ -61,14 +71,41 @@ class Collectives:
     Args:
         group: The process group; ``None`` means the default (world) group when
             ``torch.distributed`` is initialised, and a single local rank when it is not.
+        ranks_per_node: Ranks on each node (numbered node by node), for the intra/inter-node split
+            of the byte counts. ``None``: one node.
+        hpz_partition_size: Build the hpZ secondary-partition groups of this many consecutive
+            ranks (:meth:`all_gather_secondary`). ``None``: no hpZ.
+
+    Attributes:
+        topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
+        hpz: The topology of the hpZ partition groups (a "node" is one group), or ``None``.
+
+    Raises:
+        ValueError: a size that does not divide the world size, or hpZ over a group other than the
+            world.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        ranks_per_node: Optional[int] = None,
+        hpz_partition_size: Optional[int] = None,
+    ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.bytes = CommBytes()
+        self.topology = Topology(self.world_size, self.rank, ranks_per_node or self.world_size)
+        self.hpz: Optional[Topology] = None
+        self._hpz_group: Optional[dist.ProcessGroup] = None
+        if hpz_partition_size is not None:
+            if self.distributed and self.world_size > 1 and self.group is not dist.group.WORLD:
+                raise ValueError("hpZ needs the engine to partition over the world group (group=None).")
+            self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
+            if self.world_size > 1:
+                self._hpz_group = NodeGroups(self.hpz, with_inter=False).intra
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Gather every rank's ``shard`` into ``out``, rank r's at ``out[r*n:(r+1)*n]``.
@@ -82,10 +119,34 @@ class Collectives:
             A handle whose ``wait()`` returns when ``out`` is filled.
         """
         self.bytes.gathered += (out.numel() - shard.numel()) * out.element_size()
+        self.bytes.add_split(self.topology.split_bytes(range(self.world_size), shard.numel() * shard.element_size()))
         if self.world_size == 1:
             out.copy_(shard)
             return _Done()
         work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
+        return work if async_op else _Done()
+
+    def all_gather_secondary(self, out: torch.Tensor, secondary: torch.Tensor, async_op: bool = False) -> Handle:
+        """hpZ's gather: all-gather the secondary partitions of this rank's partition group into
+        ``out``, local rank l's at ``out[l*n:(l+1)*n]`` (ZeRO++ §3.2).
+
+        Args:
+            out: 1-D tensor of ``hpz_partition_size * n`` elements, same dtype and device as ``secondary``.
+            secondary: 1-D tensor of ``n`` elements: this rank's secondary partition.
+            async_op: Return before the data has arrived; call ``wait()`` on the handle.
+
+        Raises:
+            RuntimeError: built without ``hpz_partition_size``.
+        """
+        if self.hpz is None:
+            raise RuntimeError("all_gather_secondary needs Collectives(hpz_partition_size=...).")
+        self.bytes.gathered += (out.numel() - secondary.numel()) * out.element_size()
+        peers = self.hpz.node_ranks(self.hpz.node)
+        self.bytes.add_split(self.topology.split_bytes(peers, secondary.numel() * secondary.element_size()))
+        if self._hpz_group is None:
+            out.copy_(secondary)
+            return _Done()
+        work = _all_gather_flat(out, secondary, group=self._hpz_group, async_op=async_op)
         return work if async_op else _Done()
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
@@ -100,6 +161,7 @@ class Collectives:
             A handle whose ``wait()`` returns when ``out`` is filled.
         """
         self.bytes.reduce_scattered += (full.numel() - out.numel()) * full.element_size()
+        self.bytes.add_split(self.topology.split_bytes(range(self.world_size), out.numel() * out.element_size()))
         if self.world_size == 1:
             out.copy_(full)
             return _Done()

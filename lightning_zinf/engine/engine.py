@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig
+from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
@@ -77,6 +77,7 @@ class Unit:
         self.persistent = persistent
         self.state = _RELEASED
         self.handles: list[Handle] = []
+        self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
         self.forward_depth = 0
         self.held = False
         self.reduced_groups = 0
@@ -109,6 +110,7 @@ class ZeroEngine:
             and gathering the layer needs memory for one tile. ``None``: no tiling (layers the
             model builds as ``TiledLinear`` are tiled regardless). The names of the replaced layers
             are in :attr:`tiled_layers`.
+        zero_pp: ZeRO++ settings: the nodes (for hpZ and the intra/inter-node byte counts) and hpZ.
 
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
@@ -126,6 +128,7 @@ class ZeroEngine:
         group: Optional[dist.ProcessGroup] = None,
         auto_pass: bool = True,
         tiling: Optional[TilingConfig] = None,
+        zero_pp: ZeroPPConfig = ZeroPPConfig(),
     ) -> None:
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
@@ -134,7 +137,10 @@ class ZeroEngine:
             )
         self.module = module
         self.device = torch.device(device)
-        self.comm = Collectives(group)
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        ranks_per_node = zero_pp.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
+        hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
+        self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size)
         self.prefetch = prefetch
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
@@ -307,8 +313,9 @@ class ZeroEngine:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
 
-        ``device``: parameter shards, gathered parameters and pooled gradient buffers, plus the fp32
-        masters, fp32 gradient shards and optimizer states when the optimizer is not offloaded.
+        ``device``: parameter shards, gathered parameters, hpZ secondary partitions and pooled
+        gradient buffers, plus the fp32 masters, fp32 gradient shards and optimizer states when the
+        optimizer is not offloaded.
         ``cpu``: with optimizer offload, those optimizer-side tensors currently in CPU memory.
         ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
         machine without an accelerator the device is the CPU as well; the split says which tier
@@ -330,6 +337,7 @@ class ZeroEngine:
             add(param_tier, group.shard)
             add(optimizer_tier, group.master)
             add(optimizer_tier, group.grad_shard)
+            add("device", group.secondary)
             by_tier["device"] += group.full.untyped_storage().nbytes()
         for optimizer in self.optimizers:
             for state in optimizer.state.values():
@@ -457,7 +465,9 @@ class ZeroEngine:
     def _start_gather(self, unit: Unit) -> None:
         self._issued.append(unit.index)
         if self.param_offload is not None:
-            for group in unit.groups:
+            # A group gathered from its hpZ secondary partition needs no shard from NVMe.
+            unit.acquired = [g for g in unit.groups if g.secondary is None]
+            for group in unit.acquired:
                 self.param_offload.acquire(group)
         unit.handles = [g.start_gather() for g in unit.groups]
         unit.state = _INFLIGHT
@@ -471,8 +481,12 @@ class ZeroEngine:
             handle.wait()
         for group in unit.groups:
             group.finish_gather()
-            if self.param_offload is not None:
+            if self.comm.hpz is not None and not unit.persistent and group.secondary is None:
+                group.keep_secondary()
+        if self.param_offload is not None:
+            for group in unit.acquired:
                 self.param_offload.drop(group)
+            unit.acquired = []
         unit.handles, unit.state = [], _GATHERED
 
     def _gather_all(self, units: list[Unit]) -> None:
@@ -491,7 +505,8 @@ class ZeroEngine:
             self._gather_ahead(upcoming)
             if self.param_offload is not None:
                 ahead = [self.units[i] for i in upcoming if self.units[i].state == _RELEASED]
-                self.param_offload.read_ahead(g for u in ahead[: self.offload_config.read_ahead] for g in u.groups)
+                self.param_offload.read_ahead(g for u in ahead[: self.offload_config.read_ahead] for g in u.groups
+                                              if g.secondary is None)
         self._wait_gather(unit)
 
     def _gather_ahead(self, upcoming: list[int]) -> None:

@@ -89,6 +89,7 @@ class FlatGroup:
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self.master: Optional[Tensor] = None
+        self.secondary: Optional[Tensor] = None
         self.fragments: list[Tensor] = []
         self.grad_shard: Optional[Tensor] = None
         self._grad_fragments: list[Tensor] = []
@@ -106,9 +107,25 @@ class FlatGroup:
 
     # --- gather / release -------------------------------------------------------------------------
     def start_gather(self) -> Handle:
-        """Allocate the gather buffer and start all-gathering the shards into it (asynchronously)."""
+        """Allocate the gather buffer and start all-gathering into it (asynchronously): from the
+        hpZ secondary partitions when this group has one, else from the shards."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
+        if self.secondary is not None:
+            return self.comm.all_gather_secondary(self.full, self.secondary, async_op=True)
         return self.comm.all_gather(self.full, self.shard.to(self.device), async_op=True)
+
+    def keep_secondary(self) -> None:
+        """hpZ (ZeRO++ §3.2): keep this rank's secondary partition, its ``1/P`` of the gathered
+        buffer (P = ``hpz_partition_size``), for later gathers inside its partition group. Call
+        after a gather; the values must be current (they are until the shards change)."""
+        hpz = self.comm.hpz
+        assert hpz is not None, "keep_secondary needs Collectives(hpz_partition_size=...)"
+        size = self.padded_numel // hpz.ranks_per_node
+        self.secondary = self.full[hpz.local_rank * size : (hpz.local_rank + 1) * size].clone()
+
+    def drop_secondary(self) -> None:
+        """Forget the hpZ secondary partition (the shards changed): the next gather uses the shards."""
+        self.secondary = None
 
     def finish_gather(self) -> None:
         """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
@@ -125,7 +142,9 @@ class FlatGroup:
         """Copy this rank's slice of the gathered buffer into the shard (and the fp32 master).
 
         Used after user code edited gathered parameters; every rank must have made the same edit.
+        The hpZ secondary partition is dropped (it may hold the old values).
         """
+        self.drop_secondary()
         new = self.full[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         changed = new != self.shard
         if self.master is not None and self.master is not self.shard:
@@ -172,7 +191,9 @@ class FlatGroup:
 
     def after_step(self) -> None:
         """Cast the stepped fp32 master back into the compute-dtype shard; the gradients are
-        consumed (the next backward starts a fresh accumulation, as after ``zero_grad``)."""
+        consumed (the next backward starts a fresh accumulation, as after ``zero_grad``). The hpZ
+        secondary partition, now stale, is dropped."""
+        self.drop_secondary()
         if self.master is not None and self.master is not self.shard and not self.swapped_optimizer:
             self.shard.copy_(self.master)
         self._consumed = True

@@ -1,0 +1,101 @@
+"""Nodes and ranks per node of the data-parallel group, and their process groups.
+
+ZeRO++ (Wang et al. 2023, arXiv:2306.10209, §3.2-3.3) keeps traffic inside a node where it can:
+hpZ gathers from a secondary partition held by the node's ranks, and qgZ reduces inside the node
+before anything crosses nodes. Both need to know which ranks share a node. Ranks are laid out node
+by node, as launchers number them: rank ``r`` is on node ``r // D`` with local rank ``r % D``,
+where ``D`` is the number of ranks per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["Topology", "NodeGroups"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where rank ``rank`` of ``world_size`` sits, with ``ranks_per_node`` ranks on each node.
+
+    Raises:
+        ValueError: ``ranks_per_node`` is not a positive divisor of ``world_size``, or ``rank`` is
+            out of range.
+    """
+
+    world_size: int
+    rank: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        d, w = self.ranks_per_node, self.world_size
+        if not (isinstance(d, int) and d >= 1 and w % d == 0):
+            raise ValueError(
+                f"ranks_per_node={d!r} must be a positive divisor of the world size {w} (ranks are laid out node by "
+                "node, the same number on each). Set it to the processes per machine, or leave it unset."
+            )
+        if not 0 <= self.rank < w:
+            raise ValueError(f"rank {self.rank} is outside the world of {w} ranks.")
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes."""
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        """This rank's node."""
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index within its node."""
+        return self.rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks on ``node``, in order."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """The ranks with local rank ``local_rank``, one per node, in node order."""
+        return list(range(local_rank, self.world_size, self.ranks_per_node))
+
+    def split_bytes(self, peers: Iterable[int], per_peer: int) -> tuple[int, int]:
+        """``(intra-node, inter-node)`` bytes when this rank exchanges ``per_peer`` bytes with each
+        rank of ``peers`` (itself excluded)."""
+        others = [r for r in peers if r != self.rank]
+        same = sum(1 for r in others if r // self.ranks_per_node == self.node)
+        other = len(others) - same
+        return same * per_peer, other * per_peer
+
+
+class NodeGroups:
+    """The process groups of a :class:`Topology`: ``intra`` (this rank's node) and ``inter`` (the
+    ranks with this rank's local rank, one per node). Every rank must build it at the same point,
+    since ``torch.distributed.new_group`` is collective over the whole world.
+
+    With a single node ``inter`` is ``None``; with one rank per node ``intra`` is ``None``.
+
+    Args:
+        topology: Ranks and nodes; its ranks are ranks of the default (world) group.
+        with_inter: Also build the ``inter`` groups (``False`` leaves ``inter`` ``None``).
+        backend: The groups' backend (default: the world's).
+    """
+
+    def __init__(self, topology: Topology, with_inter: bool = True, backend: Optional[str] = None) -> None:
+        self.topology = topology
+        self.intra: Optional[dist.ProcessGroup] = None
+        self.inter: Optional[dist.ProcessGroup] = None
+        for node in range(topology.nodes):
+            group = dist.new_group(topology.node_ranks(node), backend=backend) if topology.ranks_per_node > 1 else None
+            if node == topology.node:
+                self.intra = group
+        if not with_inter or topology.nodes == 1:
+            return
+        for local in range(topology.ranks_per_node):
+            group = dist.new_group(topology.peer_ranks(local), backend=backend)
+            if local == topology.local_rank:
+                self.inter = group
