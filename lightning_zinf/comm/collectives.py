@@ -11,12 +11,13 @@ so the engine runs in a plain single-process script too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lightning_zinf.comm.topology import NodeGroups, Topology
+from triton_kernels import dequantize, quantize
 
 __all__ = ["Collectives", "CommBytes", "Handle"]
 
@@ -35,6 +36,21 @@ class _Done:
     """A handle for work that finished synchronously."""
 
     def wait(self) -> bool:
+        return True
+
+
+class _Then:
+    """A handle that waits for several collectives, then runs ``finish`` once (dequantization)."""
+
+    def __init__(self, works: list[Any], finish: Callable[[], None]) -> None:
+        self.works, self.finish = works, finish
+
+    def wait(self) -> bool:
+        if self.works:
+            for work in self.works:
+                work.wait()
+            self.works = []
+            self.finish()
         return True
 
 
@@ -75,6 +91,7 @@ class Collectives:
             of the byte counts. ``None``: one node.
         hpz_partition_size: Build the hpZ secondary-partition groups of this many consecutive
             ranks (:meth:`all_gather_secondary`). ``None``: no hpZ.
+        qwz_block: Elements per scale of :meth:`all_gather_quantized` (qwZ); ``None``: no qwZ.
 
     Attributes:
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
@@ -91,7 +108,9 @@ class Collectives:
         *,
         ranks_per_node: Optional[int] = None,
         hpz_partition_size: Optional[int] = None,
+        qwz_block: Optional[int] = None,
     ) -> None:
+        self.qwz_block = qwz_block
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.rank = dist.get_rank(self.group) if self.distributed else 0
@@ -125,6 +144,45 @@ class Collectives:
             return _Done()
         work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
         return work if async_op else _Done()
+
+    def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
+        """qwZ's gather (ZeRO++ §3.1): quantize ``shard`` blockwise to INT8 (one fp32 scale per
+        ``qwz_block`` elements), all-gather codes and scales, and dequantize every rank's part, this
+        rank's own included (so all ranks hold identical values), into ``out`` in its dtype.
+
+        Args:
+            out: 1-D tensor of ``world_size * n`` elements (fp32, fp16 or bf16).
+            shard: 1-D tensor of ``n`` elements, ``out``'s dtype and device.
+            async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
+
+        Raises:
+            RuntimeError: built without ``qwz_block``.
+        """
+        if self.qwz_block is None:
+            raise RuntimeError("all_gather_quantized needs Collectives(qwz_block=...).")
+        n, world = shard.numel(), self.world_size
+        # A NaN or Inf weight dequantizes to NaN and shows in the loss, as it would unquantized.
+        codes, scales = quantize(shard, 8, self.qwz_block, nonfinite="propagate")
+        per_rank = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+        self.bytes.gathered += (world - 1) * per_rank
+        self.bytes.add_split(self.topology.split_bytes(range(world), per_rank))
+        all_codes = codes.new_empty(world, codes.numel())
+        all_scales = scales.new_empty(world, scales.numel())
+
+        def dequantize_into_out() -> None:
+            out.view(world, n).copy_(dequantize(all_codes, all_scales, n, 8, self.qwz_block, dtype=out.dtype))
+
+        if world == 1:
+            all_codes.copy_(codes.view(1, -1))
+            all_scales.copy_(scales.view(1, -1))
+            dequantize_into_out()
+            return _Done()
+        works = [_all_gather_flat(all_codes.view(-1), codes, group=self.group, async_op=True),
+                 _all_gather_flat(all_scales.view(-1), scales, group=self.group, async_op=True)]
+        handle = _Then(works, dequantize_into_out)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def all_gather_secondary(self, out: torch.Tensor, secondary: torch.Tensor, async_op: bool = False) -> Handle:
         """hpZ's gather: all-gather the secondary partitions of this rank's partition group into

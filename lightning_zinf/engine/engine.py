@@ -78,6 +78,7 @@ class Unit:
         self.state = _RELEASED
         self.handles: list[Handle] = []
         self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
+        self.quantized = False  # the last gather was qwZ-quantized
         self.forward_depth = 0
         self.held = False
         self.reduced_groups = 0
@@ -140,7 +141,8 @@ class ZeroEngine:
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         ranks_per_node = zero_pp.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
         hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
-        self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size)
+        self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
+                                qwz_block=zero_pp.block if zero_pp.qwz else None)
         self.prefetch = prefetch
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
@@ -462,17 +464,23 @@ class ZeroEngine:
         self._hooks = []
 
     # --- gather / release -------------------------------------------------------------------------
-    def _start_gather(self, unit: Unit) -> None:
+    def _start_gather(self, unit: Unit, exact: bool = False) -> None:
+        """Start gathering ``unit``; with qwZ quantized unless ``exact`` (persistent units and
+        :meth:`gathered`, whose values users read and edit)."""
         self._issued.append(unit.index)
         if self.param_offload is not None:
             # A group gathered from its hpZ secondary partition needs no shard from NVMe.
-            unit.acquired = [g for g in unit.groups if g.secondary is None]
+            unit.acquired = [g for g in unit.groups if g.secondary is None or exact]
             for group in unit.acquired:
                 self.param_offload.acquire(group)
-        unit.handles = [g.start_gather() for g in unit.groups]
+        unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
+        was_released = unit.state == _RELEASED
+        # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
+        unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact) for g in unit.groups]
         unit.state = _INFLIGHT
-        self.gathered_bytes += sum(g.full.untyped_storage().nbytes() for g in unit.groups)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        if was_released:
+            self.gathered_bytes += sum(g.full.untyped_storage().nbytes() for g in unit.groups)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _wait_gather(self, unit: Unit) -> None:
         if unit.state != _INFLIGHT:
@@ -490,9 +498,15 @@ class ZeroEngine:
         unit.handles, unit.state = [], _GATHERED
 
     def _gather_all(self, units: list[Unit]) -> None:
+        """Gather ``units`` exactly (persistent units, :meth:`gathered`): a released or gathered unit
+        is (re-)gathered from the current shards; one in flight is waited for, and gathered again
+        if its gather was quantized (qwZ)."""
         for unit in units:
-            if unit.state != _INFLIGHT:
-                self._start_gather(unit)
+            if unit.state == _INFLIGHT:
+                if not unit.quantized:
+                    continue
+                self._wait_gather(unit)
+            self._start_gather(unit, exact=True)
         for unit in units:
             self._wait_gather(unit)
 

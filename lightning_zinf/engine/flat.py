@@ -106,12 +106,15 @@ class FlatGroup:
         self.release()
 
     # --- gather / release -------------------------------------------------------------------------
-    def start_gather(self) -> Handle:
+    def start_gather(self, quantized: bool = False, from_secondary: bool = True) -> Handle:
         """Allocate the gather buffer and start all-gathering into it (asynchronously): from the
-        hpZ secondary partitions when this group has one, else from the shards."""
+        hpZ secondary partitions when this group has one and ``from_secondary``, else from the
+        shards, as INT8 codes and scales with ``quantized`` (qwZ)."""
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        if self.secondary is not None:
+        if self.secondary is not None and from_secondary:
             return self.comm.all_gather_secondary(self.full, self.secondary, async_op=True)
+        if quantized:
+            return self.comm.all_gather_quantized(self.full, self.shard.to(self.device), async_op=True)
         return self.comm.all_gather(self.full, self.shard.to(self.device), async_op=True)
 
     def keep_secondary(self) -> None:

@@ -1,8 +1,9 @@
-"""ZeRO++ hpZ and the node topology: 4 ranks as 2 simulated nodes x 2 ranks (gloo on CPU).
+"""ZeRO++ and the node topology: 4 ranks as 2 simulated nodes x 2 ranks (gloo on CPU).
 
 hpZ moves the same values by another route (the secondary partitions inside a node), so training
 with it must be bit-for-bit the training without it, through gradient accumulation, evaluation
-passes and a resume; and the backward gathers must not cross nodes.
+passes and a resume; and the backward gathers must not cross nodes. qwZ gathers INT8 codes: the
+gathered weights are within the INT8 error band of the exact ones, and training stays close.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from lightning_zinf import PrefetchConfig, ZeroEngine, ZeroPPConfig
 from lightning_zinf.checkpoint import load_sharded, save_sharded
-from lightning_zinf.comm import Topology
+from lightning_zinf.comm import Collectives, Topology
 from tests import models
 from tests.harness import run_distributed
 
@@ -30,11 +31,11 @@ def test_topology_numbers_ranks_node_by_node() -> None:
         Topology(world_size=6, rank=0, ranks_per_node=4)
 
 
-def _engine(hpz: bool) -> tuple[torch.nn.Module, ZeroEngine, torch.optim.Optimizer]:
+def _engine(zero_pp: dict) -> tuple[torch.nn.Module, ZeroEngine, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = models.GPT()
     engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
-                        zero_pp=ZeroPPConfig(ranks_per_node=2, hpz=hpz))
+                        zero_pp=ZeroPPConfig(ranks_per_node=2, **zero_pp))
     return model, engine, engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
 
 
@@ -62,16 +63,16 @@ def _steps(model, engine, opt, rank: int, world: int, steps: range) -> list[dict
     return rows
 
 
-def _run(rank: int, world: int, hpz: bool, ckpt: str) -> dict:
-    model, engine, opt = _engine(hpz)
+def _run(rank: int, world: int, zero_pp: dict, ckpt: str) -> dict:
+    model, engine, opt = _engine(zero_pp)
     rows = _steps(model, engine, opt, rank, world, range(STEPS))
     with engine.gathered():
         weights = {k: v.clone() for k, v in model.state_dict().items()}
     # Resume: 2 steps, save, a fresh model loads the checkpoint and takes the last 2 steps.
-    model, engine, opt = _engine(hpz)
+    model, engine, opt = _engine(zero_pp)
     _steps(model, engine, opt, rank, world, range(2))
     save_sharded(engine, [opt], ckpt, {})
-    model, engine, opt = _engine(hpz)
+    model, engine, opt = _engine(zero_pp)
     load_sharded(engine, [opt], ckpt)
     resumed = _steps(model, engine, opt, rank, world, range(2, STEPS))
     # Inter-node bytes of one gather of every unit from the shards: 2 of the 3 peers are on the other node.
@@ -80,8 +81,8 @@ def _run(rank: int, world: int, hpz: bool, ckpt: str) -> dict:
 
 
 def test_hpz_is_bit_exact_and_keeps_backward_gathers_inside_the_node(tmp_path: Path) -> None:
-    plain = run_distributed(_run, 4, False, str(tmp_path / "plain"))
-    hpz = run_distributed(_run, 4, True, str(tmp_path / "hpz"))
+    plain = run_distributed(_run, 4, {}, str(tmp_path / "plain"))
+    hpz = run_distributed(_run, 4, {"hpz": True}, str(tmp_path / "hpz"))
     for rank in range(4):
         a, b = plain[rank], hpz[rank]
         assert [r["losses"] for r in a["rows"]] == [r["losses"] for r in b["rows"]]
@@ -102,3 +103,42 @@ def test_hpz_is_bit_exact_and_keeps_backward_gathers_inside_the_node(tmp_path: P
             assert h["inter"] == (1 + ACCUMULATE) * b["once"]
             assert p["inter"] >= (3 * ACCUMULATE + 1) * b["once"]
             assert h["intra"] > p["intra"]
+
+
+def _quantized_gather(rank: int, world: int, dtype: torch.dtype) -> dict:
+    comm = Collectives(ranks_per_node=2, qwz_block=256)
+    shard = torch.randn(5000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    exact, got = torch.empty(world * 5000, dtype=dtype), torch.empty(world * 5000, dtype=dtype)
+    comm.all_gather(exact, shard)
+    exact_inter = comm.bytes.inter_node
+    comm.bytes.reset()
+    comm.all_gather_quantized(got, shard, async_op=True).wait()
+    return {"exact": exact, "got": got, "inter": comm.bytes.inter_node, "exact_inter": exact_inter}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qwz_gather_is_within_the_int8_band(dtype: torch.dtype) -> None:
+    ranks = run_distributed(_quantized_gather, 4, dtype)
+    for got in ranks:
+        assert torch.equal(got["got"], ranks[0]["got"])  # every rank dequantizes the same values
+        exact, approx = got["exact"].double(), got["got"].double()
+        err = float((approx - exact).norm() / exact.norm())
+        assert 0.005 < err < 0.009, err  # the kernels' INT8 band on Gaussian values (about 0.007)
+        # Codes (1 byte) and one fp32 scale per 256 elements, instead of the parameter dtype.
+        ratio = got["inter"] / got["exact_inter"]
+        assert ratio == pytest.approx((1 + 4 / 256) / torch.empty(0, dtype=dtype).element_size(), rel=0.01)
+
+
+def test_qwz_with_hpz_trains_close_to_zero3(tmp_path: Path) -> None:
+    plain = run_distributed(_run, 4, {}, str(tmp_path / "plain"))
+    both = run_distributed(_run, 4, {"hpz": True, "qwz": True}, str(tmp_path / "both"))
+    for a, b in zip(plain, both):
+        want = torch.tensor([sum(r["losses"]) for r in a["rows"]])
+        got = torch.tensor([sum(r["losses"]) for r in b["rows"]])
+        assert not torch.equal(got, want)  # the weights were quantized...
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=0)  # ...within 1% of the exact losses
+        assert [r["losses"] for r in b["resumed"]] == [r["losses"] for r in b["rows"][2:]]  # resume: exact
+        # Across nodes per step: one INT8 gather of every unit (codes + a scale per 256 elements,
+        # about a quarter of fp32) and the fp32 gradient reduce-scatters (qgZ is not used here).
+        for q in b["rows"]:
+            assert q["inter"] == pytest.approx((ACCUMULATE + (1 + 4 / 256) / 4) * b["once"], rel=0.01)
