@@ -232,21 +232,34 @@ class ZeroPPConfig:
             weights carry the quantization error (about 0.7% relative L2 on Gaussian values);
             masters, shards and optimizer steps stay exact. Persistent units and
             ``gathered()`` are gathered exactly.
+        qgz: qgZ (§3.3): gradients are reduce-scattered as a hierarchical all-to-all of blockwise
+            quantized codes instead of an fp32 reduce-scatter: each rank reorders and quantizes its
+            flat gradient, the ranks of a node exchange and sum (dequantize, add in fp32,
+            requantize), then ranks with the same local rank exchange across nodes and sum into
+            the mean of their own partition. Across nodes travels 1/``nodes`` of what a
+            reduce-scatter sends, in ``qgz_bits`` codes. The result carries the quantization error
+            (about 18% relative L2 per reduction with INT4, 1% with INT8, on independent Gaussian
+            gradients); the error of successive steps averages out in training.
+        qgz_bits: 4 (ZeRO++'s choice) or 8.
         block: Elements that share one quantization scale (a power of two from 64 to 4096).
 
     Raises:
-        ValueError: a size that is not a positive integer, or a ``block`` that is not a power of two
-            in [64, 4096].
+        ValueError: a size that is not a positive integer, a ``block`` that is not a power of two
+            in [64, 4096], or ``qgz_bits`` other than 4 or 8.
     """
 
     ranks_per_node: Optional[int] = None
     hpz: bool = False
     hpz_partition_size: Optional[int] = None
     qwz: bool = False
+    qgz: bool = False
+    qgz_bits: int = 4
     block: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("hpz", "qwz"):
+        _require(self.qgz_bits in (4, 8) and not isinstance(self.qgz_bits, bool), "ZeroPPConfig", "qgz_bits",
+                 self.qgz_bits, "4 or 8")
+        for name in ("hpz", "qwz", "qgz"):
             _require(isinstance(getattr(self, name), bool), "ZeroPPConfig", name, getattr(self, name), "True or False")
         _require(
             isinstance(self.block, int) and not isinstance(self.block, bool) and 64 <= self.block <= 4096

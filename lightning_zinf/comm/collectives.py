@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zinf.comm.topology import NodeGroups, Topology
-from triton_kernels import dequantize, quantize
+from triton_kernels import QgzLayout, dequantize, dequantize_reduce, dequantize_reduce_requantize, quantize, reorder_quantize
 
 __all__ = ["Collectives", "CommBytes", "Handle"]
 
@@ -92,6 +92,9 @@ class Collectives:
         hpz_partition_size: Build the hpZ secondary-partition groups of this many consecutive
             ranks (:meth:`all_gather_secondary`). ``None``: no hpZ.
         qwz_block: Elements per scale of :meth:`all_gather_quantized` (qwZ); ``None``: no qwZ.
+        qgz_bits: Code width of :meth:`reduce_scatter_mean_quantized` (qgZ), 4 or 8; ``None``: no
+            qgZ. Builds the intra- and inter-node groups.
+        block: Elements per scale of the qgZ codes.
 
     Attributes:
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
@@ -109,8 +112,11 @@ class Collectives:
         ranks_per_node: Optional[int] = None,
         hpz_partition_size: Optional[int] = None,
         qwz_block: Optional[int] = None,
+        qgz_bits: Optional[int] = None,
+        block: int = 256,
     ) -> None:
         self.qwz_block = qwz_block
+        self.qgz_bits, self.block = qgz_bits, block
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.rank = dist.get_rank(self.group) if self.distributed else 0
@@ -125,6 +131,11 @@ class Collectives:
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
                 self._hpz_group = NodeGroups(self.hpz, with_inter=False).intra
+        self._nodes: Optional[NodeGroups] = None
+        if qgz_bits is not None and self.world_size > 1:
+            if self.group is not dist.group.WORLD:
+                raise ValueError("qgZ needs the engine to partition over the world group (group=None).")
+            self._nodes = NodeGroups(self.topology)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Gather every rank's ``shard`` into ``out``, rank r's at ``out[r*n:(r+1)*n]``.
@@ -225,6 +236,63 @@ class Collectives:
             return _Done()
         work = _reduce_scatter_flat(out, full, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
         return work if async_op else _Done()
+
+    def reduce_scatter_mean_quantized(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
+        """qgZ (ZeRO++ §3.3): the mean over ranks of ``full``, this rank's slice into ``out``, by a
+        hierarchical all-to-all of blockwise quantized codes (``qgz_bits``, ``block``):
+
+        1. reorder + quantize ``full`` into one partition per rank, in slot order;
+        2. intra-node all-to-all: local peer ``k`` receives the partitions of the ranks with local
+           rank ``k`` (one per node);
+        3. dequantize, sum over the node's ranks in fp32, requantize;
+        4. inter-node all-to-all among the ranks with this local rank: each receives its own
+           partition's node sums;
+        5. dequantize, sum over nodes, times 1/W, into ``out``.
+
+        Steps 1-2 start at once; ``wait()`` on the handle runs 3-5. Any ``n`` and any number of
+        nodes work (no fallback path). Non-finite gradients come out as NaN.
+
+        Args:
+            out: 1-D fp32 (or fp16/bf16) tensor of ``n`` elements.
+            full: 1-D fp32/fp16/bf16 tensor of ``world_size * n`` elements.
+            async_op: Return before the result is in ``out``; call ``wait()`` on the handle.
+
+        Raises:
+            RuntimeError: built without ``qgz_bits``.
+        """
+        if self.qgz_bits is None:
+            raise RuntimeError("reduce_scatter_mean_quantized needs Collectives(qgz_bits=...).")
+        topo = self.topology
+        layout = QgzLayout(full.numel(), topo.nodes, topo.ranks_per_node, bits=self.qgz_bits, block=self.block,
+                           part_numel=out.numel())
+        codes, scales = reorder_quantize(full, layout, nonfinite="propagate")  # [W, C], [W, P], slot order
+        row = codes.shape[1] * codes.element_size() + scales.shape[1] * scales.element_size()
+        nodes, local_peers = topo.nodes, topo.ranks_per_node
+        sent_intra, sent_inter = (local_peers - 1) * nodes * row, (nodes - 1) * row
+        self.bytes.reduce_scattered += sent_intra + sent_inter
+        self.bytes.add_split((sent_intra, sent_inter))
+        if self._nodes is not None and self._nodes.intra is not None:
+            recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
+            works = [dist.all_to_all_single(recv_codes, codes, group=self._nodes.intra, async_op=True),
+                     dist.all_to_all_single(recv_scales, scales, group=self._nodes.intra, async_op=True)]
+        else:
+            recv_codes, recv_scales, works = codes, scales, []
+
+        def finish() -> None:
+            partial_codes, partial_scales = dequantize_reduce_requantize(
+                recv_codes.view(local_peers, nodes, -1), recv_scales.view(local_peers, nodes, -1), layout)
+            if self._nodes is not None and self._nodes.inter is not None:
+                mine_codes, mine_scales = torch.empty_like(partial_codes), torch.empty_like(partial_scales)
+                dist.all_to_all_single(mine_codes, partial_codes, group=self._nodes.inter)
+                dist.all_to_all_single(mine_scales, partial_scales, group=self._nodes.inter)
+            else:
+                mine_codes, mine_scales = partial_codes, partial_scales
+            out.copy_(dequantize_reduce(mine_codes, mine_scales, layout, multiplier=1 / self.world_size, dtype=out.dtype))
+
+        handle = _Then(works, finish) if works else _Then([_Done()], finish)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place and return it (used for global norms)."""

@@ -111,7 +111,8 @@ class ZeroEngine:
             and gathering the layer needs memory for one tile. ``None``: no tiling (layers the
             model builds as ``TiledLinear`` are tiled regardless). The names of the replaced layers
             are in :attr:`tiled_layers`.
-        zero_pp: ZeRO++ settings: the nodes (for hpZ and the intra/inter-node byte counts) and hpZ.
+        zero_pp: ZeRO++ settings: the nodes (for hpZ, qgZ and the intra/inter-node byte counts),
+            hpZ, qwZ and qgZ (:class:`~lightning_zinf.ZeroPPConfig`).
 
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
@@ -142,7 +143,8 @@ class ZeroEngine:
         ranks_per_node = zero_pp.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
         hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
-                                qwz_block=zero_pp.block if zero_pp.qwz else None)
+                                qwz_block=zero_pp.block if zero_pp.qwz else None,
+                                qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block)
         self.prefetch = prefetch
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)

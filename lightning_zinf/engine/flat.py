@@ -264,7 +264,8 @@ class FlatGroup:
             pool.give(flat)
             flat = flat32
         out = pool.take(self.shard_numel, torch.float32)
-        return self.comm.reduce_scatter_mean(out, flat, async_op=True), [out, flat], got
+        reduce = self.comm.reduce_scatter_mean if self.comm.qgz_bits is None else self.comm.reduce_scatter_mean_quantized
+        return reduce(out, flat, async_op=True), [out, flat], got
 
     def discard_grads(self, pool: BufferPool) -> None:
         """Drop a prepared flat gradient that received nothing, and forget partial readiness
