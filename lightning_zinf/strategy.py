@@ -385,8 +385,9 @@ class ZeroInfinityStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"zero_infinity"`` and the presets ``"zero_infinity_offload"`` (parameters and
-        optimizer state in CPU memory) and ``"zero_infinity_nvme"`` (both on NVMe, under
-        ``tempfile.gettempdir()``); safe to call again (re-importing in a notebook)."""
+        optimizer state in CPU memory), ``"zero_infinity_nvme"`` (both on NVMe, under
+        ``tempfile.gettempdir()``), ``"zero_pp"`` (ZeRO++: hpZ, qwZ, qgZ) and ``"zero_pp_nvme"``
+        (ZeRO++ and NVMe); safe to call again (re-importing in a notebook)."""
         strategy_registry.register(
             cls.strategy_name,
             cls,
@@ -406,5 +407,21 @@ class ZeroInfinityStrategy(ParallelStrategy):
             description="ZeRO-Infinity: parameters and optimizer state on NVMe, in the system's temporary folder "
             "(lightning_zinf)",
             override=True,
+            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir()),
+        )
+        strategy_registry.register(
+            "zero_pp",
+            cls,
+            description="ZeRO++: hpZ, qwZ and qgZ on top of ZeRO-3 (lightning_zinf)",
+            override=True,
+            zero_pp=ZeroPPConfig(hpz=True, qwz=True, qgz=True),
+        )
+        strategy_registry.register(
+            "zero_pp_nvme",
+            cls,
+            description="ZeRO++ (hpZ, qwZ, qgZ) with parameters and optimizer state on NVMe, in the system's "
+            "temporary folder (lightning_zinf)",
+            override=True,
+            zero_pp=ZeroPPConfig(hpz=True, qwz=True, qgz=True),
             offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir()),
         )

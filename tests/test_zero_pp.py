@@ -185,3 +185,23 @@ def test_all_three_train_close_to_zero3_with_a_quarter_of_the_inter_node_bytes(t
         assert [r["losses"] for r in b["resumed"]] == [r["losses"] for r in b["rows"][2:]]  # resume: exact
         for p, q in zip(a["rows"], b["rows"]):
             assert q["inter"] / p["inter"] <= 0.27  # ZeRO++'s 3M -> 0.75M, here with fp32 parameters
+
+
+def _preset(rank: int, world: int, name: str) -> dict:
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    lit = LitGPT(GLOBAL_BATCH // world)
+    trainer = _trainer(name, world)
+    trainer.fit(lit)
+    strategy = trainer.strategy
+    return {"losses": lit.train_losses, "zero_pp": strategy.zero_pp, "offload": strategy.offload.param,
+            "nodes": strategy.engine.comm.topology.nodes}
+
+
+def test_zero_pp_presets_under_the_trainer() -> None:
+    base = run_distributed(_preset, 2, "zero_infinity", init_pg=False)[0]
+    for name, tier in (("zero_pp", "none"), ("zero_pp_nvme", "nvme")):
+        got = run_distributed(_preset, 2, name, init_pg=False)[0]
+        assert (got["zero_pp"].hpz, got["zero_pp"].qwz, got["zero_pp"].qgz, got["offload"]) == (True, True, True, tier)
+        assert got["nodes"] == 1  # the Trainer's 2 devices on one node
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), rtol=0.03, atol=0)
