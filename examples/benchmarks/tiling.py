@@ -14,8 +14,8 @@ takes ``--steps`` AdamW steps (``fused=True``) on 8 x H random inputs, loss = me
 Each run is its own process (so ``ru_maxrss`` is that run's peak RSS) with the staging cap raised to
 the machine's RAM, so that what each way needs, not the cap, sets its memory. Reported per run:
 the peak bytes of gathered parameters (``engine.peak_gathered_bytes``) against the layer's and one
-tile's bytes, the peak RSS, and the mean step time after the first step (the first creates the Adam
-moments). Then, for the memory budget ``--budget-gib``: the largest H of the grid that trained with
+tile's bytes, the peak RSS, and the mean step time and swap bytes read and written after the first
+step (the first creates the Adam moments). Then, for the memory budget ``--budget-gib``: the largest H of the grid that trained with
 a peak RSS within it, untiled and tiled, and their ratio (the paper reports 8x larger hidden sizes).
 A run the kernel kills for memory, or that fails, counts as not trained.
 
@@ -71,9 +71,11 @@ def run_one(hidden: int, tile_numel: int, tiled: bool, steps: int, nvme_root: Pa
         opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
         setup = time.perf_counter() - start
         units = [sum(g.numel for g in u.groups) for u in engine.units]
-        seconds, losses = [], []
+        seconds, losses, moved = [], [], []
+        swapper = engine.swapper
         for step in range(steps):
             x = torch.randn(BATCH, hidden, generator=torch.Generator().manual_seed(step))
+            read, written = swapper.bytes_read, swapper.bytes_written
             began = time.perf_counter()
             loss = model(x).pow(2).mean()
             loss.backward()
@@ -82,6 +84,7 @@ def run_one(hidden: int, tile_numel: int, tiled: bool, steps: int, nvme_root: Pa
             engine.release_all()
             seconds.append(time.perf_counter() - began)
             losses.append(loss.item())
+            moved.append((swapper.bytes_read - read, swapper.bytes_written - written))
         engine.swapper.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -95,6 +98,8 @@ def run_one(hidden: int, tile_numel: int, tiled: bool, steps: int, nvme_root: Pa
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "setup_s": setup,
         "step_s": sum(seconds[1:]) / max(len(seconds) - 1, 1),
+        "read_per_step": sum(r for r, _ in moved[1:]) / max(len(moved) - 1, 1),
+        "written_per_step": sum(w for _, w in moved[1:]) / max(len(moved) - 1, 1),
         "losses": losses,
     }
 
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     print(f"{'H':>6} {'mode':>8} {'tiles':>5} {'layer':>9} {'1 tile':>9} {'gathered':>9} {'peak RSS':>9} "
-          f"{'s/step':>7}  (GiB unless noted)", flush=True)
+          f"{'s/step':>7} {'read':>7} {'written':>7}  (GiB; read/written per step, from the swapper)", flush=True)
     for hidden in args.hidden:
         for tiled in (False, True):
             row = run_in_child(hidden, args.tile_numel, tiled, args.steps, args.nvme_root)
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{hidden:>6} {mode:>8}  failed: {row['failed']}", flush=True)
                 continue
             print(f"{hidden:>6} {mode:>8} {row['tiles']:>5} {row['layer_bytes'] / GIB:>9.3f} {row['tile_bytes'] / GIB:>9.3f} "
-                  f"{row['peak_gathered_bytes'] / GIB:>9.3f} {row['peak_rss'] / GIB:>9.2f} {row['step_s']:>7.1f}", flush=True)
+                  f"{row['peak_gathered_bytes'] / GIB:>9.3f} {row['peak_rss'] / GIB:>9.2f} {row['step_s']:>7.1f} "
+                  f"{row['read_per_step'] / GIB:>7.2f} {row['written_per_step'] / GIB:>7.2f}", flush=True)
     by = {(r["hidden"], r["tiled"]): r for r in rows}
     for hidden in args.hidden:
         a, b = by[(hidden, False)], by[(hidden, True)]
