@@ -205,3 +205,53 @@ def test_zero_pp_presets_under_the_trainer() -> None:
         assert (got["zero_pp"].hpz, got["zero_pp"].qwz, got["zero_pp"].qgz, got["offload"]) == (True, True, True, tier)
         assert got["nodes"] == 1  # the Trainer's 2 devices on one node
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), rtol=0.03, atol=0)
+
+
+def _frozen_run(rank: int, world: int, bits: int | None, ckpt: str) -> dict:
+    def build() -> tuple[torch.nn.Module, ZeroEngine, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = models.MLP()
+        model.fc1.requires_grad_(False)  # the "base model" of a LoRA-style fine-tuning: frozen
+        model.fc2.requires_grad_(False)
+        engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0), zero_pp=ZeroPPConfig(frozen_bits=bits))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, engine, engine.shard_optimizer(torch.optim.AdamW(trainable, lr=1e-2))
+
+    def train(model, opt, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            x, y = models.make_batch("mlp", step, BATCH)
+            loss = models.loss_fn(model, x[rank::world], y[rank::world])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, engine, opt = build()
+    frozen_bytes = sum(t.numel() * t.element_size() for g in engine.groups if not g.trainable
+                       for t in ((g.codes, g.scales) if g.codes is not None else (g.shard,)))
+    losses = train(model, opt, range(4))
+    with engine.gathered():
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    model, engine, opt = build()
+    train(model, opt, range(2))
+    save_sharded(engine, [opt], ckpt, {})
+    model, engine, opt = build()
+    load_sharded(engine, [opt], ckpt)
+    return {"losses": losses, "resumed": train(model, opt, range(2, 4)), "frozen_bytes": frozen_bytes, "frozen": frozen}
+
+
+@pytest.mark.parametrize("bits, rtol, band", [(8, 2e-3, (0.003, 0.01)), (4, 5e-2, (0.05, 0.2))])
+def test_frozen_weights_stored_quantized(tmp_path: Path, bits: int, rtol: float, band: tuple) -> None:
+    plain = run_distributed(_frozen_run, 2, None, str(tmp_path / "plain"))
+    quant = run_distributed(_frozen_run, 2, bits, str(tmp_path / "quant"))
+    for a, b in zip(plain, quant):
+        # Codes plus a scale per 256 elements instead of fp32.
+        assert b["frozen_bytes"] / a["frozen_bytes"] == pytest.approx((bits / 8 + 4 / 256) / 4, rel=0.1)
+        for name, exact in a["frozen"].items():
+            err = float((b["frozen"][name] - exact).norm() / exact.norm())
+            assert band[0] < err < band[1], (name, err)  # the weights computed with are the codes' values
+        assert not torch.equal(torch.tensor(b["losses"]), torch.tensor(a["losses"]))
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=rtol, atol=0)
+        assert b["resumed"] == b["losses"][2:]  # a checkpoint round trip keeps the same codes

@@ -171,9 +171,25 @@ class Collectives:
         """
         if self.qwz_block is None:
             raise RuntimeError("all_gather_quantized needs Collectives(qwz_block=...).")
-        n, world = shard.numel(), self.world_size
         # A NaN or Inf weight dequantizes to NaN and shows in the loss, as it would unquantized.
         codes, scales = quantize(shard, 8, self.qwz_block, nonfinite="propagate")
+        return self.all_gather_codes(out, codes, scales, 8, self.qwz_block, async_op)
+
+    def all_gather_codes(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int,
+                         async_op: bool = False) -> Handle:
+        """All-gather every rank's blockwise codes and scales (as :func:`triton_kernels.quantize`
+        made them from an ``n``-element shard) and dequantize them, in rank order, into ``out``
+        (``world_size * n`` elements, in its dtype). The gather of qwZ and of frozen weights
+        stored quantized.
+
+        Args:
+            out: 1-D fp32/fp16/bf16 tensor of ``world_size * n`` elements.
+            codes, scales: This rank's codes (``code_cols(n, bits)``) and fp32 scales (``ceil(n / block)``).
+            bits, block: Their format.
+            async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
+        """
+        world = self.world_size
+        n = out.numel() // world
         per_rank = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
         self.bytes.gathered += (world - 1) * per_rank
         self.bytes.add_split(self.topology.split_bytes(range(world), per_rank))
@@ -181,7 +197,7 @@ class Collectives:
         all_scales = scales.new_empty(world, scales.numel())
 
         def dequantize_into_out() -> None:
-            out.view(world, n).copy_(dequantize(all_codes, all_scales, n, 8, self.qwz_block, dtype=out.dtype))
+            out.view(world, n).copy_(dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype))
 
         if world == 1:
             all_codes.copy_(codes.view(1, -1))

@@ -142,6 +142,7 @@ class ZeroEngine:
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         ranks_per_node = zero_pp.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
         hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
+        self.zero_pp = zero_pp
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
                                 qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block)
@@ -212,7 +213,10 @@ class ZeroEngine:
             # Materialised units need no broadcast: every rank drew them from rank 0's RNG state.
             self.comm.broadcast(source)
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device)
-        if self.param_offload is not None:
+        if self.zero_pp.frozen_bits is not None and not group.trainable:
+            # Codes are a fraction of the shard: they stay in memory, not in a swap file.
+            group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
+        elif self.param_offload is not None:
             self.param_offload.add(group, f"p{self._created_groups}")
         self._created_groups += 1
         return group
@@ -339,6 +343,8 @@ class ZeroEngine:
         param_tier = "device" if self.offload_config.param == "none" else "cpu"
         for group in self.groups:
             add(param_tier, group.shard)
+            add(param_tier, group.codes)
+            add(param_tier, group.scales)
             add(optimizer_tier, group.master)
             add(optimizer_tier, group.grad_shard)
             add("device", group.secondary)
@@ -391,8 +397,10 @@ class ZeroEngine:
         self._settle()
         groups = self.groups if groups is None else groups
         with contextlib.ExitStack() as stack:
+            for group in groups:
+                stack.enter_context(group.shard_resident(write_back))  # frozen groups stored quantized
             if self.param_offload is not None:
-                stack.enter_context(self.param_offload.resident(groups, write_back))
+                stack.enter_context(self.param_offload.resident([g for g in groups if g.codes is None], write_back))
             if self.offload is not None:
                 stack.enter_context(self.offload.resident(self.optimizers, write_back, groups))
             yield
@@ -471,8 +479,9 @@ class ZeroEngine:
         :meth:`gathered`, whose values users read and edit)."""
         self._issued.append(unit.index)
         if self.param_offload is not None:
-            # A group gathered from its hpZ secondary partition needs no shard from NVMe.
-            unit.acquired = [g for g in unit.groups if g.secondary is None or exact]
+            # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
+            # from NVMe.
+            unit.acquired = [g for g in unit.groups if (g.secondary is None or exact) and g.codes is None]
             for group in unit.acquired:
                 self.param_offload.acquire(group)
         unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
@@ -522,7 +531,7 @@ class ZeroEngine:
             if self.param_offload is not None:
                 ahead = [self.units[i] for i in upcoming if self.units[i].state == _RELEASED]
                 self.param_offload.read_ahead(g for u in ahead[: self.offload_config.read_ahead] for g in u.groups
-                                              if g.secondary is None)
+                                              if g.secondary is None and g.codes is None)
         self._wait_gather(unit)
 
     def _gather_ahead(self, upcoming: list[int]) -> None:

@@ -14,13 +14,15 @@ they hold no memory while released and see the re-gathered values in backward.
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
+from triton_kernels import dequantize, quantize
 
 __all__ = ["FlatGroup"]
 
@@ -90,6 +92,9 @@ class FlatGroup:
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
         self.master: Optional[Tensor] = None
         self.secondary: Optional[Tensor] = None
+        self.codes: Optional[Tensor] = None  # frozen weights stored quantized: codes, scales, format
+        self.scales: Optional[Tensor] = None
+        self.code_format: tuple[int, int] = (8, 256)
         self.fragments: list[Tensor] = []
         self.grad_shard: Optional[Tensor] = None
         self._grad_fragments: list[Tensor] = []
@@ -113,6 +118,8 @@ class FlatGroup:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         if self.secondary is not None and from_secondary:
             return self.comm.all_gather_secondary(self.full, self.secondary, async_op=True)
+        if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
+            return self.comm.all_gather_codes(self.full, self.codes, self.scales, *self.code_format, async_op=True)
         if quantized:
             return self.comm.all_gather_quantized(self.full, self.shard.to(self.device), async_op=True)
         return self.comm.all_gather(self.full, self.shard.to(self.device), async_op=True)
@@ -125,6 +132,38 @@ class FlatGroup:
         assert hpz is not None, "keep_secondary needs Collectives(hpz_partition_size=...)"
         size = self.padded_numel // hpz.ranks_per_node
         self.secondary = self.full[hpz.local_rank * size : (hpz.local_rank + 1) * size].clone()
+
+    def store_quantized(self, bits: int, block: int) -> None:
+        """Keep this (frozen) group's shard as blockwise codes and scales only (``bits`` 8 or 4, one
+        fp32 scale per ``block``), freeing the shard; :meth:`shard_resident` brings values back
+        for checkpoints, loads and edits.
+
+        Raises:
+            ValueError: the group is trainable (the optimizer steps its shard).
+        """
+        if self.trainable:
+            raise ValueError(f"store_quantized: {self.names[0]}... is trainable; only frozen groups are stored quantized.")
+        self.code_format = (bits, block)
+        self.codes, self.scales = quantize(self.shard, bits, block)
+        self.shard = self.shard.new_empty(0)
+
+    @contextmanager
+    def shard_resident(self, write_back: bool) -> Iterator[None]:
+        """For a group stored quantized: its shard, dequantized, in :attr:`shard` for the block;
+        afterwards requantized from it (``write_back``: it was loaded or edited) and freed. For
+        other groups, nothing."""
+        if self.codes is None:
+            yield
+            return
+        bits, block = self.code_format
+        self.shard = dequantize(self.codes, self.scales, self.shard_numel, bits, block, dtype=self.dtype)
+        try:
+            yield
+            if write_back:
+                self.codes, self.scales = quantize(self.shard, bits, block)
+                self.drop_secondary()
+        finally:
+            self.shard = self.shard.new_empty(0)
 
     def drop_secondary(self) -> None:
         """Forget the hpZ secondary partition (the shards changed): the next gather uses the shards."""
