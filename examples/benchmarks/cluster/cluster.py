@@ -1,0 +1,137 @@
+"""A two-node cluster on one machine: ZeRO-3 vs ZeRO++ over a slow inter-node link.
+
+Builds two Linux network namespaces (the "nodes") joined by a veth pair, and limits each end of the
+pair with a token bucket (``tc qdisc ... tbf rate R``), so that traffic between the nodes crosses a
+link of bandwidth R while traffic inside a node stays on that namespace's loopback (a rank reaching
+the other rank of its own node connects to its own node's address, which the kernel delivers
+locally). In each namespace it starts ``train.py`` as node 0 or 1 of a real multi-node Lightning
+job (``NODE_RANK``, ``MASTER_ADDR`` on node 0's veth address, gloo bound to the veth with
+``GLOO_SOCKET_IFNAME``), 2 ranks per node. For every bandwidth it runs ZeRO-3, then ZeRO++ (hpZ, qwZ,
+qgZ), and reports the step time (mean after the first 5 steps), the throughput ratio, and the bytes
+that crossed the link per step from the veth's counters next to the engine's own count.
+
+Needs root (namespaces, veth, tc) and the ``ip`` and ``tc`` commands; without them it says why and
+exits 0. Everything it creates is removed at the end, also after a failure. The kernel here has no
+``netem`` qdisc, so the link has no added delay, only the bandwidth limit.
+
+    sudo python examples/benchmarks/cluster/cluster.py [--rates 1000mbit 100mbit] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+NODES = ("zinf-node0", "zinf-node1")
+VETH = ("zinf-veth0", "zinf-veth1")
+ADDR = ("10.213.0.1", "10.213.0.2")
+PORT = 29533
+
+
+def sh(*cmd: str, ns: str | None = None, check: bool = True) -> str:
+    """Run a command (inside namespace ``ns``), return its stdout."""
+    full = ["ip", "netns", "exec", ns, *cmd] if ns else list(cmd)
+    return subprocess.run(full, check=check, capture_output=True, text=True).stdout
+
+
+def teardown() -> None:
+    """Remove the namespaces (which removes the veth pair and its qdiscs with them)."""
+    for ns in NODES:
+        sh("ip", "netns", "del", ns, check=False)
+
+
+def build(rate: str) -> None:
+    """Two namespaces, a veth pair between them, an address on each end, the rate limit on both."""
+    teardown()
+    for ns in NODES:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "set", "lo", "up", ns=ns)
+    sh("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+    for ns, dev, addr in zip(NODES, VETH, ADDR):
+        sh("ip", "link", "set", dev, "netns", ns)
+        sh("ip", "addr", "add", f"{addr}/24", "dev", dev, ns=ns)
+        sh("ip", "link", "set", dev, "up", ns=ns)
+        # Egress shaping on both ends: each direction of the link gets `rate`.
+        sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms", ns=ns)
+
+
+def link_bytes() -> int:
+    """Bytes node 0 has sent and received over the veth so far."""
+    stats = Path("/sys/class/net") / VETH[0] / "statistics"
+    return sum(int(sh("cat", str(stats / name), ns=NODES[0])) for name in ("tx_bytes", "rx_bytes"))
+
+
+def run(contender: str, steps: int, workdir: Path) -> dict:
+    """The job on both nodes; returns rank 0's result plus the link's byte count."""
+    out = workdir / f"{contender}.json"
+    env = {**os.environ, "MASTER_ADDR": ADDR[0], "MASTER_PORT": str(PORT), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    before = link_bytes()
+    procs = []
+    for node, (ns, dev) in enumerate(zip(NODES, VETH)):
+        node_env = {**env, "NODE_RANK": str(node), "GLOO_SOCKET_IFNAME": dev}
+        cmd = ["ip", "netns", "exec", ns, sys.executable, str(HERE / "train.py"), contender, "--steps", str(steps),
+               "--out", str(out)]
+        log = open(workdir / f"{contender}-node{node}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
+    codes = [p.wait(timeout=3600) for p in procs]
+    if any(codes):
+        tail = (workdir / f"{contender}-node0.log").read_text()[-3000:]
+        raise RuntimeError(f"{contender} failed (exit codes {codes}); node 0's log ends with:\n{tail}")
+    result = json.loads(out.read_text())
+    result["link_bytes"] = link_bytes() - before
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=["1000mbit", "100mbit"], help="inter-node bandwidths (tc syntax)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=HERE.parent / "results" / "cluster.json")
+    args = parser.parse_args(argv)
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if os.geteuid() != 0 or missing:
+        print(f"skipped: needs root and the ip and tc commands (euid {os.geteuid()}, missing {missing or 'none'})")
+        return 0
+    results: dict[str, dict] = {}
+    warm = 5
+    try:
+        with tempfile.TemporaryDirectory(prefix="zinf-cluster-") as tmp:
+            for rate in args.rates:
+                build(rate)
+                for contender in ("zero3", "zero_pp"):
+                    began = time.perf_counter()
+                    got = run(contender, args.steps, Path(tmp))
+                    steps = got["step_s"][warm:]
+                    engine = sum(got["node_inter_bytes"]) / len(got["node_inter_bytes"])
+                    results[f"{rate}/{contender}"] = {
+                        "step_s": sum(steps) / len(steps),
+                        "engine_inter_bytes_per_step": engine,
+                        "link_bytes_per_step": got["link_bytes"] / len(got["step_s"]),
+                        "wall_s": time.perf_counter() - began,
+                    }
+                    r = results[f"{rate}/{contender}"]
+                    print(f"{rate:>9} {contender:>8}: {r['step_s']:.3f} s/step, across the link per step: "
+                          f"{r['link_bytes_per_step'] / 1e6:.2f} MB (veth, both directions, whole run / steps), "
+                          f"{engine / 1e6:.2f} MB (engine, node 0's ranks)", flush=True)
+                ratio = results[f"{rate}/zero3"]["step_s"] / results[f"{rate}/zero_pp"]["step_s"]
+                results[f"{rate}/speedup"] = {"zero_pp_over_zero3": ratio}
+                print(f"{rate:>9} ZeRO++ throughput / ZeRO-3: {ratio:.2f}x", flush=True)
+    finally:
+        teardown()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"steps": args.steps, "warm_up_steps": warm, **results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
