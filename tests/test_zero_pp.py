@@ -255,3 +255,30 @@ def test_frozen_weights_stored_quantized(tmp_path: Path, bits: int, rtol: float,
         assert not torch.equal(torch.tensor(b["losses"]), torch.tensor(a["losses"]))
         torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=rtol, atol=0)
         assert b["resumed"] == b["losses"][2:]  # a checkpoint round trip keeps the same codes
+
+
+def _bf16_run(rank: int, world: int, zero_pp: dict) -> list[float]:
+    torch.manual_seed(0)
+    model = models.GPT().to(torch.bfloat16)
+    model.blocks[0].requires_grad_(False)  # a frozen part, for frozen_bits
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        zero_pp=ZeroPPConfig(ranks_per_node=2, **zero_pp))
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    losses = []
+    per_rank = BATCH // world
+    for step in range(4):
+        x, y = models.make_batch("gpt", step, BATCH)
+        loss = models.loss_fn(model, x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_zero_pp_with_bf16_parameters() -> None:
+    plain = run_distributed(_bf16_run, 4, {})
+    zpp = run_distributed(_bf16_run, 4, {"hpz": True, "qwz": True, "qgz": True, "frozen_bits": 8})
+    for a, b in zip(plain, zpp):
+        assert all(torch.isfinite(torch.tensor(b)))
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=3e-2, atol=0)
