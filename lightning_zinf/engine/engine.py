@@ -140,7 +140,9 @@ class ZeroEngine:
         self.module = module
         self.device = torch.device(device)
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-        ranks_per_node = zero_pp.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
+        # torchrun's LOCAL_WORLD_SIZE, where it fits the group (a sub-group may not span whole nodes).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+        ranks_per_node = zero_pp.ranks_per_node or (local if local and world % local == 0 else world)
         hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
         self.zero_pp = zero_pp
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
