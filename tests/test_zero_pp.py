@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zinf import PrefetchConfig, ZeroEngine, ZeroPPConfig
+from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
 from lightning_zinf.checkpoint import load_sharded, save_sharded
 from lightning_zinf.comm import Collectives, Topology
 from tests import models
@@ -207,13 +207,16 @@ def test_zero_pp_presets_under_the_trainer() -> None:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(base["losses"]), rtol=0.03, atol=0)
 
 
-def _frozen_run(rank: int, world: int, bits: int | None, ckpt: str) -> dict:
+def _frozen_run(rank: int, world: int, bits: int | None, ckpt: str, nvme: str | None = None) -> dict:
+    offload = OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme) if nvme else OffloadConfig()
+
     def build() -> tuple[torch.nn.Module, ZeroEngine, torch.optim.Optimizer]:
         torch.manual_seed(0)
         model = models.MLP()
         model.fc1.requires_grad_(False)  # the "base model" of a LoRA-style fine-tuning: frozen
         model.fc2.requires_grad_(False)
-        engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0), zero_pp=ZeroPPConfig(frozen_bits=bits))
+        engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0), zero_pp=ZeroPPConfig(frozen_bits=bits),
+                            offload=offload)
         trainable = [p for p in model.parameters() if p.requires_grad]
         return model, engine, engine.shard_optimizer(torch.optim.AdamW(trainable, lr=1e-2))
 
@@ -282,3 +285,13 @@ def test_zero_pp_with_bf16_parameters() -> None:
     for a, b in zip(plain, zpp):
         assert all(torch.isfinite(torch.tensor(b)))
         torch.testing.assert_close(torch.tensor(b), torch.tensor(a), rtol=3e-2, atol=0)
+
+
+def test_frozen_weights_stored_quantized_next_to_nvme_offload(tmp_path: Path) -> None:
+    """The codes stay in memory while the trainable state is on NVMe: the same training and resume."""
+    (tmp_path / "nvme").mkdir()
+    in_memory = run_distributed(_frozen_run, 2, 8, str(tmp_path / "a"))
+    on_nvme = run_distributed(_frozen_run, 2, 8, str(tmp_path / "b"), str(tmp_path / "nvme"))
+    for a, b in zip(in_memory, on_nvme):
+        assert b["losses"] == a["losses"] and b["resumed"] == a["resumed"]
+        assert all(torch.equal(b["frozen"][k], v) for k, v in a["frozen"].items())

@@ -119,7 +119,8 @@ class FlatGroup:
         if self.secondary is not None and from_secondary:
             return self.comm.all_gather_secondary(self.full, self.secondary, async_op=True)
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
-            return self.comm.all_gather_codes(self.full, self.codes, self.scales, *self.code_format, async_op=True)
+            codes, scales = self.codes.to(self.device), self.scales.to(self.device)  # on the CPU under param offload
+            return self.comm.all_gather_codes(self.full, codes, scales, *self.code_format, async_op=True)
         if quantized:
             return self.comm.all_gather_quantized(self.full, self.shard.to(self.device), async_op=True)
         return self.comm.all_gather(self.full, self.shard.to(self.device), async_op=True)
