@@ -40,17 +40,20 @@ class _Done:
 
 
 class _Then:
-    """A handle that waits for several collectives, then runs ``finish`` once (dequantization)."""
+    """A handle that waits for its collectives (possibly none), then runs ``finish`` once
+    (dequantization, the rest of qgZ's steps)."""
 
     def __init__(self, works: list[Any], finish: Callable[[], None]) -> None:
-        self.works, self.finish = works, finish
+        self.works: list[Any] = works
+        self.finish: Optional[Callable[[], None]] = finish
 
     def wait(self) -> bool:
-        if self.works:
-            for work in self.works:
-                work.wait()
-            self.works = []
-            self.finish()
+        for work in self.works:
+            work.wait()
+        self.works = []
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
         return True
 
 
@@ -125,16 +128,16 @@ class Collectives:
         self.topology = Topology(self.world_size, self.rank, ranks_per_node or self.world_size)
         self.hpz: Optional[Topology] = None
         self._hpz_group: Optional[dist.ProcessGroup] = None
+        self._nodes: Optional[NodeGroups] = None
+        hierarchical = hpz_partition_size is not None or qgz_bits is not None
+        if hierarchical and self.world_size > 1 and self.group is not dist.group.WORLD:
+            # Their groups are built from world ranks.
+            raise ValueError("hpZ and qgZ need the engine to partition over the world group (group=None).")
         if hpz_partition_size is not None:
-            if self.distributed and self.world_size > 1 and self.group is not dist.group.WORLD:
-                raise ValueError("hpZ needs the engine to partition over the world group (group=None).")
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
                 self._hpz_group = NodeGroups(self.hpz, with_inter=False).intra
-        self._nodes: Optional[NodeGroups] = None
         if qgz_bits is not None and self.world_size > 1:
-            if self.group is not dist.group.WORLD:
-                raise ValueError("qgZ needs the engine to partition over the world group (group=None).")
             self._nodes = NodeGroups(self.topology)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
@@ -193,19 +196,17 @@ class Collectives:
         per_rank = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
         self.bytes.gathered += (world - 1) * per_rank
         self.bytes.add_split(self.topology.split_bytes(range(world), per_rank))
-        all_codes = codes.new_empty(world, codes.numel())
-        all_scales = scales.new_empty(world, scales.numel())
+        if world == 1:
+            all_codes, all_scales, works = codes.view(1, -1), scales.view(1, -1), []
+        else:
+            all_codes = codes.new_empty(world, codes.numel())
+            all_scales = scales.new_empty(world, scales.numel())
+            works = [_all_gather_flat(all_codes.view(-1), codes, group=self.group, async_op=True),
+                     _all_gather_flat(all_scales.view(-1), scales, group=self.group, async_op=True)]
 
         def dequantize_into_out() -> None:
             out.view(world, n).copy_(dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype))
 
-        if world == 1:
-            all_codes.copy_(codes.view(1, -1))
-            all_scales.copy_(scales.view(1, -1))
-            dequantize_into_out()
-            return _Done()
-        works = [_all_gather_flat(all_codes.view(-1), codes, group=self.group, async_op=True),
-                 _all_gather_flat(all_scales.view(-1), scales, group=self.group, async_op=True)]
         handle = _Then(works, dequantize_into_out)
         if not async_op:
             handle.wait()
@@ -305,7 +306,7 @@ class Collectives:
                 mine_codes, mine_scales = partial_codes, partial_scales
             out.copy_(dequantize_reduce(mine_codes, mine_scales, layout, multiplier=1 / self.world_size, dtype=out.dtype))
 
-        handle = _Then(works, finish) if works else _Then([_Done()], finish)
+        handle = _Then(works, finish)
         if not async_op:
             handle.wait()
         return handle
