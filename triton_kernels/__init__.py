@@ -88,14 +88,14 @@ def quantize(
     checks.finite(x, "x", nonfinite)
     if not checks.use_triton(backend, x.device):
         return reference.quantize(x, bits, block)
-    from .quant_kernel import launch_quantize
+    from .quant_kernel import quantize_launch
 
     rows, n = (1, x.shape[0]) if x.dim() == 1 else x.shape
     codes = torch.empty(rows, code_cols(n, bits), dtype=code_dtype(bits), device=x.device)
     scales = torch.empty(rows, num_blocks(n, block), dtype=torch.float32, device=x.device)
-    launch_quantize(
+    quantize_launch(
         x.contiguous(), codes, scales, in_row_len=n, out_row_len=n, nodes=1, ranks_per_node=rows, bits=bits, block=block
-    )
+    ).run()
     return (codes[0], scales[0]) if x.dim() == 1 else (codes, scales)
 
 
@@ -135,14 +135,14 @@ def dequantize(
     )
     if not checks.use_triton(backend, codes.device):
         return reference.dequantize(codes, scales, numel, bits, block, dtype)
-    from .reduce_kernel import launch_reduce
+    from .reduce_kernel import reduce_launch
 
     rows = lead[0] if lead else 1
     out = torch.empty(rows, numel, dtype=dtype, device=codes.device)
-    launch_reduce(
+    reduce_launch(
         codes.view(1, rows, -1), scales.view(1, rows, -1), out, None,
         row_len=numel, out_row_len=numel, bits=bits, block=block, multiplier=1.0,
-    )  # fmt: skip
+    ).run()  # fmt: skip
     return out if lead else out[0]
 
 
@@ -176,14 +176,14 @@ def reorder_quantize(
     checks.finite(flat, "flat", nonfinite)
     if not checks.use_triton(backend, flat.device):
         return reference.reorder_quantize(flat, layout)
-    from .quant_kernel import launch_quantize
+    from .quant_kernel import quantize_launch
 
     codes = torch.empty(layout.world, layout.code_cols, dtype=code_dtype(layout.bits), device=flat.device)
     scales = torch.empty(layout.world, layout.blocks_per_part, dtype=torch.float32, device=flat.device)
-    launch_quantize(
+    quantize_launch(
         flat.contiguous(), codes, scales, in_row_len=layout.part_numel, out_row_len=layout.part_len,
         nodes=layout.nodes, ranks_per_node=layout.ranks_per_node, bits=layout.bits, block=layout.block,
-    )  # fmt: skip
+    ).run()  # fmt: skip
     return codes, scales
 
 
@@ -222,14 +222,14 @@ def dequantize_reduce_requantize(
     if not checks.use_triton(backend, codes3.device):
         out_codes, out_scales = reference.dequantize_reduce_requantize(codes3, scales3, layout, multiplier)
     else:
-        from .reduce_kernel import launch_reduce
+        from .reduce_kernel import reduce_launch
 
         out_codes = torch.empty(codes3.shape[1:], dtype=codes3.dtype, device=codes3.device)
         out_scales = torch.empty(scales3.shape[1:], dtype=torch.float32, device=codes3.device)
-        launch_reduce(
+        reduce_launch(
             codes3, scales3, out_codes, out_scales, row_len=layout.part_len, out_row_len=layout.part_len,
             bits=layout.bits, block=layout.block, multiplier=multiplier,
-        )  # fmt: skip
+        ).run()  # fmt: skip
     return (out_codes[0], out_scales[0]) if squeeze else (out_codes, out_scales)
 
 
@@ -270,13 +270,13 @@ def dequantize_reduce(
     if not checks.use_triton(backend, codes3.device):
         out = reference.dequantize_reduce(codes3, scales3, layout, multiplier, dtype)
     else:
-        from .reduce_kernel import launch_reduce
+        from .reduce_kernel import reduce_launch
 
         out = torch.empty(codes3.shape[1], layout.part_numel, dtype=dtype, device=codes3.device)
-        launch_reduce(
+        reduce_launch(
             codes3, scales3, out, None, row_len=layout.part_len, out_row_len=layout.part_numel,
             bits=layout.bits, block=layout.block, multiplier=multiplier,
-        )  # fmt: skip
+        ).run()  # fmt: skip
     return out[0] if squeeze else out
 
 

@@ -8,6 +8,9 @@ imports it only when a Triton path is taken.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -37,6 +40,27 @@ _ROUNDER = tl.constexpr(12582912.0)
 # has about this many programs; on a GPU a tile holds about _GPU_TILE elements.
 _INTERPRETER_PROGRAMS = 16
 _GPU_TILE = 4096
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch of a ``@triton.jit`` kernel: the kernel, its 1-D grid (program instances), its
+    positional arguments (tensors and ints) and its keyword arguments (constexprs and compiler
+    options such as ``num_warps``).
+
+    Kept as data so the same launch can be run on the tensors' device, or compiled ahead of time
+    for a GPU target on a machine without one (``tests/compile_kernels.py``).
+    """
+
+    kernel: Any
+    grid: int
+    args: tuple
+    options: dict
+
+    def run(self) -> None:
+        """Launch the kernel (nothing to do for an empty grid)."""
+        if self.grid:
+            self.kernel[(self.grid,)](*self.args, **self.options)
 
 
 def kind(dtype: torch.dtype) -> int:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import kernel_view, kind, load_f32, pack_int4, quantize_tile, tile_rows
+from ._common import KernelLaunch, kernel_view, kind, load_f32, pack_int4, quantize_tile, tile_rows
 from .layout import QMAX, num_blocks
 
 
@@ -38,13 +38,16 @@ def _quantize_kernel(
     if BITS == 8:
         tl.store(codes_ptr + row_base + pos, codes.to(tl.int8), mask=blk_ok[:, None] & (pos < out_row_len))
     else:
+        # Rows are contiguous, so the row stride is also the row's length in bytes. Bounding the
+        # contiguous ``byte`` (not ``2 * byte``) lets the compiler prove whole 16-byte runs in
+        # bounds and store them as vectors.
         byte = start[:, None] // 2 + tl.arange(0, BLOCK // 2)[None, :]
         tl.store(
-            codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (2 * byte < out_row_len)
+            codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (byte < code_row_stride)
         )
 
 
-def launch_quantize(
+def quantize_launch(
     x: torch.Tensor,
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -55,8 +58,8 @@ def launch_quantize(
     ranks_per_node: int,
     bits: int,
     block: int,
-) -> None:
-    """Quantize ``x`` (contiguous, fp32/fp16/bf16) into preallocated ``codes`` ``[R, C]`` and
+) -> KernelLaunch:
+    """The launch that quantizes ``x`` (contiguous, fp32/fp16/bf16) into preallocated ``codes`` ``[R, C]`` and
     ``scales`` ``[R, ceil(out_row_len / block)]``, ``R = nodes * ranks_per_node``.
 
     Output row ``j`` holds input elements ``[r * in_row_len, (r + 1) * in_row_len)`` with
@@ -66,12 +69,16 @@ def launch_quantize(
     rows = nodes * ranks_per_node
     blocks_per_row = num_blocks(out_row_len, block)
     total_blocks = rows * blocks_per_row
-    if total_blocks == 0:
-        return
     tile = tile_rows(total_blocks, block)
-    _quantize_kernel[(triton.cdiv(total_blocks, tile),)](
-        kernel_view(x), codes, scales,
-        x.numel(), in_row_len, out_row_len, codes.shape[-1], blocks_per_row, total_blocks, nodes, ranks_per_node,
-        IN_KIND=kind(x.dtype), BITS=bits, QMAX=QMAX[bits], BLOCK=block, ROWS=tile,
-        num_warps=4, enable_fp_fusion=False,
+    return KernelLaunch(
+        _quantize_kernel,
+        triton.cdiv(total_blocks, tile),
+        (
+            kernel_view(x), codes, scales,
+            x.numel(), in_row_len, out_row_len, codes.shape[-1], blocks_per_row, total_blocks, nodes, ranks_per_node,
+        ),
+        dict(
+            IN_KIND=kind(x.dtype), BITS=bits, QMAX=QMAX[bits], BLOCK=block, ROWS=tile,
+            num_warps=4, enable_fp_fusion=False,
+        ),
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import kernel_view, kind, pack_int4, quantize_tile, store_f32_as, tile_rows, unpack_int4
+from ._common import KernelLaunch, kernel_view, kind, pack_int4, quantize_tile, store_f32_as, tile_rows, unpack_int4
 from .layout import QMAX, num_blocks
 
 
@@ -36,7 +36,9 @@ def _reduce_kernel(
     else:
         byte = start[:, None] // 2 + tl.arange(0, BLOCK // 2)[None, :]
         code_offs = row_base + byte
-        code_mask = blk_ok[:, None] & (2 * byte < row_len)
+        # Rows are contiguous (stride = bytes per row); a bound on the contiguous ``byte`` keeps
+        # the loads and stores 16-byte vectors.
+        code_mask = blk_ok[:, None] & (byte < code_row_stride)
     code_ptrs = codes_ptr + code_offs
     scale_ptrs = scales_ptr + blk
     acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
@@ -63,7 +65,7 @@ def _reduce_kernel(
         store_f32_as(out_ptr, out_offs, acc, blk_ok[:, None] & (pos < out_row_len), OUT_KIND)
 
 
-def launch_reduce(
+def reduce_launch(
     codes: torch.Tensor,
     scales: torch.Tensor,
     out: torch.Tensor,
@@ -74,8 +76,8 @@ def launch_reduce(
     bits: int,
     block: int,
     multiplier: float,
-) -> None:
-    """Reduce contiguous ``codes`` ``[K, R, C]`` and ``scales`` ``[K, R, P]`` (rows of ``row_len``
+) -> KernelLaunch:
+    """The launch that reduces contiguous ``codes`` ``[K, R, C]`` and ``scales`` ``[K, R, P]`` (rows of ``row_len``
     values, ``P = ceil(row_len / block)``) into ``out``.
 
     With ``out_scales`` given, ``out`` is codes ``[R, C]`` and ``out_scales`` fp32 ``[R, P]`` (the
@@ -85,14 +87,18 @@ def launch_reduce(
     operands, rows, cols = codes.shape
     blocks_per_row = num_blocks(row_len, block)
     total_blocks = rows * blocks_per_row
-    if total_blocks == 0:
-        return
     tile = tile_rows(total_blocks, block)
     requant = out_scales is not None
-    _reduce_kernel[(triton.cdiv(total_blocks, tile),)](
-        codes, scales, out if requant else kernel_view(out), out_scales if requant else scales,
-        operands, rows * cols, rows * blocks_per_row, row_len, cols, out_row_len, blocks_per_row,
-        total_blocks, float(multiplier),
-        OUT_KIND=0 if requant else kind(out.dtype), BITS=bits, QMAX=QMAX[bits], BLOCK=block, ROWS=tile,
-        REQUANT=requant, num_warps=4, enable_fp_fusion=False,
+    return KernelLaunch(
+        _reduce_kernel,
+        triton.cdiv(total_blocks, tile),
+        (
+            codes, scales, out if requant else kernel_view(out), out_scales if requant else scales,
+            operands, rows * cols, rows * blocks_per_row, row_len, cols, out_row_len, blocks_per_row,
+            total_blocks, float(multiplier),
+        ),
+        dict(
+            OUT_KIND=0 if requant else kind(out.dtype), BITS=bits, QMAX=QMAX[bits], BLOCK=block, ROWS=tile,
+            REQUANT=requant, num_warps=4, enable_fp_fusion=False,
+        ),
     )  # fmt: skip
