@@ -40,7 +40,9 @@ __all__ = ["save_sharded", "load_sharded", "load_full_state_dict", "is_sharded_c
 
 META_FILE = "meta.pt"
 FORMAT = "lightning_zinf.sharded"
-VERSION = 1
+#: Version 2 records each group's ``shard_numel`` (shards padded to whole 16-element runs);
+#: version 1 shards held ``ceil(numel / world_size)`` elements. Both are read.
+VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -88,6 +90,7 @@ def _layout(engine: ZeroEngine) -> list[dict[str, Any]]:
             "offsets": group.offsets,
             "dtype": str(group.dtype).removeprefix("torch."),
             "numel": group.numel,
+            "shard_numel": group.shard_numel,
             "trainable": group.trainable,
         }
         for unit in engine.units
@@ -280,9 +283,23 @@ class ShardReader:
     """Reads element ranges of flat tensors spread over the old ranks' files."""
 
     def __init__(self, path: Path, zinf: dict[str, Any]) -> None:
+        version = zinf.get("version", 1)
+        if version > VERSION:
+            raise CheckpointError(
+                f"{path} was written in checkpoint format version {version} by a newer lightning_zinf; this one "
+                f"reads versions up to {VERSION}: upgrade lightning_zinf to load it."
+            )
         self.path = path
         self.sha256 = zinf["sha256"]
+        self._groups = zinf["groups"]
+        self._world_size = zinf["world_size"]
         self._files: dict[int, Any] = {}
+
+    def shard_numel(self, i: int) -> int:
+        """Elements per old rank's shard of flat group ``i`` (version 1 did not pad shards to
+        :data:`lightning_zinf.engine.flat.SHARD_ALIGN`, so its size follows from ``numel`` and the world size)."""
+        group = self._groups[i]
+        return group.get("shard_numel") or -(-group["numel"] // self._world_size)
 
     def _file(self, rank: int) -> Any:
         if rank not in self._files:
@@ -345,14 +362,14 @@ def load_sharded(
     zinf = meta.get("zinf", {})
     if zinf.get("format") != FORMAT:
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
-    _check_layout(zinf["groups"], _layout(engine), path)
     reader = ShardReader(path, zinf)
+    _check_layout(zinf["groups"], _layout(engine), path)
     owners = _owner_of(list(optimizers))
     engine.release_all()
-    for i, (group, saved) in enumerate(zip(engine.groups, zinf["groups"])):
+    for i, group in enumerate(engine.groups):
         # One group's state in memory at a time (with NVMe offload the rest stays in swap files).
         with engine.state_resident(write_back=True, groups=[group]):
-            old_shard = -(-saved["numel"] // zinf["world_size"])
+            old_shard = reader.shard_numel(i)
             lo, hi = group.shard_start, min(group.shard_start + group.shard_numel, group.numel)
             group.shard.zero_()
             group.shard[: hi - lo].copy_(reader.read(f"{i}.param", lo, hi, old_shard))

@@ -98,8 +98,8 @@ def _tensors(path: Path, zinf: dict[str, Any], items: list[_Item], pieces: list[
 
     def read(piece: _Piece) -> Tensor:
         i, offset, shape, _ = piece
-        old_shard = -(-zinf["groups"][i]["numel"] // zinf["world_size"])
-        return reader.read(f"{i}.param", offset, offset + torch.Size(shape).numel(), old_shard).reshape(shape)
+        end = offset + torch.Size(shape).numel()
+        return reader.read(f"{i}.param", offset, end, reader.shard_numel(i)).reshape(shape)
 
     def blocks(item: _Item, its_pieces: list[_Piece]) -> Iterator[Tensor]:
         if len(its_pieces) == 1 and its_pieces[0][2] == item[2]:

@@ -11,7 +11,9 @@ from tests.harness import run_distributed
 from tests.test_cli import TinyLit
 
 # TinyLit's MLP: fc1 16->48, fc2 48->48, fc3 48->8, one unit each (weight + bias), fp32.
-UNIT_NUMEL = [16 * 48 + 48, 48 * 48 + 48, 48 * 8 + 8]  # 816, 2352, 392: even, so no padding at W=2
+UNIT_NUMEL = [16 * 48 + 48, 48 * 48 + 48, 48 * 8 + 8]  # 816, 2352, 392
+# Elements of one rank's shard of each unit at W=2: half, padded to whole runs of SHARD_ALIGN (16).
+SHARD_NUMEL = [-(-n // 32) * 16 for n in UNIT_NUMEL]  # 416, 1184, 208
 
 
 def _fit(rank: int, world: int, persistence: int) -> dict:
@@ -29,7 +31,7 @@ def _fit(rank: int, world: int, persistence: int) -> dict:
 @pytest.mark.parametrize("persistence", [0, 100_000])
 def test_monitor_counts_match_hand_computed_bytes(persistence: int) -> None:
     metrics = run_distributed(_fit, 2, persistence)[0]
-    half = [n // 2 * 4 for n in UNIT_NUMEL]  # bytes of one rank's fp32 shard of each unit
+    half = [4 * n for n in SHARD_NUMEL]  # bytes of one rank's fp32 shard of each unit
     # Each gather receives the other rank's shard. Without persistence a step gathers every unit
     # in forward and again in backward; with every unit persistent, only the re-gather after the
     # optimizer step remains.
@@ -38,7 +40,7 @@ def test_monitor_counts_match_hand_computed_bytes(persistence: int) -> None:
     assert metrics["zinf/reduce_scattered_bytes"] == sum(half)  # each flat gradient once
     # Resident: fp32 shards (also the masters) + fp32 gradient shards (SGD keeps no state) +
     # pooled gradient buffers + persistent units' gathered buffers.
-    gathered = sum(4 * n for n in UNIT_NUMEL) if persistence else 0
+    gathered = 2 * sum(half) if persistence else 0  # the padded gather buffers
     assert metrics["zinf/resident_bytes_device"] == 2 * sum(half) + metrics["pooled"] + gathered
     assert metrics["zinf/resident_bytes_cpu"] == metrics["zinf/resident_bytes_nvme"] == 0
     assert metrics["zinf/tokens_per_s"] > 0
@@ -65,7 +67,7 @@ def test_monitor_counts_swapped_bytes(tmp_path) -> None:
     record (after the step)."""
     metrics = run_distributed(_fit_nvme, 2, str(tmp_path))[0]
     # One rank's fp32 shard of every unit, in bytes, as swapped: whole 4 KiB O_DIRECT blocks.
-    shards = sum(-(-(n // 2 * 4) // 4096) * 4096 for n in UNIT_NUMEL)
+    shards = sum(-(-(4 * n) // 4096) * 4096 for n in SHARD_NUMEL)
     assert 3 * shards <= metrics["zinf/swap_read_bytes"] <= 4 * shards
     assert metrics["zinf/swap_written_bytes"] == 2 * shards
     assert metrics["zinf/swap_read_gbps"] > 0 and metrics["zinf/swap_write_gbps"] > 0

@@ -161,6 +161,58 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> N
     assert sorted(os.listdir(tmp_path)) == [".ckpt.zinf-partial", "ckpt"]
 
 
+# --- format versions ---------------------------------------------------------------------------------
+def _save_version1(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    """Save the way format version 1 did: shards of ``ceil(numel / W)`` elements, no
+    ``shard_numel`` in the layout. Returns the full weights."""
+    from lightning_zinf.engine import flat
+
+    flat.SHARD_ALIGN = 1  # this worker process only
+    torch.manual_seed(3)
+    model = models.GPT()
+    engine = ZeroEngine(model)
+    assert any(g.shard_numel % 16 for g in engine.groups)  # the two layouts differ
+    save_sharded(engine, [], path, {})
+    if rank == 0:
+        meta = torch.load(Path(path) / "meta.pt", weights_only=False)
+        meta["zinf"]["version"] = 1
+        for group in meta["zinf"]["groups"]:
+            del group["shard_numel"]
+        torch.save(meta, Path(path) / "meta.pt")
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def _load_weights(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(4)
+    model = models.GPT()
+    engine = ZeroEngine(model)
+    load_sharded(engine, [], path)
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def test_version1_checkpoint_loads_and_consolidates(tmp_path: Path) -> None:
+    """Checkpoints from before shards were padded to 16 elements load at another world size and
+    consolidate, value for value; a checkpoint from a newer format is refused by name."""
+    from safetensors.torch import load_file
+    from lightning_zinf.consolidate import consolidate
+
+    saved = run_distributed(_save_version1, 3, str(tmp_path / "v1"))[0]
+    loaded = run_distributed(_load_weights, 2, str(tmp_path / "v1"))[0]
+    for name, value in saved.items():
+        assert torch.equal(loaded[name], value), name
+    consolidate(tmp_path / "v1", tmp_path / "v1.safetensors")
+    for name, value in load_file(str(tmp_path / "v1.safetensors")).items():
+        assert torch.equal(value, saved[name]), name
+
+    meta = torch.load(tmp_path / "v1" / "meta.pt", weights_only=False)
+    meta["zinf"]["version"] = 99
+    torch.save(meta, tmp_path / "v1" / "meta.pt")
+    with pytest.raises(CheckpointError, match="format version 99 by a newer lightning_zinf.*upgrade"):
+        load_sharded(ZeroEngine(models.GPT()), [], tmp_path / "v1")
+
+
 # --- loading a plain state dict into the partitioned model ------------------------------------------
 def _load_pretrained(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     from lightning_zinf import meta_parameters

@@ -2,7 +2,8 @@
 
 Layout (ZeRO stage 3, Rajbhandari et al. SC'20 §5; ZeRO-Infinity §5.1.1 bandwidth-centric
 partitioning): the ``numel`` elements of the group's parameters are concatenated in order and padded
-with zeros to ``W * shard_numel`` elements, ``shard_numel = ceil(numel / W)``. Rank ``r`` owns
+with zeros to ``W * shard_numel`` elements, ``shard_numel = ceil(numel / W)`` rounded up to a
+multiple of :data:`SHARD_ALIGN`. Rank ``r`` owns
 elements ``[r * shard_numel, (r + 1) * shard_numel)``. Every parameter is split across all ranks, so
 a gather uses every rank's link at once.
 
@@ -24,7 +25,14 @@ from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
 from triton_kernels import dequantize, quantize
 
-__all__ = ["FlatGroup"]
+__all__ = ["FlatGroup", "SHARD_ALIGN"]
+
+#: Shards are whole runs of this many elements, so every shard starts 32-byte aligned (bf16) in
+#: the gather buffer and the quantization kernels see 16-divisible sizes: on a GPU both the
+#: collectives and the kernels then move 16-byte vectors (``tests/test_kernel_compile.py`` shows
+#: the kernels fall back to 2-byte accesses and up to 3x the registers otherwise). Costs at most
+#: ``W * 15`` elements per group.
+SHARD_ALIGN = 16
 
 
 class FlatGroup:
@@ -77,7 +85,7 @@ class FlatGroup:
         self.comm = comm
         self.device = device
         world = comm.world_size
-        self.shard_numel = -(-self.numel // world)
+        self.shard_numel = -(-self.numel // (world * SHARD_ALIGN)) * SHARD_ALIGN
         self.padded_numel = self.shard_numel * world
         self.shard_start = comm.rank * self.shard_numel
         self._ranges = self._compute_owned_ranges()
