@@ -83,7 +83,8 @@ class OffloadConfig:
             shards swapped out as soon as backward has reduced them). DeepSpeed's
             ``offload_optimizer.device``.
         nvme_path: Folder (it must exist and be writable) in which the engine creates one folder per
-            rank for its swap files, and removes it at a clean exit. Required for ``"nvme"``.
+            rank for its swap files, and removes it at a clean exit. Folders that killed runs of this
+            host left there are removed at the next start. Required for ``"nvme"``.
         sub_group_size: Most fp32 elements stepped (and, with ``"nvme"``, resident) at once; a flat
             group larger than this is stepped alone. DeepSpeed's ``sub_group_size`` (default 1e9).
         read_ahead: With ``param="nvme"``: how many units of the prefetch trace beyond the one

@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import multiprocessing.util
 import os
-import uuid
 import zlib
 from contextlib import contextmanager
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
@@ -45,6 +44,7 @@ from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materializ
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.stale import reclaim_stale_folders, swap_folder_name
 from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapped import SwapSpace
 from lightning_zinf.offload.swapper import NvmeSwapper
@@ -736,7 +736,8 @@ def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[st
 def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.device) -> Optional[SwapSpace]:
     """The rank's NVMe swapper, in a folder of its own under ``config.nvme_path``, and its staging
     pool (``nvme`` only). The folder and its files are removed when the swapper is closed or the
-    process exits cleanly.
+    process exits cleanly; folders that killed processes of this host left in ``nvme_path`` are
+    removed first (:func:`reclaim_stale_folders`).
 
     Raises:
         ValueError: ``pin_memory=True`` with a CPU compute device.
@@ -754,7 +755,8 @@ def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.dev
     if cap is None:
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))
         cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (8 * max(ranks_here, 1))
-    folder = os.path.join(config.nvme_path, f"zinf-rank{comm.rank:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    reclaim_stale_folders(config.nvme_path)  # what killed runs left behind, before we need the space
+    folder = os.path.join(config.nvme_path, swap_folder_name(comm.rank))
     swapper = NvmeSwapper(folder, config.aio)
     # At a clean exit: multiprocessing's exit hook covers worker processes (which leave through
     # os._exit, skipping atexit), and it is itself registered with atexit in a main process.

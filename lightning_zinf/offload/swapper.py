@@ -8,9 +8,11 @@ every transfer into ``block_size`` requests and keeps many in flight across a po
 (:mod:`lightning_zinf.offload.aio`). Where the filesystem refuses ``O_DIRECT`` it says so in one log
 line and uses buffered I/O.
 
-Files live in one folder per swapper (the engine passes ``<nvme_path>/zinf-rank{r:05d}-<unique>``),
+Files live in one folder per swapper (the engine passes ``<nvme_path>/zinf-<host>-rank<r>-<unique>``),
 which the swapper creates and, at :meth:`NvmeSwapper.close`, removes together with the files it
-created, and nothing else: a folder that already exists is refused rather than reused.
+created, and nothing else: a folder that already exists is refused rather than reused. While it
+is open the swapper holds a lock in the folder, so a later run can tell the folder of a killed
+process from a live one (:mod:`lightning_zinf.offload.stale`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from lightning_zinf.offload.aio import AioConfig, BlockPool, IoHandle
 from lightning_zinf.offload.aligned import ALIGNMENT, aligned_empty, is_aligned, memory_view, round_up
 from lightning_zinf.offload.errors import SwapError, describe_os_error
+from lightning_zinf.offload.stale import LOCK_NAME, lock_folder
 from lightning_zinf.offload.files import (
     filesystem_type,
     key_filename,
@@ -109,11 +112,18 @@ class NvmeSwapper:
         self._make_folder()
         self._closed = False
         self.direct = False
+        try:
+            self._lock_fd = lock_folder(self.folder)
+        except OSError as err:
+            os.rmdir(self.folder)
+            raise SwapError(
+                describe_os_error(err, op="create the lock file in", path=self.folder, nvme_path=self._nvme_path)
+            ) from err
         if config.o_direct:
             try:
                 refused = probe_o_direct(self.folder, self._nvme_path)
             except BaseException:
-                os.rmdir(self.folder)
+                self._remove_folder()
                 raise
             self.direct = refused is None
             if refused is not None:
@@ -142,7 +152,7 @@ class NvmeSwapper:
             raise SwapError(
                 f"swap folder {folder} already exists; the swapper never reuses or deletes a folder "
                 f"it did not create: pass a fresh path (the engine uses "
-                f"<nvme_path>/zinf-rank<r>-<unique>) or remove {folder} yourself if it is a leftover."
+                f"<nvme_path>/zinf-<host>-rank<r>-<unique>) or remove {folder} yourself if it is a leftover."
             ) from err
         except FileNotFoundError as err:
             raise SwapError(
@@ -300,6 +310,13 @@ class NvmeSwapper:
             self._created.clear()
         for key, ino in created.items():
             self._unlink_own(self._path(key), ino)
+        self._remove_folder()
+        if error is not None:
+            raise error
+
+    def _remove_folder(self) -> None:
+        """Remove the lock file and the (now empty) folder, then release the lock."""
+        (self.folder / LOCK_NAME).unlink(missing_ok=True)
         try:
             os.rmdir(self.folder)
         except FileNotFoundError:
@@ -308,8 +325,9 @@ class NvmeSwapper:
             left = sorted(p.name for p in self.folder.iterdir()) if self.folder.is_dir() else []
             log.warning("NVMe swap folder %s left in place (%s); it holds files the swapper did not create: %s",
                         self.folder, err.strerror, left[:10])
-        if error is not None:
-            raise error
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> "NvmeSwapper":
         return self
