@@ -40,19 +40,26 @@ def quantize_rows(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor,
     rows, n = x.shape
     nb = num_blocks(n, block)
     qmax = float(QMAX[bits])
-    xb = F.pad(x.float(), (0, nb * block - n)).view(rows, nb, block)
-    finite = torch.isfinite(xb)
-    xf = torch.where(finite, xb, torch.zeros((), dtype=torch.float32, device=x.device))
-    absmax = xf.abs().amax(dim=2)
+    xf = x.float()
+    if nb * block != n:
+        xf = F.pad(xf, (0, nb * block - n))
+    xb = xf.reshape(rows, nb, block)
+    # The largest |x| per block without materialising |x|; a NaN or an infinity makes it non-finite,
+    # and only then are the non-finite values masked out (the rare, slow path).
+    absmax = torch.linalg.vector_norm(xb, float("inf"), dim=2)
+    bad = ~torch.isfinite(absmax)
+    if bad.any():
+        xb = torch.where(torch.isfinite(xb), xb, torch.zeros((), dtype=torch.float32, device=x.device))
+        absmax = xb.abs().amax(dim=2)
     live = absmax >= qmax * _TINY
-    bad = ~finite.all(dim=2)
     # Tensor / tensor throughout: torch evaluates `float / tensor` (and on CUDA `tensor / float`)
     # as a multiplication by a reciprocal, which rounds differently from the kernel's division.
     qmax_t = torch.full_like(absmax, qmax)
     inv = torch.where(live & ~bad, qmax_t / torch.where(live, absmax, qmax_t), torch.zeros_like(absmax))
     scales = torch.where(live, absmax / qmax_t, torch.zeros_like(absmax))
     scales = torch.where(bad, torch.full_like(scales, float("nan")), scales)
-    codes = torch.round(xf * inv.unsqueeze(2)).clamp_(-qmax, qmax).to(torch.int8).view(rows, nb * block)
+    scaled = xb * inv.unsqueeze(2)
+    codes = scaled.round_().clamp_(-qmax, qmax).to(torch.int8).view(rows, nb * block)
     if bits == 4:
         codes = pack_int4(codes)
     return codes[:, : code_cols(n, bits)].contiguous(), scales
@@ -60,25 +67,32 @@ def quantize_rows(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor,
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, block: int) -> torch.Tensor:
     """Inverse of :func:`quantize_rows`: ``[R, C]`` codes and ``[R, P]`` scales -> fp32 ``[R, numel]``."""
-    rows = codes.shape[0]
     values = unpack_int4(codes) if bits == 4 else codes
-    values = values[:, :numel].to(torch.float32)
-    per_value = scales.repeat_interleave(block, dim=1)[:, :numel]
-    return (values * per_value).reshape(rows, numel)
+    out = values[:, :numel].to(torch.float32)
+    whole = numel // block
+    # Each block times its scale, in place: whole blocks as a [R, whole, block] view, then the tail.
+    out[:, : whole * block].unflatten(1, (whole, block)).mul_(scales[:, :whole].unsqueeze(2))
+    if whole * block < numel:
+        out[:, whole * block :].mul_(scales[:, whole:])
+    return out
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """``[R, 2m]`` int8 codes in [-8, 7] -> ``[R, m]`` uint8: even index in the low nibble."""
-    nibbles = codes.to(torch.int16) & 0xF
-    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8)
+    nibbles = codes & 0xF
+    # int8 arithmetic keeps the bit pattern: a high nibble >= 8 wraps to a negative int8, which is
+    # the intended byte once viewed as uint8.
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.uint8)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """``[R, m]`` uint8 -> ``[R, 2m]`` int8 codes (two's-complement nibbles, low nibble first)."""
-    wide = packed.to(torch.int16)
-    pair = torch.stack((wide & 0xF, wide >> 4), dim=2)
-    pair = torch.where(pair >= 8, pair - 16, pair)
-    return pair.reshape(packed.shape[0], -1).to(torch.int8)
+    signed = packed.view(torch.int8)
+    out = torch.empty(packed.shape[0], packed.shape[1], 2, dtype=torch.int8, device=packed.device)
+    # Shifting the nibble to the top and arithmetic-shifting back sign-extends it.
+    torch.bitwise_right_shift(signed << 4, 4, out=out[:, :, 0])
+    torch.bitwise_right_shift(signed, 4, out=out[:, :, 1])
+    return out.view(packed.shape[0], -1)
 
 
 def quantize(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,10 +121,12 @@ def reorder_quantize(flat: torch.Tensor, layout: QgzLayout) -> tuple[torch.Tenso
     Returns codes ``[W, layout.code_cols]`` and fp32 scales ``[W, layout.blocks_per_part]``.
     """
     n, d, s = layout.nodes, layout.ranks_per_node, layout.part_numel
-    padded = F.pad(flat, (0, n * d * s - flat.numel()))
-    # [node][local] -> [local][node]: slot local * nodes + node holds rank node * d + local.
-    slots = padded.view(n, d, s).transpose(0, 1).reshape(n * d, s)
-    slots = F.pad(slots, (0, layout.part_len - s))
+    padded = flat if flat.numel() == n * d * s else F.pad(flat, (0, n * d * s - flat.numel()))
+    # [node][local] -> [local][node]: slot local * nodes + node holds rank node * d + local. One
+    # copy (converting to fp32) into rows already padded to whole blocks.
+    slots = torch.empty(n * d, layout.part_len, dtype=torch.float32, device=flat.device)
+    slots[:, :s].view(d, n, s).copy_(padded.view(n, d, s).transpose(0, 1))
+    slots[:, s:].zero_()
     return quantize_rows(slots, layout.bits, layout.block)
 
 
@@ -138,5 +154,5 @@ def _reduce(
     total = torch.zeros(rows, numel, dtype=torch.float32, device=codes.device)
     # Operand by operand, so the fp32 summation order is fixed and matches the kernel's loop.
     for i in range(k):
-        total = total + dequantize_rows(codes[i], scales[i], numel, layout.bits, layout.block)
-    return total * torch.tensor(multiplier, dtype=torch.float32, device=codes.device)
+        total.add_(dequantize_rows(codes[i], scales[i], numel, layout.bits, layout.block))
+    return total.mul_(torch.tensor(multiplier, dtype=torch.float32, device=codes.device))
