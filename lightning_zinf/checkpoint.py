@@ -208,13 +208,17 @@ def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
     """Write this rank's shard file (safetensors) one flat group at a time, so that no more than one
     group's state is in memory (with NVMe offload the rest stays in swap files); returns its SHA-256.
 
-    The tensors go to a body file as they come; the header, known only at the end, is written to
-    ``target`` followed by the body, copied in 8 MiB blocks (and hashed on the way).
+    The header (names, dtypes, shapes, offsets) is known only once every group has been visited, so
+    the tensors go straight into ``target`` after room reserved for it; the header then fills that
+    room, padded with spaces as the safetensors format allows. If it outgrew the room, the tensor
+    bytes are moved up in place. The disk holds one copy of the shard at any time, and every byte
+    is written once; the file is read back once for its checksum.
     """
-    body_path = target.with_name(target.name + ".body")
+    room = _HEADER_ROOM_BASE + _HEADER_ROOM_PER_GROUP * len(engine.groups)
     header: dict[str, Any] = {}
     offset = 0
-    with open(body_path, "wb") as body:
+    with open(target, "w+b") as out:
+        out.seek(8 + room)
         for i, group in enumerate(engine.groups):
             with engine.state_resident(write_back=False, groups=[group]):
                 for name, tensor in _group_tensors(i, group, owners).items():
@@ -223,17 +227,36 @@ def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
                     header[name] = {"dtype": SAFETENSORS_DTYPES[data.dtype], "shape": list(data.shape),
                                     "data_offsets": [offset, offset + nbytes]}
                     if nbytes:
-                        body.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+                        out.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
                     offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # safetensors pads its header to 8 bytes with spaces
-    digest = hashlib.sha256()
-    with open(target, "wb") as out, open(body_path, "rb") as body:
-        for block in (struct.pack("<Q", len(encoded)) + encoded, *iter(lambda: body.read(1 << 23), b"")):
-            out.write(block)
-            digest.update(block)
-    body_path.unlink()
-    return digest.hexdigest()
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        if len(encoded) > room:
+            grow = -(-(len(encoded) - room) // 8) * 8
+            _move_up(out, 8 + room, offset, grow)
+            room += grow
+        out.seek(0)
+        out.write(struct.pack("<Q", room) + encoded + b" " * (room - len(encoded)))
+    return _sha256(target)
+
+
+# Room for a shard file's header: about 5 entries of ~100 bytes per group fit in the share per
+# group; a larger header costs one in-place move of the tensor bytes, nothing else. Multiples of
+# 8, so the tensor bytes stay 8-byte aligned as safetensors wants.
+_HEADER_ROOM_BASE = 4096
+_HEADER_ROOM_PER_GROUP = 1024
+
+
+def _move_up(f: Any, start: int, length: int, by: int, chunk: int = 1 << 23) -> None:
+    """Move bytes ``[start, start + length)`` of open file ``f`` to ``start + by``, last chunk first
+    (so nothing is overwritten before it is moved)."""
+    end = start + length
+    while end > start:
+        begin = max(start, end - chunk)
+        f.seek(begin)
+        block = f.read(end - begin)
+        f.seek(begin + by)
+        f.write(block)
+        end = begin
 
 
 # --- load -------------------------------------------------------------------------------------------

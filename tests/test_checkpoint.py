@@ -112,6 +112,30 @@ def test_round_trip_restores_weights_and_state(tmp_path: Path, frozen: bool) -> 
             assert torch.equal(optimizer.state[a][key], other_opt.state[b][key])
 
 
+def test_shard_files_are_safetensors_whatever_the_header_room(tmp_path: Path, monkeypatch) -> None:
+    """Shard files open with the safetensors library and hold the engine's shards and optimizer
+    state, also when the header outgrows the room reserved for it (the tensor bytes are moved up)."""
+    from safetensors import safe_open
+    from lightning_zinf import checkpoint
+
+    engine, optimizer = _saved_engine(tmp_path / "roomy")
+    monkeypatch.setattr(checkpoint, "_HEADER_ROOM_BASE", 8)
+    monkeypatch.setattr(checkpoint, "_HEADER_ROOM_PER_GROUP", 0)
+    save_sharded(engine, [optimizer], tmp_path / "tight", {})
+    fragment = engine.groups[0].fragments[0]
+    for name in ("roomy", "tight"):
+        with safe_open(str(tmp_path / name / "rank_00000.safetensors"), "pt") as f:
+            assert torch.equal(f.get_tensor("0.param"), engine.groups[0].shard)
+            assert torch.equal(f.get_tensor("0.opt0.exp_avg")[: fragment.numel()], optimizer.state[fragment]["exp_avg"])
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["meta.pt", "rank_00000.safetensors"]
+    torch.manual_seed(1)
+    other_model = models.MLP()
+    other = ZeroEngine(other_model)
+    load_sharded(other, [], tmp_path / "tight")
+    for a, b in zip(engine.groups, other.groups):
+        assert torch.equal(a.shard, b.shard)
+
+
 def test_different_model_is_rejected(tmp_path: Path) -> None:
     _saved_engine(tmp_path / "ckpt")
     wider = ZeroEngine(models.MLP(hidden=64))
@@ -324,3 +348,20 @@ def _top_k(rank: int, world: int, root: str) -> list[str]:
 def test_model_checkpoint_top_k_removes_old_directories(tmp_path: Path) -> None:
     assert run_distributed(_top_k, 2, str(tmp_path))[0] == ["epoch=1-step=10.ckpt"]
     assert is_sharded_checkpoint(tmp_path / "epoch=1-step=10.ckpt")
+
+
+def test_checkpoint_save_benchmark_runs(tmp_path: Path) -> None:
+    """examples/benchmarks/checkpoint_save.py end to end on a 64K-parameter model (a smoke test;
+    no speed is checked): every byte of the checkpoint is written once."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / "checkpoint_save.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_save_benchmark", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    out = tmp_path / "result.json"
+    assert module.main(["--params", "65536", "--dir", str(tmp_path / "bench"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["results"]["current"]
+    assert result["params"] == 65536
+    assert 0.9 * result["checkpoint_bytes"] < result["write_bytes"] < 1.2 * result["checkpoint_bytes"]
