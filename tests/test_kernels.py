@@ -9,6 +9,7 @@ live in ``_KernelChecks`` and run twice: ``TestKernelsInterpreter`` (CPU, bit-ex
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -468,3 +469,17 @@ def test_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
     assert sum("mismatches" in r for r in result["rows"]) == 10
     assert set(result["fused_over_unfused"]) == {8, 4}
     assert "fused reorder+quantize INT4" in bench.format_table(result)
+
+
+def test_reference_cpu_benchmark_runs(tmp_path: Path) -> None:
+    """examples/benchmarks/reference_cpu.py end to end on 64K elements, against the references as
+    committed at HEAD (a smoke test; no speed is checked)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / "reference_cpu.py"
+    spec = importlib.util.spec_from_file_location("reference_cpu_benchmark", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    out = tmp_path / "ref.json"
+    assert module.main(["--numel", str(1 << 16), "--iters", "1", "--baseline", "HEAD", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert len(record["rows"]) == 12 and record["copy_gbs"] > 0
+    assert all(r["ns_per_element"] > 0 and r["speedup"] > 0 for r in record["rows"])
