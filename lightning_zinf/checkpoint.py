@@ -58,6 +58,21 @@ def _sha256(file: Path, chunk: int = 1 << 23) -> str:
     return digest.hexdigest()
 
 
+def check_version(zinf: dict[str, Any], path: Path) -> int:
+    """The checkpoint format version of ``zinf`` (the layout entry of ``meta.pt``; 1 if absent).
+
+    Raises:
+        CheckpointError: a version newer than this code reads, naming the fix (upgrade).
+    """
+    version = zinf.get("version", 1)
+    if version > VERSION:
+        raise CheckpointError(
+            f"{path} was written in checkpoint format version {version} by a newer lightning_zinf; this one "
+            f"reads versions up to {VERSION}: upgrade lightning_zinf to load it."
+        )
+    return version
+
+
 def shard_file(rank: int) -> str:
     """The name of rank ``rank``'s shard file inside a checkpoint directory."""
     return f"rank_{rank:05d}.safetensors"
@@ -212,7 +227,8 @@ def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
     the tensors go straight into ``target`` after room reserved for it; the header then fills that
     room, padded with spaces as the safetensors format allows. If it outgrew the room, the tensor
     bytes are moved up in place. The disk holds one copy of the shard at any time, and every byte
-    is written once; the file is read back once for its checksum.
+    is written once (the tensor bytes twice on the move-up path); the file is read back once for
+    its checksum.
     """
     room = _HEADER_ROOM_BASE + _HEADER_ROOM_PER_GROUP * len(engine.groups)
     header: dict[str, Any] = {}
@@ -306,12 +322,7 @@ class ShardReader:
     """Reads element ranges of flat tensors spread over the old ranks' files."""
 
     def __init__(self, path: Path, zinf: dict[str, Any]) -> None:
-        version = zinf.get("version", 1)
-        if version > VERSION:
-            raise CheckpointError(
-                f"{path} was written in checkpoint format version {version} by a newer lightning_zinf; this one "
-                f"reads versions up to {VERSION}: upgrade lightning_zinf to load it."
-            )
+        self._version = check_version(zinf, path)
         self.path = path
         self.sha256 = zinf["sha256"]
         self._groups = zinf["groups"]
@@ -322,7 +333,12 @@ class ShardReader:
         """Elements per old rank's shard of flat group ``i`` (version 1 did not pad shards to
         :data:`lightning_zinf.engine.flat.SHARD_ALIGN`, so its size follows from ``numel`` and the world size)."""
         group = self._groups[i]
-        return group.get("shard_numel") or -(-group["numel"] // self._world_size)
+        if self._version == 1:
+            return -(-group["numel"] // self._world_size)
+        if "shard_numel" not in group:
+            raise CheckpointError(f"{self.path / META_FILE} (format version {self._version}) lacks group {i}'s "
+                                  "shard_numel: the checkpoint is corrupt.")
+        return group["shard_numel"]
 
     def _file(self, rank: int) -> Any:
         if rank not in self._files:
@@ -348,7 +364,7 @@ class ShardReader:
             start = max(lo, rank * old_shard) - rank * old_shard
             stop = min(hi, (rank + 1) * old_shard) - rank * old_shard
             pieces.append(self._file(rank).read(key, start, stop))
-        return torch.cat(pieces) if pieces else torch.empty(0)
+        return torch.cat(pieces) if pieces else self._file(0).read(key, 0, 0)  # empty, of the stored dtype
 
 
 def load_sharded(
@@ -393,7 +409,9 @@ def load_sharded(
         # One group's state in memory at a time (with NVMe offload the rest stays in swap files).
         with engine.state_resident(write_back=True, groups=[group]):
             old_shard = reader.shard_numel(i)
-            lo, hi = group.shard_start, min(group.shard_start + group.shard_numel, group.numel)
+            # A rank may own only padding (a small group over many ranks): then lo == hi.
+            lo = min(group.shard_start, group.numel)
+            hi = min(group.shard_start + group.shard_numel, group.numel)
             group.shard.zero_()
             group.shard[: hi - lo].copy_(reader.read(f"{i}.param", lo, hi, old_shard))
             if load_optimizer and group.master is not None and group.master is not group.shard:

@@ -25,7 +25,14 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zinf.checkpoint import META_FILE, SAFETENSORS_DTYPES, CheckpointError, ShardReader, is_sharded_checkpoint
+from lightning_zinf.checkpoint import (
+    META_FILE,
+    SAFETENSORS_DTYPES,
+    CheckpointError,
+    ShardReader,
+    check_version,
+    is_sharded_checkpoint,
+)
 
 __all__ = ["consolidate", "main"]
 
@@ -42,6 +49,7 @@ def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], list[list[_Piece
         raise CheckpointError(f"{path} is not a lightning_zinf checkpoint (no {META_FILE}).")
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
     zinf = meta["zinf"]
+    check_version(zinf, path)
 
     def rename(name: str) -> str:
         return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
@@ -137,7 +145,11 @@ def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str
     items, pieces, zinf, buffers = _items(checkpoint, strip_prefix)
     tensors = _tensors(checkpoint, zinf, items, pieces, buffers)
     partial = output.with_name(output.name + ".partial")
-    (_write_pt if output.suffix == ".pt" else _write_safetensors)(partial, items, tensors)
+    try:
+        (_write_pt if output.suffix == ".pt" else _write_safetensors)(partial, items, tensors)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a corrupt or missing shard found midway: no half-written file
+        raise
     partial.rename(output)
     return output
 

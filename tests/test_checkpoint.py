@@ -235,6 +235,40 @@ def test_version1_checkpoint_loads_and_consolidates(tmp_path: Path) -> None:
     torch.save(meta, tmp_path / "v1" / "meta.pt")
     with pytest.raises(CheckpointError, match="format version 99 by a newer lightning_zinf.*upgrade"):
         load_sharded(ZeroEngine(models.GPT()), [], tmp_path / "v1")
+    with pytest.raises(CheckpointError, match="format version 99 by a newer lightning_zinf.*upgrade"):
+        consolidate(tmp_path / "v1", tmp_path / "v99.pt")
+    assert not list(tmp_path.glob("v99*"))
+
+
+def _tiny_groups(rank: int, world: int, path: str, seed: int, save: bool) -> dict:
+    """A model with a 20-element unit (LayerNorm(10)): at W=3 its shards are 16 elements, so rank 2's
+    (elements 32-47) is all padding. Save after one AdamW step, or load; return the weights and the
+    optimizer state."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.LayerNorm(10))
+    engine = ZeroEngine(model)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if save:
+        model(torch.randn(4, 16)).pow(2).sum().backward()
+        opt.step()
+        save_sharded(engine, [opt], path, {})
+    else:
+        load_sharded(engine, [opt], path)
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    exp_avg = [opt.state[f]["exp_avg"].clone() for f in engine.master_fragments() if f in opt.state]
+    return {"weights": weights, "exp_avg": exp_avg}
+
+
+def test_ranks_that_own_only_padding_save_and_load(tmp_path: Path) -> None:
+    saved = run_distributed(_tiny_groups, 3, str(tmp_path / "ckpt"), 0, True)
+    loaded = run_distributed(_tiny_groups, 3, str(tmp_path / "ckpt"), 1, False)
+    for before, after in zip(saved, loaded):
+        for name, value in before["weights"].items():
+            assert torch.equal(after["weights"][name], value), name
+        assert len(after["exp_avg"]) == len(before["exp_avg"])
+        for a, b in zip(before["exp_avg"], after["exp_avg"]):
+            assert torch.equal(a, b)
 
 
 # --- loading a plain state dict into the partitioned model ------------------------------------------

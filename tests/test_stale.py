@@ -117,16 +117,26 @@ def test_live_young_foreign_and_other_hosts_folders_are_kept(
     (other_host / ".lock").touch()
     _age(other_host)
 
+    # A link named like a dead folder of this host, pointing at someone's folder: never followed.
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".lock").touch()
+    (elsewhere / "k-data").write_text("not ours")
+    link = tmp_path / swap_folder_name(3)
+    link.symlink_to(elsewhere)
+    _age(elsewhere)
+
     with caplog.at_level(logging.WARNING, logger="lightning_zinf"):
         assert reclaim_stale_folders(tmp_path) == []
-    assert all(p.exists() for p in (live.folder, foreign.folder, young.folder, other_host))
+    assert all(p.exists() for p in (live.folder, foreign.folder, young.folder, other_host, link))
+    assert sorted(p.name for p in elsewhere.iterdir()) == [".lock", "k-data"]
     assert any("notes.txt" in r.getMessage() for r in caplog.records)
 
     _age(young.folder)
     assert [p for p, _ in reclaim_stale_folders(tmp_path)] == [young.folder]
     live.close()
     assert not live.folder.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([foreign.folder.name, other_host.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([foreign.folder.name, other_host.name, link.name])
 
 
 def test_no_nvme_path_or_empty_is_fine(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import KernelLaunch, kernel_view, kind, load_f32, pack_int4, quantize_tile, tile_rows
-from .layout import QMAX, num_blocks
+from .layout import QMAX, code_cols, num_blocks
 
 
 @triton.jit
@@ -67,6 +67,8 @@ def quantize_launch(
     to ``out_row_len`` values. ``C`` is ``out_row_len`` (INT8) or ``ceil(out_row_len / 2)`` (INT4).
     """
     rows = nodes * ranks_per_node
+    if codes.shape[-1] != code_cols(out_row_len, bits):  # the kernel's masks take the stride for the row's bytes
+        raise ValueError(f"codes rows hold {codes.shape[-1]} bytes; {out_row_len} values need {code_cols(out_row_len, bits)}")
     blocks_per_row = num_blocks(out_row_len, block)
     total_blocks = rows * blocks_per_row
     tile = tile_rows(total_blocks, block)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import KernelLaunch, kernel_view, kind, pack_int4, quantize_tile, store_f32_as, tile_rows, unpack_int4
-from .layout import QMAX, num_blocks
+from .layout import QMAX, code_cols, num_blocks
 
 
 @triton.jit
@@ -85,6 +85,8 @@ def reduce_launch(
     or bf16), the first ``out_row_len <= row_len`` values of each row.
     """
     operands, rows, cols = codes.shape
+    if cols != code_cols(row_len, bits):  # the kernel's masks take the stride for the row's bytes
+        raise ValueError(f"codes rows hold {cols} bytes; {row_len} values need {code_cols(row_len, bits)}")
     blocks_per_row = num_blocks(row_len, block)
     total_blocks = rows * blocks_per_row
     tile = tile_rows(total_blocks, block)

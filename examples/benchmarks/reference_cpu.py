@@ -40,11 +40,12 @@ def load_revision(rev: str) -> ModuleType:
     source = subprocess.run(
         ["git", "-C", str(REPO), "show", f"{rev}:triton_kernels/reference.py"], check=True, capture_output=True, text=True
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"triton_kernels.reference_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reference.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"triton_kernels.reference_{rev}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module
 
 

@@ -7,9 +7,12 @@ enough to make the next run fail with a full disk. So every live swapper holds a
 dies. Before a new swapper starts, :func:`reclaim_stale_folders` deletes the folders of this host
 whose lock nobody holds.
 
-Only folders named by :func:`swap_folder_name` for this host are looked at, and in them only the
-swapper's own kinds of file (``k-*``/``h-*`` swap files, the ``O_DIRECT`` probe, the lock); a folder
-holding anything else is left in place with a warning.
+Only folders named by :func:`swap_folder_name` for this host are looked at (never through a
+symbolic link), and in them only the swapper's own kinds of file (``k-*``/``h-*`` swap files, the
+``O_DIRECT`` probe, the lock, all regular files); a folder holding anything else is left in place
+with a warning. ``nvme_path`` is meant to be a local disk; on a filesystem shared by hosts of the
+same name whose locks do not work across hosts, a live folder of another host could be taken for
+stale.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def reclaim_stale_folders(nvme_path: str | os.PathLike) -> list[tuple[Path, int]
     root = Path(nvme_path)
     pattern = re.compile(rf"^zinf-{re.escape(_host())}-rank\d{{5}}-\d+-[0-9a-f]{{8}}$")
     try:
-        candidates = [p for p in root.iterdir() if pattern.match(p.name)]
+        candidates = [p for p in root.iterdir() if pattern.match(p.name) and not p.is_symlink()]
     except OSError:
         return []
     reclaimed = []
@@ -113,7 +116,7 @@ def _reclaim(folder: Path) -> Optional[int]:
         return None  # held: a live run
     try:
         entries = list(folder.iterdir())
-        foreign = [p.name for p in entries if not _OWN_FILE.match(p.name)]
+        foreign = [p.name for p in entries if not _OWN_FILE.match(p.name) or p.is_symlink() or not p.is_file()]
         if foreign:
             log.warning("Stale NVMe swap folder %s left in place: it holds files lightning_zinf did not write: %s",
                         folder, foreign[:10])
