@@ -324,3 +324,24 @@ def test_parameter_without_gradient_is_not_stepped_on_any_rank() -> None:
 
     for values in run_distributed(_partly_used_rank, 2):
         assert values == [1.0] * 8  # untouched everywhere: no rank stepped its slice
+
+
+def test_single_rank_reduce_keeps_no_second_gradient_buffer() -> None:
+    """With one rank the reduce-scatter is the identity: the flat gradient itself is accumulated,
+    so the buffer pool holds at most one fp32 flat gradient per group (it held two: the gradient
+    and a copy of it), and training matches plain PyTorch."""
+    torch.manual_seed(0)
+    model, plain = models.GPT(), models.GPT()
+    plain.load_state_dict(model.state_dict())
+    engine = ZeroEngine(model, block_classes=["Block"])
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for step in range(2):
+        for m, o in ((model, opt), (plain, plain_opt)):
+            models.loss_fn(m, *models.make_batch("gpt", step, 4)).backward()
+            o.step()
+            o.zero_grad()
+    assert 0 < engine.pool.pooled_bytes <= sum(4 * g.padded_numel for g in engine.groups)
+    with engine.gathered():
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -249,7 +249,7 @@ class Collectives:
         self.bytes.reduce_scattered += (full.numel() - out.numel()) * full.element_size()
         self.bytes.add_split(self.topology.split_bytes(range(self.world_size), out.numel() * out.element_size()))
         if self.world_size == 1:
-            out.copy_(full)
+            out.copy_(full)  # nothing to do when they are one tensor (torch skips a self-copy)
             return _Done()
         work = _reduce_scatter_flat(out, full, op=dist.ReduceOp.AVG, group=self.group, async_op=async_op)
         return work if async_op else _Done()
