@@ -100,7 +100,13 @@ def compile_launch(launch, arch: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    try:
+        from triton.runtime.jit import create_function_from_signature
+    except ImportError as err:
+        raise RuntimeError(
+            f"triton {triton.__version__} lacks triton.runtime.jit.create_function_from_signature, the launch "
+            "binder this script specializes arguments with (written against triton 3.9): adapt compile_launch()"
+        ) from err
 
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
