@@ -44,9 +44,10 @@ def quantize_rows(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor,
     if nb * block != n:
         xf = F.pad(xf, (0, nb * block - n))
     xb = xf.reshape(rows, nb, block)
-    # The largest |x| per block without materialising |x|; a NaN or an infinity makes it non-finite,
-    # and only then are the non-finite values masked out (the rare, slow path).
-    absmax = torch.linalg.vector_norm(xb, float("inf"), dim=2)
+    # The largest |x| per block as max(max x, -min x), without materialising |x| (two reductions
+    # that vectorise; linalg.vector_norm(ord=inf) is 4-7x slower on CPU). A NaN or an infinity
+    # makes it non-finite, and only then are the non-finite values masked out (the rare path).
+    absmax = torch.maximum(xb.amax(dim=2), xb.amin(dim=2).neg_())
     bad = ~torch.isfinite(absmax)
     if bad.any():
         xb = torch.where(torch.isfinite(xb), xb, torch.zeros((), dtype=torch.float32, device=x.device))
