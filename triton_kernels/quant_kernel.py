@@ -65,6 +65,11 @@ def quantize_launch(
     Output row ``j`` holds input elements ``[r * in_row_len, (r + 1) * in_row_len)`` with
     ``r = (j % nodes) * ranks_per_node + j // nodes`` (identity when ``nodes == 1``), zero-padded
     to ``out_row_len`` values. ``C`` is ``out_row_len`` (INT8) or ``ceil(out_row_len / 2)`` (INT4).
+    Call ``.run()`` on the result to launch it (ZeRO++ §3.1; with ``nodes > 1`` the fused reorder
+    of §3.3).
+
+    Raises:
+        ValueError: ``codes`` rows are not ``C`` bytes (the kernel's masks assume they are).
     """
     rows = nodes * ranks_per_node
     if codes.shape[-1] != code_cols(out_row_len, bits):  # the kernel's masks take the stride for the row's bytes

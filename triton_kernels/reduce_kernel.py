@@ -82,7 +82,11 @@ def reduce_launch(
 
     With ``out_scales`` given, ``out`` is codes ``[R, C]`` and ``out_scales`` fp32 ``[R, P]`` (the
     requantized ``multiplier * sum``); otherwise ``out`` is values ``[R, out_row_len]`` (fp32, fp16
-    or bf16), the first ``out_row_len <= row_len`` values of each row.
+    or bf16), the first ``out_row_len <= row_len`` values of each row. Call ``.run()`` on the
+    result to launch it (ZeRO++ §3.3).
+
+    Raises:
+        ValueError: ``C`` is not ``code_cols(row_len, bits)`` (the kernel's masks assume it is).
     """
     operands, rows, cols = codes.shape
     if cols != code_cols(row_len, bits):  # the kernel's masks take the stride for the row's bytes
