@@ -403,6 +403,12 @@ def test_forced_triton_on_cpu_without_interpreter_explains(monkeypatch: pytest.M
          r"got codes \(4,\) and scales \(1,\), expected codes \(5,\) and scales \(1,\)"),
         (lambda: tk.dequantize(torch.ones(8, dtype=torch.int8), torch.ones(1), 8, dtype=torch.int8), TypeError,
          r"dtype=torch.int8: dequantized values can be"),
+        (lambda: tk.dequantize(torch.ones(8, dtype=torch.int8), torch.ones(1), 8, out=torch.empty(8, dtype=torch.bfloat16)),
+         ValueError, r"dequantize: out is \(8,\) torch.bfloat16 on cpu; pass a contiguous \(8,\) torch.float32"),
+        (lambda: tk.dequantize(torch.ones(2, 8, dtype=torch.int8), torch.ones(2, 1), 8, out=torch.empty(8, 2).t()),
+         ValueError, r"out is \(2, 8\) torch.float32 on cpu; pass a contiguous \(2, 8\)"),
+        (lambda: tk.dequantize_reduce(torch.zeros(2, 128, dtype=torch.uint8), torch.zeros(2, 1), QgzLayout(100, 2, 4),
+                                      out=torch.empty(12)), ValueError, r"dequantize_reduce: out is \(12,\)"),
         (lambda: QgzLayout(100, 0, 4), ValueError, r"QgzLayout.nodes=0: must be a positive integer"),
         (lambda: QgzLayout(100, 2, 4, bits=2), ValueError, r"bits=2 is not supported"),
         (lambda: QgzLayout(100, 2, 4, part_numel=12), ValueError,
@@ -422,6 +428,26 @@ def test_forced_triton_on_cpu_without_interpreter_explains(monkeypatch: pytest.M
 def test_bad_arguments_name_the_problem(call: object, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_out_receives_the_values(backend: str) -> None:
+    """``out=`` gets exactly what the call returns without it, and is what it returns (Triton on
+    the GPU when there is one, else in the interpreter)."""
+    device = "cuda" if backend == "triton" and HAS_CUDA else "cpu"
+    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(5)).to(device)
+    for bits in (8, 4):
+        codes, scales = reference.quantize(x, bits, 256)
+        want = tk.dequantize(codes, scales, 1000, bits, 256, dtype=torch.bfloat16, backend=backend)
+        out = torch.full((3, 1000), float("nan"), dtype=torch.bfloat16, device=device)
+        assert tk.dequantize(codes, scales, 1000, bits, 256, dtype=torch.bfloat16, backend=backend, out=out) is out
+        assert torch.equal(out, want)
+        layout = QgzLayout(x.numel(), nodes=2, ranks_per_node=1, bits=bits, block=256)
+        k_codes, k_scales = reference.reorder_quantize(x.reshape(-1), layout)
+        want = tk.dequantize_reduce(k_codes, k_scales, layout, multiplier=0.5, backend=backend)
+        out = torch.full((layout.part_numel,), float("nan"), device=device)
+        assert tk.dequantize_reduce(k_codes, k_scales, layout, multiplier=0.5, backend=backend, out=out) is out
+        assert torch.equal(out, want)
 
 
 def test_qgz_layout_sizes() -> None:

@@ -37,6 +37,8 @@ Format (details in :mod:`triton_kernels.layout` and :mod:`triton_kernels.referen
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import checks, reference
@@ -108,6 +110,7 @@ def dequantize(
     *,
     dtype: torch.dtype = torch.float32,
     backend: Backend = "auto",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize`: ``code * scale`` per block, rounded to ``dtype`` (ZeRO++ §3.1).
 
@@ -118,13 +121,17 @@ def dequantize(
         bits, block: As given to :func:`quantize`.
         dtype: fp32, fp16 or bf16 output.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        out: Optional contiguous ``[numel]`` / ``[R, numel]`` tensor of ``dtype`` on the codes'
+            device to write the values into (the Triton kernel writes there directly, saving an
+            allocation and a copy, e.g. of a whole gather buffer).
 
     Returns:
-        ``[numel]`` or ``[R, numel]`` values of ``dtype``.
+        ``[numel]`` or ``[R, numel]`` values of ``dtype`` (``out`` when given).
 
     Raises:
         TypeError: Wrong code/scale dtype or output ``dtype``.
-        ValueError: Shapes that do not match ``numel``, ``bits`` and ``block``.
+        ValueError: Shapes that do not match ``numel``, ``bits`` and ``block``, or an ``out`` of
+            another shape, dtype or device.
     """
     check_bits(bits)
     check_block(block)
@@ -133,17 +140,21 @@ def dequantize(
     codes, scales = checks.quantized(
         codes, scales, bits, (*lead, code_cols(numel, bits)), (*lead, num_blocks(numel, block)), "dequantize"
     )
+    if out is not None:
+        checks.out_tensor(out, (*lead, numel), dtype, codes.device, "dequantize")
     if not checks.use_triton(backend, codes.device):
-        return reference.dequantize(codes, scales, numel, bits, block, dtype)
+        values = reference.dequantize(codes, scales, numel, bits, block, dtype)
+        return values if out is None else out.copy_(values)
     from .reduce_kernel import reduce_launch
 
+    out = checks.out_tensor(out, (*lead, numel), dtype, codes.device, "dequantize")
+
     rows = lead[0] if lead else 1
-    out = torch.empty(rows, numel, dtype=dtype, device=codes.device)
     reduce_launch(
-        codes.view(1, rows, -1), scales.view(1, rows, -1), out, None,
+        codes.view(1, rows, -1), scales.view(1, rows, -1), out.view(rows, numel), None,
         row_len=numel, out_row_len=numel, bits=bits, block=block, multiplier=1.0,
     ).run()  # fmt: skip
-    return out if lead else out[0]
+    return out
 
 
 def reorder_quantize(
@@ -241,6 +252,7 @@ def dequantize_reduce(
     multiplier: float = 1.0,
     dtype: torch.dtype = torch.float32,
     backend: Backend = "auto",
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """qgZ step 5, fused: dequantize ``K`` received operands, sum them in fp32, multiply by
     ``multiplier`` and round to ``dtype`` (ZeRO++ §3.3).
@@ -256,28 +268,36 @@ def dequantize_reduce(
         multiplier: Applied to the fp32 sum before rounding (``1 / W`` for the mean).
         dtype: fp32, fp16 or bf16 output.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        out: Optional contiguous tensor of the result's shape and ``dtype`` on the codes' device
+            to write into (directly, on the Triton path).
 
     Returns:
         ``[layout.part_numel]`` (or ``[R, layout.part_numel]``) values of ``dtype``; the padding of
-        the partition to whole blocks is dropped.
+        the partition to whole blocks is dropped. ``out`` when given.
 
     Raises:
-        TypeError, ValueError: On dtypes or shapes that do not fit ``layout``, or a non-finite ``multiplier``.
+        TypeError, ValueError: On dtypes or shapes that do not fit ``layout``, a non-finite
+            ``multiplier``, or an ``out`` of another shape, dtype or device.
     """
     codes3, scales3, squeeze = _operands(codes, scales, layout, "dequantize_reduce")
     multiplier = checks.multiplier_value(multiplier)
     checks.out_dtype(dtype)
+    rows = codes3.shape[1]
+    shape = (layout.part_numel,) if squeeze else (rows, layout.part_numel)
+    if out is not None:
+        checks.out_tensor(out, shape, dtype, codes3.device, "dequantize_reduce")
     if not checks.use_triton(backend, codes3.device):
-        out = reference.dequantize_reduce(codes3, scales3, layout, multiplier, dtype)
-    else:
-        from .reduce_kernel import reduce_launch
+        values = reference.dequantize_reduce(codes3, scales3, layout, multiplier, dtype).view(shape)
+        return values if out is None else out.copy_(values)
+    from .reduce_kernel import reduce_launch
 
-        out = torch.empty(codes3.shape[1], layout.part_numel, dtype=dtype, device=codes3.device)
-        reduce_launch(
-            codes3, scales3, out, None, row_len=layout.part_len, out_row_len=layout.part_numel,
-            bits=layout.bits, block=layout.block, multiplier=multiplier,
-        ).run()  # fmt: skip
-    return out[0] if squeeze else out
+    out = checks.out_tensor(out, shape, dtype, codes3.device, "dequantize_reduce")
+
+    reduce_launch(
+        codes3, scales3, out.view(rows, layout.part_numel), None, row_len=layout.part_len,
+        out_row_len=layout.part_numel, bits=layout.bits, block=layout.block, multiplier=multiplier,
+    ).run()  # fmt: skip
+    return out
 
 
 def _operands(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -33,6 +33,22 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype={dtype}: dequantized values can be torch.float32, torch.float16 or torch.bfloat16")
     return dtype
+
+
+def out_tensor(out: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    """``out`` checked to be a contiguous tensor of ``shape``, ``dtype`` and ``device``, or a new
+    empty one when ``out`` is ``None``.
+
+    Raises:
+        ValueError: ``out`` has another shape, dtype or device, or is not contiguous.
+    """
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype or out.device != device \
+            or not out.is_contiguous():
+        got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{what}: out is {got}; pass a contiguous {shape} {dtype} tensor on {device} (or no out)")
+    return out
 
 
 def nonfinite_mode(nonfinite: str) -> None:

@@ -205,7 +205,7 @@ class Collectives:
                      _all_gather_flat(all_scales.view(-1), scales, group=self.group, async_op=True)]
 
         def dequantize_into_out() -> None:
-            out.view(world, n).copy_(dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype))
+            dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype, out=out.view(world, n))
 
         handle = _Then(works, dequantize_into_out)
         if not async_op:
@@ -304,7 +304,7 @@ class Collectives:
                 dist.all_to_all_single(mine_scales, partial_scales, group=self._nodes.inter)
             else:
                 mine_codes, mine_scales = partial_codes, partial_scales
-            out.copy_(dequantize_reduce(mine_codes, mine_scales, layout, multiplier=1 / self.world_size, dtype=out.dtype))
+            dequantize_reduce(mine_codes, mine_scales, layout, multiplier=1 / self.world_size, dtype=out.dtype, out=out)
 
         handle = _Then(works, finish)
         if not async_op:
