@@ -398,4 +398,4 @@ def test_checkpoint_save_benchmark_runs(tmp_path: Path) -> None:
     assert module.main(["--params", "65536", "--dir", str(tmp_path / "bench"), "--out", str(out)]) == 0
     result = json.loads(out.read_text())["results"]["current"]
     assert result["params"] == 65536
-    assert 0.9 * result["checkpoint_bytes"] < result["write_bytes"] < 1.2 * result["checkpoint_bytes"]
+    assert 0.9 * result["checkpoint_bytes"] < result["wchar"] < 1.2 * result["checkpoint_bytes"]

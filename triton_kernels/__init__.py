@@ -147,8 +147,8 @@ def dequantize(
         return values if out is None else out.copy_(values)
     from .reduce_kernel import reduce_launch
 
-    out = checks.out_tensor(out, (*lead, numel), dtype, codes.device, "dequantize")
-
+    if out is None:
+        out = torch.empty((*lead, numel), dtype=dtype, device=codes.device)
     rows = lead[0] if lead else 1
     reduce_launch(
         codes.view(1, rows, -1), scales.view(1, rows, -1), out.view(rows, numel), None,
@@ -291,7 +291,8 @@ def dequantize_reduce(
         return values if out is None else out.copy_(values)
     from .reduce_kernel import reduce_launch
 
-    out = checks.out_tensor(out, shape, dtype, codes3.device, "dequantize_reduce")
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=codes3.device)
 
     reduce_launch(
         codes3, scales3, out.view(rows, layout.part_numel), None, row_len=layout.part_len,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -35,20 +35,12 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def out_tensor(out: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
-    """``out`` checked to be a contiguous tensor of ``shape``, ``dtype`` and ``device``, or a new
-    empty one when ``out`` is ``None``.
-
-    Raises:
-        ValueError: ``out`` has another shape, dtype or device, or is not contiguous.
-    """
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+def out_tensor(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str) -> None:
+    """Raise ``ValueError`` unless ``out`` is a contiguous tensor of ``shape``, ``dtype`` and ``device``."""
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype or out.device != device \
             or not out.is_contiguous():
         got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"{what}: out is {got}; pass a contiguous {shape} {dtype} tensor on {device} (or no out)")
-    return out
 
 
 def nonfinite_mode(nonfinite: str) -> None:

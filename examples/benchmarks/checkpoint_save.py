@@ -43,11 +43,6 @@ def disk_bytes(folder: Path) -> int:
     return total
 
 
-def written() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
-
-
 def measure(params: int, folder: Path) -> dict:
     """Time one ``save_sharded`` of a ``params``-parameter model in ``folder`` (this process, this
     checkout of lightning_zinf)."""
@@ -55,6 +50,7 @@ def measure(params: int, folder: Path) -> dict:
 
     from lightning_zinf import ZeroEngine
     from lightning_zinf.checkpoint import save_sharded
+    from measure import proc_io
 
     width = min(4096, int(params**0.5))
     layers = max(1, params // (width * width))
@@ -73,15 +69,15 @@ def measure(params: int, folder: Path) -> dict:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    before, start = written(), time.perf_counter()
+    before, start = proc_io()["wchar"], time.perf_counter()
     save_sharded(engine, [opt], folder / "ckpt", {})
-    seconds, wrote = time.perf_counter() - start, written() - before
+    seconds, wrote = time.perf_counter() - start, proc_io()["wchar"] - before
     stop.set()
     sampler.join()
     size = disk_bytes(folder / "ckpt")
     shutil.rmtree(folder / "ckpt")
     return {"params": layers * width * width, "save_s": seconds, "checkpoint_bytes": size, "peak_disk_bytes": peak[0],
-            "write_bytes": wrote}  # fmt: skip
+            "wchar": wrote}  # fmt: skip
 
 
 def sequential_write(nbytes: int, folder: Path) -> float:
@@ -136,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['save_s']:.2f} | {r['save_s'] / bound_s:.2f}x | {r['peak_disk_bytes'] / size:.2f} "
-              f"| {r['write_bytes'] / size:.2f} |")  # fmt: skip
+              f"| {r['wchar'] / size:.2f} |")  # fmt: skip
     record = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

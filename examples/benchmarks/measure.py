@@ -51,13 +51,15 @@ class StepClock:
 
 
 def proc_io() -> dict[str, int]:
-    """``read_bytes`` and ``write_bytes`` of ``/proc/self/io`` (zeros where it does not exist)."""
+    """``read_bytes`` and ``write_bytes`` of ``/proc/self/io`` (what reached the block layer), and
+    ``wchar`` (bytes passed to ``write()``, page cache included); zeros where it does not exist."""
+    names = ("read_bytes", "write_bytes", "wchar")
     try:
         lines = Path("/proc/self/io").read_text().splitlines()
     except OSError:
-        return {"read_bytes": 0, "write_bytes": 0}
+        return dict.fromkeys(names, 0)
     fields = dict(line.split(": ") for line in lines)
-    return {name: int(fields[name]) for name in ("read_bytes", "write_bytes")}
+    return {name: int(fields[name]) for name in names}
 
 
 def peak_rss_mib() -> float:

@@ -311,15 +311,13 @@ class FlatGroup:
             flat32 = pool.take(self.padded_numel, torch.float32).copy_(flat)
             pool.give(flat)
             flat = flat32
-        if self.comm.qgz_bits is None:
-            if self.comm.world_size == 1:
-                # The mean over one rank is the flat gradient itself (shard_numel == padded_numel):
-                # hand it on as the result, with no second buffer and no copy.
-                return self.comm.reduce_scatter_mean(flat, flat, async_op=True), [flat], got
-            out = pool.take(self.shard_numel, torch.float32)
-            return self.comm.reduce_scatter_mean(out, flat, async_op=True), [out, flat], got
+        if self.comm.world_size == 1 and self.comm.qgz_bits is None:
+            # The mean over one rank is the flat gradient itself (shard_numel == padded_numel):
+            # hand it on as the result, with no second buffer and no copy.
+            return self.comm.reduce_scatter_mean(flat, flat, async_op=True), [flat], got
         out = pool.take(self.shard_numel, torch.float32)
-        return self.comm.reduce_scatter_mean_quantized(out, flat, async_op=True), [out, flat], got
+        reduce = self.comm.reduce_scatter_mean if self.comm.qgz_bits is None else self.comm.reduce_scatter_mean_quantized
+        return reduce(out, flat, async_op=True), [out, flat], got
 
     def discard_grads(self, pool: BufferPool) -> None:
         """Drop a prepared flat gradient that received nothing, and forget partial readiness
