@@ -7,13 +7,14 @@ harmless). The engine underneath, :class:`ZeroEngine`, needs no Lightning.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zinf.checkpoint import CheckpointError, load_full_state_dict
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.strategy import ZeroInfinityStrategy
 from lightning_zinf.tiling import TiledLinear, tile_linear_layers
 
 __all__ = [
     "CheckpointError",
+    "MixedPrecisionConfig",
     "OffloadConfig",
     "PrefetchConfig",
     "TiledLinear",

@@ -8,6 +8,14 @@
   on its own node and on other nodes (see :class:`~lightning_zinf.ZeroPPConfig`);
 - ``zinf/resident_bytes_{device,cpu,nvme}``: training state it holds on each tier
   (see :meth:`~lightning_zinf.ZeroEngine.resident_bytes`);
+- ``zinf/peak_<category>_bytes``: the memory ledger, each category's peak during the step
+  (see :meth:`~lightning_zinf.ZeroEngine.memory`): ``gathered`` (units gathered, prefetched and in
+  flight), ``secondary`` (hpZ), ``grad_buffers``, ``reduce_pending``, ``pooled``,
+  ``shards_{device,cpu,nvme}``, ``grad_shards``, ``optimizer``, ``optimizer_nvme``, ``staging``,
+  and ``device_total`` (the peak of their sum on the compute device);
+- on an accelerator, ``zinf/device_max_allocated_bytes``: ``torch.accelerator.max_memory_allocated``
+  during the step, everything the process allocated there (activations included), next to the
+  ledger's ``device_total``;
 - ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time;
 - with NVMe offload, ``zinf/swap_read_bytes`` and ``zinf/swap_written_bytes`` (bytes this rank's
   swapper read and wrote during the step) and ``zinf/swap_read_gbps`` / ``zinf/swap_write_gbps``
@@ -24,6 +32,7 @@ import time
 from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torchmetrics.aggregation import MeanMetric
@@ -70,6 +79,9 @@ class ZeroMonitor(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
         engine = trainer.strategy.engine
         engine.comm.bytes.reset()
+        engine.reset_memory_peaks()
+        if engine.device.type != "cpu":
+            torch.accelerator.reset_peak_memory_stats(engine.device)
         self._swap_start = _swap_counters(engine.swapper)
         self._tokens = self.tokens_in_batch(batch) * trainer.world_size
         self._start = time.perf_counter()
@@ -86,8 +98,11 @@ class ZeroMonitor(Callback):
             "zinf/intra_node_bytes": float(engine.comm.bytes.intra_node),
             "zinf/inter_node_bytes": float(engine.comm.bytes.inter_node),
             **{f"zinf/resident_bytes_{tier}": float(n) for tier, n in engine.resident_bytes().items()},
+            **{f"zinf/peak_{category}_bytes": float(peak) for category, (_, peak) in engine.memory().items()},
             "zinf/tokens_per_s": self._tokens / elapsed if elapsed > 0 else 0.0,
         }
+        if engine.device.type != "cpu":
+            metrics["zinf/device_max_allocated_bytes"] = float(torch.accelerator.max_memory_allocated(engine.device))
         if engine.swapper is not None:
             read, written, read_s, write_s = (b - a for a, b in zip(self._swap_start, _swap_counters(engine.swapper)))
             metrics["zinf/swap_read_bytes"] = float(read)

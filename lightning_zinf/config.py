@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, TypeVar
+from typing import Any, Mapping, Optional, TypeVar, Union
+
+import torch
 
 from lightning_zinf.offload.aio import AioConfig
 
-__all__ = ["OffloadConfig", "PrefetchConfig", "TilingConfig", "ZeroPPConfig", "coerce_config"]
+__all__ = ["MixedPrecisionConfig", "OffloadConfig", "PrefetchConfig", "TilingConfig", "ZeroPPConfig", "coerce_config"]
 
 _C = TypeVar("_C")
 
@@ -288,6 +290,76 @@ class ZeroPPConfig:
                 value,
                 "None (automatic) or an integer >= 1 (a number of ranks)",
             )
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "16": torch.float16}
+
+
+def _dtype(owner: str, field: str, value: Any) -> Optional[torch.dtype]:
+    """``value`` as a floating torch dtype: a ``torch.dtype`` or a name (``"bf16"``, ``"bfloat16"``,
+    ``"torch.bfloat16"``...), for YAML configs; ``None`` stays ``None``."""
+    if value is None or isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    key = str(value).removeprefix("torch.").lower() if isinstance(value, (str, torch.dtype)) else None
+    _require(key in _DTYPES, owner, field, value, "None, torch.float32, torch.bfloat16 or torch.float16 (or their "
+             "names: 'fp32', 'bf16', 'fp16', 'float32', 'bfloat16', 'float16')")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionConfig:
+    """The precision policy of the engine: the dtype units are gathered and computed in, and the
+    dtype gradients are reduce-scattered in (the semantics of FSDP2's ``MixedPrecisionPolicy`` and
+    of DeepSpeed's ``bf16``/``fp16`` modes; Micikevicius et al., "Mixed Precision Training", 2018).
+
+    The parameters keep their own dtype in the shards (the fp32 masters the optimizer steps, and
+    what checkpoints and :meth:`~lightning_zinf.ZeroEngine.gathered` show). Each shard is cast to
+    ``param_dtype`` *before* the all-gather, so a bf16 gather moves half of fp32's bytes, and forward
+    and backward run on the gathered ``param_dtype`` weights: autocast then has nothing to cast for
+    them, so neither its weight cache nor autograd keeps a second copy of a gathered weight.
+    Gradients come out of backward in ``param_dtype``, are reduce-scattered in ``reduce_dtype`` and
+    accumulated into fp32 gradient shards. Frozen parameters are gathered in ``param_dtype`` too.
+
+    The ``zero_infinity`` strategy derives the policy from ``Trainer(precision=...)`` unless one is
+    given: ``"bf16-mixed"`` -> ``param_dtype=bfloat16, reduce_dtype=float32``; ``"16-mixed"`` ->
+    ``param_dtype=float16, reduce_dtype=float32``; the ``-true`` precisions -> no cast
+    (``param_dtype=None``). See the README's precision section for what each setting moves and keeps.
+
+    Attributes:
+        param_dtype: Dtype of gathered floating-point parameters (``torch.bfloat16``,
+            ``torch.float16``, ``torch.float32``, or a name such as ``"bf16"``). ``None``: each
+            parameter's own dtype (no cast).
+        reduce_dtype: Dtype of the gradient reduce-scatter (and of its qgZ codes' input).
+            ``None``: ``float32``. Whatever it is, gradients accumulate into fp32 shards.
+        cast_forward_inputs: Cast floating-point tensors among the arguments of every module that
+            gathers a unit to ``param_dtype`` before its forward (FSDP2's option of the same name),
+            so an op outside autocast's lists (a LayerNorm fed an fp32 tensor, which the CPU cannot
+            mix with bf16 weights) sees one dtype. Only with a ``param_dtype``.
+
+    Raises:
+        ValueError: a dtype that is not one of the three floating types above (or their names).
+    """
+
+    param_dtype: Optional[Union[torch.dtype, str]] = None
+    reduce_dtype: Optional[Union[torch.dtype, str]] = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, _dtype("MixedPrecisionConfig", name, getattr(self, name)))
+        _require(isinstance(self.cast_forward_inputs, bool), "MixedPrecisionConfig", "cast_forward_inputs",
+                 self.cast_forward_inputs, "True or False")
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter of ``dtype`` is gathered and computed in."""
+        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
+
+    @property
+    def gradient_reduce_dtype(self) -> torch.dtype:
+        """The dtype of gradient reduce-scatters (``reduce_dtype``, default fp32)."""
+        return self.reduce_dtype if self.reduce_dtype is not None else torch.float32
 
 
 def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zinf.config import MixedPrecisionConfig
+
 if TYPE_CHECKING:
     from lightning_zinf.engine import ZeroEngine
 
-__all__ = ["ZeroPrecision", "ZeroMixedPrecision", "ZeroHalfPrecision", "to_zero_precision"]
+__all__ = ["ZeroPrecision", "ZeroMixedPrecision", "ZeroHalfPrecision", "to_zero_precision", "policy_for"]
 
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -89,3 +92,23 @@ def to_zero_precision(plugin: Precision) -> Precision:
         f"(precision={getattr(plugin, 'precision', '?')!r}). Use Trainer(precision=...) with one of "
         f"{', '.join(SUPPORTED)}."
     )
+
+
+def policy_for(plugin: Precision) -> MixedPrecisionConfig:
+    """The engine's precision policy for a Lightning precision plugin (when the strategy is given none).
+
+    ``"bf16-mixed"`` and ``"16-mixed"`` gather and compute in bf16/fp16, as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)`` and DeepSpeed's bf16/fp16 modes do, and
+    reduce-scatter gradients in fp32 (the README gives the measurement behind that choice); autocast
+    still runs for the ops it exists for. ``"*-true"`` precisions gather the parameters as they are.
+
+    Args:
+        plugin: The plugin from :func:`to_zero_precision`.
+
+    Returns:
+        A :class:`~lightning_zinf.MixedPrecisionConfig`.
+    """
+    if isinstance(plugin, MixedPrecision):
+        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+        return MixedPrecisionConfig(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionConfig()

@@ -40,10 +40,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import load_sharded, save_sharded
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig, coerce_config
+from lightning_zinf.config import (
+    MixedPrecisionConfig,
+    OffloadConfig,
+    PrefetchConfig,
+    TilingConfig,
+    ZeroPPConfig,
+    coerce_config,
+)
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
-from lightning_zinf.precision import to_zero_precision
+from lightning_zinf.precision import policy_for, to_zero_precision
 from lightning_zinf.tiling import tile_views
 
 __all__ = ["ZeroInfinityStrategy"]
@@ -75,6 +82,13 @@ class ZeroInfinityStrategy(ParallelStrategy):
             time (ZeRO-Infinity §5.1.3), at setup, before the model is partitioned. Default: none.
         zero_pp: A :class:`~lightning_zinf.ZeroPPConfig` (or a mapping of its fields): ZeRO++'s hpZ,
             and the ranks per node (default: the devices per node the Trainer was given).
+        mixed_precision: A :class:`~lightning_zinf.MixedPrecisionConfig` (or a mapping of its
+            fields): the dtype units are gathered and computed in and the dtype of gradient
+            reduce-scatters. Default: derived from ``Trainer(precision=...)`` (``"bf16-mixed"``
+            gathers and computes in bf16 and reduce-scatters in fp32; see the README).
+        activation_checkpointing: Module classes (or class names, e.g. ``["Block"]``) whose forward
+            runs under torch's non-reentrant activation checkpointing: backward recomputes them,
+            re-gathering their units. Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: As for
             any Lightning ``ParallelStrategy``; the Trainer sets them.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
@@ -95,6 +109,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
         offload: Optional[OffloadConfig] = None,
         tiling: Optional[TilingConfig] = None,
         zero_pp: Optional[ZeroPPConfig] = None,
+        mixed_precision: Optional[MixedPrecisionConfig] = None,
+        activation_checkpointing: Sequence[str | type] = (),
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -117,6 +133,10 @@ class ZeroInfinityStrategy(ParallelStrategy):
         self.offload = coerce_config(OffloadConfig, offload)
         self.tiling = None if tiling is None else coerce_config(TilingConfig, tiling)
         self.zero_pp = coerce_config(ZeroPPConfig, zero_pp)
+        self.mixed_precision = None if mixed_precision is None else coerce_config(MixedPrecisionConfig, mixed_precision)
+        if isinstance(activation_checkpointing, (str, type)):
+            activation_checkpointing = [activation_checkpointing]
+        self.activation_checkpointing = tuple(activation_checkpointing)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
@@ -216,6 +236,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 tiling=self.tiling,
                 # Lightning numbers ranks node by node, with this many processes on each.
                 zero_pp=dataclasses.replace(self.zero_pp, ranks_per_node=self.zero_pp.ranks_per_node or self.num_processes),
+                mixed_precision=self.mixed_precision or policy_for(self.precision_plugin),
+                activation_checkpointing=self.activation_checkpointing,
             )
         if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
             raise ValueError(

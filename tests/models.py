@@ -53,9 +53,10 @@ class BranchMLP(MLP):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a GELU MLP."""
+    """Pre-norm transformer block: causal self-attention and a GELU MLP; with ``lora_rank`` > 0,
+    low-rank adapters (LoRA, Hu et al. 2021) add ``b(a(x))`` to ``qkv`` and ``down``."""
 
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, lora_rank: int = 0):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(d)
@@ -64,32 +65,43 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.up = nn.Linear(d, 4 * d)
         self.down = nn.Linear(4 * d, d)
+        self.lora = lora_rank > 0
+        if self.lora:
+            self.qkv_a, self.qkv_b = nn.Linear(d, lora_rank, bias=False), nn.Linear(lora_rank, 3 * d, bias=False)
+            self.down_a, self.down_b = nn.Linear(4 * d, lora_rank, bias=False), nn.Linear(lora_rank, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        h = self.ln1(x)
+        qkv = self.qkv(h) + self.qkv_b(self.qkv_a(h)) if self.lora else self.qkv(h)
+        q, k, v = qkv.split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
         x = x + self.proj(y)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        u = F.gelu(self.up(self.ln2(x)))
+        return x + (self.down(u) + self.down_b(self.down_a(u)) if self.lora else self.down(u))
 
 
 class GPT(nn.Module):
     """A tiny causal GPT with tied input/output embeddings (``head.weight is wte.weight``).
 
     ``checkpointing=True`` wraps every block in ``torch.utils.checkpoint`` (non-reentrant).
+    ``lora_rank`` > 0 adds adapters to every block and freezes everything else (a LoRA fine-tuning).
     """
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 2, seq: int = 16,
-                 checkpointing: bool = False):
+                 checkpointing: bool = False, lora_rank: int = 0):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, lora_rank) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
         self.checkpointing = checkpointing
+        if lora_rank:
+            for name, p in self.named_parameters():
+                p.requires_grad_(name.split(".")[-2].endswith(("_a", "_b")))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))

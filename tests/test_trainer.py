@@ -123,8 +123,10 @@ def reference() -> dict:
         ({"block_classes": ["Block"], "tiling": {"tile_numel": 1024}, "prefetch": {"persistence_threshold": 0}}, False),
         # hpZ with each rank its own "node": the backward gathers copy a whole secondary partition.
         ({"zero_pp": {"hpz": True, "ranks_per_node": 1}, "prefetch": {"persistence_threshold": 0}}, False),
+        # The strategy's option: the blocks' forwards wrapped at setup, one unit per module inside.
+        ({"activation_checkpointing": ["Block"], "prefetch": {"persistence_threshold": 0}}, False),
     ],
-    ids=["registered-name", "blocks-activation-checkpointing", "blocks-tiled", "hpz"],
+    ids=["registered-name", "blocks-activation-checkpointing", "blocks-tiled", "hpz", "activation-checkpointing-option"],
 )
 def test_fit_validate_test_predict_match_plain_lightning(reference: dict, strategy, checkpointing: bool) -> None:
     ranks = run_distributed(_zero_rank, 2, strategy, checkpointing, init_pg=False)

@@ -10,9 +10,12 @@ same size avoids both. The pool holds at most as many buffers of a size as were 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Optional
 
 import torch
 from torch import Tensor
+
+from lightning_zinf.engine.ledger import MemoryLedger
 
 __all__ = ["BufferPool"]
 
@@ -20,24 +23,52 @@ __all__ = ["BufferPool"]
 class BufferPool:
     """Free lists of 1-D tensors keyed by ``(numel, dtype)``, on one device.
 
+    Every buffer handed out is accounted in the ledger under the category it was taken for (see
+    :data:`~lightning_zinf.engine.ledger.CATEGORIES`) until it is given back; free ones under
+    ``pooled``.
+
     Args:
         device: Where the buffers live.
+        ledger: Where the bytes are accounted (default: a ledger of its own).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ledger: Optional[MemoryLedger] = None) -> None:
         self.device = device
+        self.ledger = ledger if ledger is not None else MemoryLedger()
         self._free: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
+        self._taken_for: dict[int, str] = {}
 
-    def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A 1-D buffer of ``numel`` elements of ``dtype`` with undefined contents."""
+    def take(self, numel: int, dtype: torch.dtype, category: str = "grad_buffers") -> Tensor:
+        """A 1-D buffer of ``numel`` elements of ``dtype`` with undefined contents, accounted
+        under ``category`` until :meth:`give` or :meth:`move`."""
         free = self._free[(numel, dtype)]
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=self.device)
+        if free:
+            buffer = free.pop()
+            self.ledger.add("pooled", -_nbytes(buffer))
+        else:
+            buffer = torch.empty(numel, dtype=dtype, device=self.device)
+        self._taken_for[id(buffer)] = category
+        self.ledger.add(category, _nbytes(buffer))
+        return buffer
+
+    def move(self, buffer: Tensor, category: str) -> None:
+        """Account a buffer from :meth:`take` under another category (a gradient whose
+        reduce-scatter started)."""
+        self.ledger.add(self._taken_for[id(buffer)], -_nbytes(buffer))
+        self._taken_for[id(buffer)] = category
+        self.ledger.add(category, _nbytes(buffer))
 
     def give(self, buffer: Tensor) -> None:
         """Return a buffer from :meth:`take`; the caller must hold no view of it any more."""
+        self.ledger.add(self._taken_for.pop(id(buffer)), -_nbytes(buffer))
+        self.ledger.add("pooled", _nbytes(buffer))
         self._free[(buffer.numel(), buffer.dtype)].append(buffer)
 
     @property
     def pooled_bytes(self) -> int:
         """Bytes held in free lists (not in use)."""
-        return sum(t.numel() * t.element_size() for free in self._free.values() for t in free)
+        return sum(_nbytes(t) for free in self._free.values() for t in free)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -9,13 +9,16 @@ partitioned) with ZeRO-Infinity's bandwidth-centric partitioning and trace-based
 One step, as the hooks drive it:
 
 1. Forward: a module's pre-hook gathers its unit (and units of parameters it shares with another
-   module), gathering the next units of the trace ahead; its post-hook releases the unit and
-   registers a hook on its outputs' gradients.
+   module) in the compute dtype of the precision policy, gathering the next units of the trace
+   ahead (and, for a unit with frozen parameters, threads the module's inputs through an identity
+   autograd node); its post-hook releases the unit and registers a hook on its outputs' gradients.
 2. Backward: that output hook re-gathers the unit before the module's backward runs. When autograd
    has accumulated the gradient of every trainable parameter of a flat group, the group's flat
-   gradient is reduce-scattered (mean over ranks) and added to this rank's fp32 gradient shard;
-   the full gradients are freed and the unit released. A callback at the end of backward flushes
-   what is left.
+   gradient is reduce-scattered (mean over ranks, in the reduce dtype) and added to this rank's
+   fp32 gradient shard. The unit is released once that is done for all its trainable groups and,
+   when it holds frozen parameters, the identity node threaded through its module's inputs has
+   run (FSDP2's post-backward signal), so frozen weights are released as early as trainable
+   ones. A callback at the end of backward flushes what is left.
 3. Step: the user's optimizer steps the fp32 master shards (:meth:`ZeroEngine.shard_optimizer`);
    its step post-hook, :meth:`ZeroEngine.after_step`, casts them into the compute-dtype shards.
 """
@@ -36,9 +39,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
-from lightning_zinf.config import OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
 from lightning_zinf.engine.trace import Tracer
@@ -75,6 +80,7 @@ class Unit:
         self.groups = groups
         self.numel = sum(g.numel for g in groups)
         self.persistent = persistent
+        self.trainable_groups = sum(g.trainable for g in groups)
         self.state = _RELEASED
         self.handles: list[Handle] = []
         self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
@@ -82,6 +88,7 @@ class Unit:
         self.forward_depth = 0
         self.held = False
         self.reduced_groups = 0
+        self.pending_backward = 0  # forward uses whose input-side post-backward node has not run yet
 
 
 class ZeroEngine:
@@ -113,10 +120,22 @@ class ZeroEngine:
             are in :attr:`tiled_layers`.
         zero_pp: ZeRO++ settings: the nodes (for hpZ, qgZ and the intra/inter-node byte counts),
             hpZ, qwZ and qgZ (:class:`~lightning_zinf.ZeroPPConfig`).
+        mixed_precision: The precision policy (:class:`~lightning_zinf.MixedPrecisionConfig`):
+            the dtype units are gathered and computed in, and the dtype of the gradient
+            reduce-scatters. Default: each parameter's own dtype, reduce-scatters in fp32.
+        activation_checkpointing: Module classes (or class names) whose forward is wrapped in
+            torch's non-reentrant activation checkpointing
+            (:func:`~lightning_zinf.engine.activation.apply_activation_checkpointing`); backward
+            recomputes them, re-gathering their units.
+
+    Attributes:
+        ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
+            changes during a step; :meth:`memory` adds the long-lived state.
 
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
-            ``reset_parameters()``; a ``block_classes`` entry is malformed.
+            ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
+            malformed, or an ``activation_checkpointing`` entry matches no module.
     """
 
     def __init__(
@@ -131,6 +150,8 @@ class ZeroEngine:
         auto_pass: bool = True,
         tiling: Optional[TilingConfig] = None,
         zero_pp: ZeroPPConfig = ZeroPPConfig(),
+        mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig(),
+        activation_checkpointing: Sequence[Union[str, type]] = (),
     ) -> None:
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
@@ -149,6 +170,10 @@ class ZeroEngine:
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
                                 qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block)
         self.prefetch = prefetch
+        self.mixed_precision = mixed_precision
+        on_device = ["gathered", "secondary", "grad_buffers", "reduce_pending", "pooled"]
+        on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
+        self.ledger = MemoryLedger(tuple(on_device))
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
         self.offload_config = offload
@@ -158,17 +183,17 @@ class ZeroEngine:
         self._created_groups = 0
         self._shard_device = torch.device("cpu") if offload.param != "none" else self.device
         self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
+        self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         specs, uses = plan_units(module, block_classes)
         self.units = self._partition(specs)
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
         self._ahead: dict[int, Unit] = {}
         self.gathered_ahead = 0  # units gathered by prefetch, over the run (for tests and monitoring)
-        # Bytes of full (gathered or in-flight) parameter buffers now, and the most at once so far: the
-        # working memory that units (and tiles) bound.
-        self.gathered_bytes = 0
+        # The most bytes of full (gathered or in-flight) parameter buffers at once over the run: the
+        # working memory that units (and tiles) bound. Per step: ``ledger.peak["gathered"]``.
         self.peak_gathered_bytes = 0
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []
-        self.pool = BufferPool(self.device)
+        self.pool = BufferPool(self.device, self.ledger)
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
@@ -214,7 +239,9 @@ class ZeroEngine:
             # Ranks must shard identical values: rank 0's, as DDP broadcasts them at construction.
             # Materialised units need no broadcast: every rank drew them from rank 0's RNG state.
             self.comm.broadcast(source)
-        group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device)
+        group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device,
+                          compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
+                          reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger)
         if self.zero_pp.frozen_bits is not None and not group.trainable:
             # Codes are a fraction of the shard: they stay in memory, not in a swap file.
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
@@ -228,10 +255,7 @@ class ZeroEngine:
         if self.auto_pass:
             hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         for module in self._uses:
-            hooks.append(module.register_forward_pre_hook(self._pre_forward))
-            # always_call: checkpointing stops a recomputation by raising inside a module's forward;
-            # the post-hook must still end that use of the unit.
-            hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+            hooks.extend(self._hook_module(module))
         for unit in self.units:
             for group in unit.groups:
                 if group.trainable:
@@ -239,6 +263,12 @@ class ZeroEngine:
                         hook = functools.partial(self._on_grad, unit, group, index)
                         hooks.append(p.register_post_accumulate_grad_hook(hook))
         return hooks
+
+    def _hook_module(self, module: nn.Module) -> list[Any]:
+        # always_call: checkpointing stops a recomputation by raising inside a module's forward;
+        # the post-hook must still end that use of the unit.
+        return [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                module.register_forward_hook(self._post_forward, always_call=True)]
 
     # --- public API -------------------------------------------------------------------------------
     @property
@@ -281,8 +311,7 @@ class ZeroEngine:
             raise ValueError("register_external_parameter: the tensor is not a parameter of the partitioned model.")
         uses = self._uses.setdefault(module, [])
         if not uses:
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+            self._hooks.extend(self._hook_module(module))
         if owner not in uses:
             uses.append(owner)
 
@@ -323,44 +352,79 @@ class ZeroEngine:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
 
-        ``device``: parameter shards, gathered parameters, hpZ secondary partitions and pooled
-        gradient buffers, plus the fp32 masters, fp32 gradient shards and optimizer states when the
-        optimizer is not offloaded.
-        ``cpu``: with optimizer offload, those optimizer-side tensors currently in CPU memory.
+        ``device``: parameter shards, gathered parameters, hpZ secondary partitions and gradient
+        buffers (in use and pooled), plus the fp32 masters, fp32 gradient shards and optimizer
+        states when the optimizer is not offloaded.
+        ``cpu``: with parameter or optimizer offload, those tensors currently in CPU memory.
         ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
         machine without an accelerator the device is the CPU as well; the split says which tier
-        the engine placed each tensor on.
+        the engine placed each tensor on. :meth:`memory` splits the same bytes by category.
         """
-        by_tier = {"device": 0, "cpu": 0, "nvme": 0}
-        optimizer_tier = "device" if self.offload is None else "cpu"
+        state = self._state_bytes()
+        moving = sum(self.ledger.now[c] for c in ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled"))
+        optimizer_side = state["grad_shards"] + state["optimizer"]
+        offloaded = self.offload is not None
+        return {
+            "device": state["shards_device"] + moving + (0 if offloaded else optimizer_side),
+            "cpu": state["shards_cpu"] + (optimizer_side if offloaded else 0),
+            "nvme": state["shards_nvme"] + state["optimizer_nvme"],
+        }
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        """The memory ledger: bytes this rank holds now and at most since the last
+        :meth:`reset_memory_peaks` (a training step), by category (what each holds:
+        :data:`~lightning_zinf.engine.ledger.CATEGORIES`).
+
+        Gathered units, secondary partitions, gradient buffers and reduce-scatters in flight are
+        accounted as the engine allocates and frees them, so their peaks are exact; the shards,
+        gradient shards, optimizer state and staging memory are counted from the state now (their
+        peak is the largest value seen by these calls, and staging's the pool's own peak).
+
+        Returns:
+            Category -> ``(bytes now, peak bytes)``.
+        """
+        for category, nbytes in self._state_bytes().items():
+            self.ledger.set(category, nbytes)
+        if self.space is not None:
+            self.ledger.set("staging", self.space.pool.in_use)
+            self.ledger.peak["staging"] = max(self.ledger.peak["staging"], self.space.pool.peak)
+        return {c: (self.ledger.now[c], self.ledger.peak[c]) for c in CATEGORIES}
+
+    def reset_memory_peaks(self) -> None:
+        """Start a new peak window of :meth:`memory` (call at the start of a training step)."""
+        self.memory()
+        self.ledger.reset_peaks()
+        if self.space is not None:
+            self.space.pool.peak = self.space.pool.in_use
+
+    def _state_bytes(self) -> dict[str, int]:
+        """Bytes of the long-lived state, by ledger category, counted by storage (swapped tensors
+        are views of one staging buffer per record; an fp32 master that is the shard counts once)."""
+        out = dict.fromkeys(("shards_device", "shards_cpu", "shards_nvme", "grad_shards", "optimizer", "optimizer_nvme"), 0)
         seen: set[int] = set()
 
-        def add(tier: str, t: Optional[Tensor]) -> None:
-            # By storage: swapped tensors are views of one staging buffer per record.
+        def add(category: str, t: Optional[Tensor]) -> None:
             storage = t.untyped_storage() if t is not None else None
             if storage is not None and storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
-                by_tier[tier] += storage.nbytes()  # 0 while released or swapped out
+                out[category] += storage.nbytes()  # 0 while swapped out
 
-        param_tier = "device" if self.offload_config.param == "none" else "cpu"
+        shards = "shards_device" if self.offload_config.param == "none" else "shards_cpu"
         for group in self.groups:
-            add(param_tier, group.shard)
-            add(param_tier, group.codes)
-            add(param_tier, group.scales)
-            add(optimizer_tier, group.master)
-            add(optimizer_tier, group.grad_shard)
-            add("device", group.secondary)
-            by_tier["device"] += group.full.untyped_storage().nbytes()
+            for t in (group.shard, group.codes, group.scales):
+                add(shards, t)
+            add("optimizer", group.master)
+            add("grad_shards", group.grad_shard)
         for optimizer in self.optimizers:
             for state in optimizer.state.values():
                 for value in state.values():
                     if isinstance(value, Tensor):
-                        add(optimizer_tier, value)
-        by_tier["device"] += self.pool.pooled_bytes
-        for side in (self.offload, self.param_offload):
-            if side is not None:
-                by_tier["nvme"] += side.tier_bytes()["nvme"]
-        return by_tier
+                        add("optimizer", value)
+        if self.param_offload is not None:
+            out["shards_nvme"] = self.param_offload.tier_bytes()["nvme"]
+        if self.offload is not None:
+            out["optimizer_nvme"] = self.offload.tier_bytes()["nvme"]
+        return out
 
     def verify_ranks_agree(self) -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
@@ -440,18 +504,20 @@ class ZeroEngine:
 
     @contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """Gather every unit for the duration of the block (like FSDP's ``summon_full_params``).
+        """Gather every unit for the duration of the block (like FSDP's ``summon_full_params``),
+        with the exact values in the parameters' own dtype (the fp32 masters under a bf16
+        policy, not the bf16 copies forward computes with).
 
         Args:
             write_back: Copy edits made to the full parameters inside the block back into the shards
                 on exit. Every rank must make the same edits.
         """
         self._settle()
-        units = [u for u in self.units if not u.persistent]
+        units = list(self.units)
         for unit in units:
             unit.forward_depth += 1
         try:
-            self._gather_all(units)
+            self._gather_all(units, read=True)
             yield
             if write_back:
                 with self.state_resident(write_back=True):
@@ -461,6 +527,7 @@ class ZeroEngine:
             for unit in units:
                 unit.forward_depth -= 1
                 self._maybe_release(unit)
+            self._gather_all([u for u in units if u.persistent])  # back to the compute dtype
 
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
@@ -476,9 +543,11 @@ class ZeroEngine:
         self._hooks = []
 
     # --- gather / release -------------------------------------------------------------------------
-    def _start_gather(self, unit: Unit, exact: bool = False) -> None:
-        """Start gathering ``unit``; with qwZ quantized unless ``exact`` (persistent units and
-        :meth:`gathered`, whose values users read and edit)."""
+    def _start_gather(self, unit: Unit, exact: bool = False, read: bool = False) -> None:
+        """Start gathering ``unit`` for compute; with qwZ quantized unless ``exact`` (persistent
+        units). ``read``: exactly, in the parameters' own dtype (:meth:`gathered`, whose values
+        users read and edit)."""
+        exact = exact or read
         self._issued.append(unit.index)
         if self.param_offload is not None:
             # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
@@ -487,13 +556,17 @@ class ZeroEngine:
             for group in unit.acquired:
                 self.param_offload.acquire(group)
         unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
-        was_released = unit.state == _RELEASED
+        before = sum(g.gathered_nbytes for g in unit.groups)
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
-        unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact) for g in unit.groups]
+        unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
         unit.state = _INFLIGHT
-        if was_released:
-            self.gathered_bytes += sum(g.full.untyped_storage().nbytes() for g in unit.groups)
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        self.ledger.add("gathered", sum(g.gathered_nbytes for g in unit.groups) - before)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.ledger.now["gathered"])
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of full (gathered or in-flight) parameter buffers now."""
+        return self.ledger.now["gathered"]
 
     def _wait_gather(self, unit: Unit) -> None:
         if unit.state != _INFLIGHT:
@@ -502,7 +575,8 @@ class ZeroEngine:
             handle.wait()
         for group in unit.groups:
             group.finish_gather()
-            if self.comm.hpz is not None and not unit.persistent and group.secondary is None:
+            # Not from a gather for reading in another dtype: the secondary partition feeds compute.
+            if self.comm.hpz is not None and not unit.persistent and group.secondary is None and group.active is group.full:
                 group.keep_secondary()
         if self.param_offload is not None:
             for group in unit.acquired:
@@ -510,16 +584,21 @@ class ZeroEngine:
             unit.acquired = []
         unit.handles, unit.state = [], _GATHERED
 
-    def _gather_all(self, units: list[Unit]) -> None:
-        """Gather ``units`` exactly (persistent units, :meth:`gathered`): a released or gathered unit
-        is (re-)gathered from the current shards; one in flight is waited for, and gathered again
-        if its gather was quantized (qwZ)."""
+    def _gather_all(self, units: list[Unit], read: bool = False) -> None:
+        """Gather ``units`` exactly, for compute (persistent units) or for reading (:meth:`gathered`):
+        a released or gathered unit is (re-)gathered from the current shards, except one gathered
+        for reading that is asked for reading again; one in flight is waited for, and gathered
+        again if its gather was quantized (qwZ) or in the other dtype."""
         for unit in units:
+            for_reading = all(g.active is g._read for g in unit.groups)  # True too where the dtypes agree
+            fits = not unit.quantized and (for_reading if read else all(g.active is g.full for g in unit.groups))
             if unit.state == _INFLIGHT:
-                if not unit.quantized:
+                if fits:
                     continue
                 self._wait_gather(unit)
-            self._start_gather(unit, exact=True)
+            elif unit.state == _GATHERED and read and fits:
+                continue
+            self._start_gather(unit, exact=True, read=read)
         for unit in units:
             self._wait_gather(unit)
 
@@ -560,7 +639,7 @@ class ZeroEngine:
             and unit.index not in self._ahead
         ):
             for group in unit.groups:
-                self.gathered_bytes -= group.full.untyped_storage().nbytes()
+                self.ledger.add("gathered", -group.gathered_nbytes)
                 group.release()
             unit.state = _RELEASED
 
@@ -576,7 +655,7 @@ class ZeroEngine:
             self._backward_end_queued = False  # its callback died with a backward that raised
         for unit in self.units:
             if boundary:
-                unit.forward_depth, unit.held, unit.reduced_groups = 0, False, 0
+                unit.forward_depth, unit.held, unit.reduced_groups, unit.pending_backward = 0, False, 0, 0
                 for group in unit.groups:
                     group.discard_grads(self.pool)
             self._wait_gather(unit)
@@ -588,23 +667,44 @@ class ZeroEngine:
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.begin_pass((module.training, torch.is_grad_enabled()))
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        for unit in self._uses[module]:
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        units = self._uses[module]
+        for unit in units:
             unit.forward_depth += 1
             self._acquire(unit)
+        policy = self.mixed_precision
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            cast = functools.partial(_cast_floating, dtype=policy.param_dtype)
+            args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
+        # Frozen parameters get no gradient hook that says when autograd is done with them: thread
+        # the inputs through an identity node whose backward runs right after this call's backward
+        # (FSDP2's post-backward signal; a hook on the inputs' gradients would wait for every other
+        # module that reads the same inputs, such as the sibling tiles of a layer). Not in a
+        # recomputation (activation checkpointing runs forwards inside backward): that graph is
+        # never run backward.
+        frozen = [u for u in units if u.trainable_groups < len(u.groups)]
+        if frozen and torch.is_grad_enabled() and not _in_backward():
+            inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+            if inputs:
+                for unit in frozen:
+                    unit.pending_backward += 1
+                signalled = iter(_PostBackward.apply(functools.partial(self._post_backward, frozen), *inputs))
+                swap = lambda t: next(signalled) if t.requires_grad else t  # noqa: E731  (_tensors_in's order)
+                args, kwargs = _map_tensors(args, swap), _map_tensors(kwargs, swap)
+        return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         units = self._uses[module]
         for unit in units:
             unit.forward_depth -= 1
         tensors = list(_tensors_in(output))
-        released = {g.full.untyped_storage().data_ptr() for u in units if not u.persistent for g in u.groups}
+        released = {g.active.untyped_storage().data_ptr() for u in units if not u.persistent for g in u.groups}
         if any(t.untyped_storage().data_ptr() in released for t in tensors):
             # An output that is a view of a parameter (learned queries) would point into storage
             # the release below frees: hand out a copy instead.
             output = _map_tensors(output, lambda t: t.clone() if t.untyped_storage().data_ptr() in released else t)
             tensors = list(_tensors_in(output))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not _in_backward():
             outputs = [t for t in tensors if t.requires_grad]
             if outputs:
                 hook = functools.partial(self._pre_backward, units)
@@ -622,15 +722,27 @@ class ZeroEngine:
                 if group.trainable:
                     group.prepare_grads(self.pool)
 
+    def _post_backward(self, units: list[Unit]) -> None:
+        """Autograd has run the backward of one forward use of these units (the identity node on
+        the module's inputs has their gradients)."""
+        for unit in units:
+            unit.pending_backward -= 1
+            self._release_after_backward(unit)
+
     def _on_grad(self, unit: Unit, group: FlatGroup, index: int, param: Tensor) -> None:
         self._queue_backward_end()
         if not group.mark_ready(index):
             return
         self._reduce(group)
         unit.reduced_groups += 1
-        # A unit with frozen groups stays held until the end of backward: no gradient hook says
-        # when autograd is done with its frozen parameters.
-        if unit.reduced_groups == len(unit.groups):
+        self._release_after_backward(unit)
+
+    def _release_after_backward(self, unit: Unit) -> None:
+        """Release a unit held for backward once autograd is done with it: every trainable group
+        reduced (every node that used a trainable parameter has run) and, for a unit with frozen
+        groups, the identity node of every forward use run. A frozen unit whose inputs need no
+        gradient has no such node and stays held until the end of backward."""
+        if unit.held and unit.pending_backward <= 0 and unit.reduced_groups >= unit.trainable_groups:
             unit.reduced_groups, unit.held = 0, False
             self._maybe_release(unit)
 
@@ -650,6 +762,7 @@ class ZeroEngine:
         self._drain_reduces()
         self._expose_grads()
         for unit in self.units:
+            unit.pending_backward = 0  # uses whose inputs' gradients were never needed
             if unit.held:
                 unit.held, unit.reduced_groups = False, 0
                 self._maybe_release(unit)
@@ -688,6 +801,33 @@ class ZeroEngine:
             self.offload.after_accumulate(index)
         for buffer in buffers:
             self.pool.give(buffer)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the input tensors of a module whose unit holds frozen parameters; its backward
+    runs ``callback`` once autograd has the gradients of those inputs, i.e. once this call of the
+    module has run backward (FSDP2's ``RegisterPostBackwardFunction`` plays the same part). As
+    there, the module receives views, so it must not modify its inputs in place."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed module is then
+    being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _cast_floating(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
 def _tensors_in(obj: Any) -> Iterator[Tensor]:

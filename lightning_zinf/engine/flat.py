@@ -11,6 +11,12 @@ A gather all-gathers the shards into ``full`` and points each parameter's ``.dat
 ``full``. A release sets ``.data`` to an empty tensor and shrinks ``full``'s storage to zero bytes;
 tensors autograd saved during forward (``weight.t()`` and the like) are views of that storage, so
 they hold no memory while released and see the re-gathered values in backward.
+
+Precision (:class:`~lightning_zinf.MixedPrecisionConfig`): shards stay in the parameters' own dtype
+(``dtype``); gathers for compute cast the shard to ``compute_dtype`` before the all-gather and fill
+``full`` in that dtype, so a bf16 policy moves and holds half of fp32's bytes. Gathers for reading
+(:meth:`~lightning_zinf.ZeroEngine.gathered`) fill a second buffer in ``dtype`` instead, so users
+see and edit the exact values.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.ledger import MemoryLedger
 from triton_kernels import dequantize, quantize
 
 __all__ = ["FlatGroup", "SHARD_ALIGN"]
@@ -46,10 +53,15 @@ class FlatGroup:
         comm: The data-parallel collectives.
         device: The compute device: where the gather buffer lives, and by default everything else.
         shard_device: Where the parameter shard lives (the CPU under parameter offload).
+        compute_dtype: Dtype of gathers for compute and of the gradients autograd produces
+            (default: the parameters' dtype).
+        reduce_dtype: Dtype of the gradient reduce-scatter (default: fp32).
+        ledger: Where the bytes of the buffers this group allocates are accounted (optional).
 
     Attributes:
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the parameters' dtype.
-        full: The gather buffer of ``W * shard_numel`` elements; zero bytes of storage when released.
+        full: The gather buffer for compute: ``W * shard_numel`` elements of ``compute_dtype``;
+            zero bytes of storage when released (or gathered for reading).
         master: The fp32 master shard stepped by the optimizer (``shard`` itself when the dtype is
             fp32), or ``None`` for frozen groups and before :meth:`make_master`.
         fragments: Per parameter, the 1-D view of ``master`` that this rank owns (possibly empty).
@@ -73,6 +85,9 @@ class FlatGroup:
         comm: Collectives,
         device: torch.device,
         shard_device: Optional[torch.device] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        ledger: Optional[MemoryLedger] = None,
     ) -> None:
         self.names = names
         self.params = params
@@ -81,6 +96,9 @@ class FlatGroup:
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
         self.dtype = params[0].dtype
+        self.compute_dtype = compute_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype
+        self.ledger = ledger if ledger is not None else MemoryLedger()
         self.trainable = params[0].requires_grad
         self.comm = comm
         self.device = device
@@ -96,8 +114,14 @@ class FlatGroup:
         self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=shard_device or device)
         if stop > start:
             self.shard[: stop - start].copy_(source[start:stop])
-        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
-        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
+        # Gathers for reading (exact values in the parameters' dtype): ``full`` itself when the dtypes agree.
+        self._read = self.full if self.compute_dtype == self.dtype else torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+        self.active = self.full  # the buffer the parameters point into while gathered
+        # Released parameters are empty tensors of the compute dtype: a parameter whose dtype changes
+        # gets a new gradient accumulator from autograd, so a parameter used twice in one forward
+        # (tied weights) would accumulate, and signal, once per use instead of once.
+        self._empty = torch.empty(0, dtype=self.compute_dtype, device=device)
         self.master: Optional[Tensor] = None
         self.secondary: Optional[Tensor] = None
         self.codes: Optional[Tensor] = None  # frozen weights stored quantized: codes, scales, format
@@ -119,19 +143,34 @@ class FlatGroup:
         self.release()
 
     # --- gather / release -------------------------------------------------------------------------
-    def start_gather(self, quantized: bool = False, from_secondary: bool = True) -> Handle:
-        """Allocate the gather buffer and start all-gathering into it (asynchronously): from the
-        hpZ secondary partitions when this group has one and ``from_secondary``, else from the
-        shards, as INT8 codes and scales with ``quantized`` (qwZ)."""
-        self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
-        if self.secondary is not None and from_secondary:
-            return self.comm.all_gather_secondary(self.full, self.secondary, async_op=True)
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of gather buffer this group holds now (0 while released)."""
+        return self.full.untyped_storage().nbytes() + (self._read.untyped_storage().nbytes() if self._read is not self.full else 0)
+
+    def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False) -> Handle:
+        """Allocate the gather buffer and start all-gathering into it (asynchronously).
+
+        For compute (default): into :attr:`full`, in ``compute_dtype``, from the hpZ secondary
+        partitions when this group has one and ``from_secondary``, else from the shards (cast to
+        ``compute_dtype`` first), as INT8 codes and scales with ``quantized`` (qwZ).
+        With ``read``: the exact values, from the shards, in the parameters' dtype.
+        """
+        target = self._read if read else self.full
+        other = self.full if read else self._read
+        if other is not target:
+            other.untyped_storage().resize_(0)
+        self.active = target
+        if target.untyped_storage().nbytes() == 0:  # a gathered unit refills its buffer as it is
+            target.untyped_storage().resize_(self.padded_numel * target.element_size())
+        if self.secondary is not None and from_secondary and not read:
+            return self.comm.all_gather_secondary(target, self.secondary, async_op=True)
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
             codes, scales = self.codes.to(self.device), self.scales.to(self.device)  # on the CPU under param offload
-            return self.comm.all_gather_codes(self.full, codes, scales, *self.code_format, async_op=True)
-        if quantized:
-            return self.comm.all_gather_quantized(self.full, self.shard.to(self.device), async_op=True)
-        return self.comm.all_gather(self.full, self.shard.to(self.device), async_op=True)
+            return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True)
+        if quantized and not read:
+            return self.comm.all_gather_quantized(target, self.shard.to(self.device), async_op=True)
+        return self.comm.all_gather(target, self.shard.to(self.device, target.dtype), async_op=True)
 
     def keep_secondary(self) -> None:
         """hpZ (ZeRO++ §3.2): keep this rank's secondary partition, its ``1/P`` of the gathered
@@ -140,7 +179,9 @@ class FlatGroup:
         hpz = self.comm.hpz
         assert hpz is not None, "keep_secondary needs Collectives(hpz_partition_size=...)"
         size = self.padded_numel // hpz.ranks_per_node
+        self.drop_secondary()
         self.secondary = self.full[hpz.local_rank * size : (hpz.local_rank + 1) * size].clone()
+        self.ledger.add("secondary", self.secondary.untyped_storage().nbytes())
 
     def store_quantized(self, bits: int, block: int) -> None:
         """Keep this (frozen) group's shard as blockwise codes and scales only (``bits`` 8 or 4, one
@@ -176,27 +217,31 @@ class FlatGroup:
 
     def drop_secondary(self) -> None:
         """Forget the hpZ secondary partition (the shards changed): the next gather uses the shards."""
+        if self.secondary is not None:
+            self.ledger.add("secondary", -self.secondary.untyped_storage().nbytes())
         self.secondary = None
 
     def finish_gather(self) -> None:
         """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
         for p, offset, numel, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = self.full[offset : offset + numel].view(shape)
+            p.data = self.active[offset : offset + numel].view(shape)
 
     def release(self) -> None:
         """Free the gathered buffer; parameters become empty tensors until the next gather."""
         for p in self.params:
             p.data = self._empty
         self.full.untyped_storage().resize_(0)
+        self._read.untyped_storage().resize_(0)
+        self.active = self.full
 
     def write_back(self) -> None:
         """Copy this rank's slice of the gathered buffer into the shard (and the fp32 master).
 
-        Used after user code edited gathered parameters; every rank must have made the same edit.
-        The hpZ secondary partition is dropped (it may hold the old values).
+        Used after user code edited gathered parameters (gathered for reading); every rank must have
+        made the same edit. The hpZ secondary partition is dropped (it may hold the old values).
         """
         self.drop_secondary()
-        new = self.full[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
+        new = self.active[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         changed = new != self.shard
         if self.master is not None and self.master is not self.shard:
             # Only edited elements: copying the whole shard would round unedited fp32 masters.
@@ -266,7 +311,8 @@ class FlatGroup:
             p.grad = view
 
     def _new_grad_buffer(self, pool: BufferPool) -> None:
-        self._grad_flat = pool.take(self.padded_numel, self.dtype).zero_()
+        # In the dtype autograd produces for the gathered parameters (their compute dtype).
+        self._grad_flat = pool.take(self.padded_numel, self.compute_dtype).zero_()
         self._grad_views = [self._grad_flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def mark_ready(self, index: int) -> bool:
@@ -290,8 +336,8 @@ class FlatGroup:
 
         Returns:
             ``(handle, buffers, got)``: wait on ``handle``, then call :meth:`accumulate` with
-            ``buffers[0]`` (fp32, ``shard_numel`` elements: the mean over ranks of this rank's
-            slice) and ``got`` (which parameters had a gradient on this rank), and give all
+            ``buffers[0]`` (``reduce_dtype``, ``shard_numel`` elements: the mean over ranks of this
+            rank's slice) and ``got`` (which parameters had a gradient on this rank), and give all
             ``buffers`` back to ``pool``.
         """
         if self._grad_flat is None:
@@ -307,15 +353,17 @@ class FlatGroup:
             p.grad = None
         self._grad_flat, self._grad_views = None, []
         self._ready = [False] * len(self.params)
-        if self.dtype != torch.float32:  # reduce in fp32 whatever the compute dtype
-            flat32 = pool.take(self.padded_numel, torch.float32).copy_(flat)
+        if flat.dtype != self.reduce_dtype:
+            cast = pool.take(self.padded_numel, self.reduce_dtype, "reduce_pending").copy_(flat)
             pool.give(flat)
-            flat = flat32
+            flat = cast
+        else:
+            pool.move(flat, "reduce_pending")
         if self.comm.world_size == 1 and self.comm.qgz_bits is None:
             # The mean over one rank is the flat gradient itself (shard_numel == padded_numel):
             # hand it on as the result, with no second buffer and no copy.
             return self.comm.reduce_scatter_mean(flat, flat, async_op=True), [flat], got
-        out = pool.take(self.shard_numel, torch.float32)
+        out = pool.take(self.shard_numel, self.reduce_dtype, "reduce_pending")
         reduce = self.comm.reduce_scatter_mean if self.comm.qgz_bits is None else self.comm.reduce_scatter_mean_quantized
         return reduce(out, flat, async_op=True), [out, flat], got
 
@@ -344,7 +392,7 @@ class FlatGroup:
         fresh = self.fresh_accumulation
         self._consumed = False
         if fresh:
-            self.grad_shard.copy_(reduced)
+            self.grad_shard.copy_(reduced)  # from the reduce dtype into fp32
             self.received = got
         else:
             self.grad_shard.add_(reduced.to(self.state_device))

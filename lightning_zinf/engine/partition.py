@@ -18,7 +18,8 @@ from torch import nn
 
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "parameter_slots", "resolve_block_classes"]
+__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "parameter_slots",
+           "resolve_block_classes", "matches_classes"]
 
 
 @dataclass
@@ -54,13 +55,17 @@ def resolve_block_classes(block_classes: Sequence[Union[str, type]]) -> tuple[se
     return classes, names
 
 
-def _is_block(module: nn.Module, classes: set[type], names: set[str]) -> bool:
+def matches_classes(module: nn.Module, classes: set[type], names: set[str]) -> Optional[Union[str, type]]:
+    """The entry of :func:`resolve_block_classes`'s ``(classes, names)`` that ``module`` matches
+    (an instance of a class, or its class's ``__name__`` or ``module.qualname``), or ``None``."""
     cls = type(module)
-    return (
-        isinstance(module, tuple(classes))
-        or cls.__name__ in names
-        or f"{cls.__module__}.{cls.__qualname__}" in names
-    )
+    for c in classes:
+        if isinstance(module, c):
+            return c
+    for key in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}"):
+        if key in names:
+            return key
+    return None
 
 
 def plan_units(
@@ -122,7 +127,7 @@ def plan_units(
     for mod_name, module in root.named_modules():
         if id(module) in inside_block:
             continue
-        block = module is not root and _is_block(module, classes, names)
+        block = module is not root and matches_classes(module, classes, names) is not None
         if not block:
             needed: list[int] = []
             add_unit(mod_name, module, [(mod_name, module)], needed)

@@ -1,0 +1,179 @@
+"""ZeRO-3's memory bound (ZeRO §5.3, ZeRO-Infinity §4) in every configuration: a rank holds its
+shards plus a few gathered units, whatever the depth.
+
+For each cell, the same GPT is built with 4 and with 12 blocks (one unit each) and trained for two
+steps at 2 ranks (4 for the offload and ZeRO++ cells). Two quantities of the second step must not
+grow with depth, beyond one unit:
+
+- the peak of gathered parameter bytes over forward and backward (the engine's ledger);
+- the bytes of parameter values that autograd keeps for backward at the end of forward, seen by an
+  observer outside the engine: saved-tensor hooks that recognise a parameter's values by storage
+  (a view of a gathered buffer) or by value (a copy, such as autocast's cast of a weight), and
+  count the bytes of storage those tensors still hold.
+
+The grid: precision {32-true, bf16-mixed, bf16-true} x {all trainable, frozen base with rank-4
+adapters} x {activation checkpointing off, on}, every cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
+from tests import models
+from tests.harness import run_distributed
+
+D = 64
+DEPTHS = (4, 12)
+BF16 = MixedPrecisionConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class Cell:
+    precision: str = "32-true"
+    lora: bool = False
+    ac: bool = False
+    offload: dict = field(default_factory=dict)
+    zero_pp: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        extra = "".join(f"-{k}={v}" for k, v in {**self.offload, **self.zero_pp}.items() if k != "nvme_path")
+        return f"{self.precision}-{'lora' if self.lora else 'full'}-{'ac' if self.ac else 'noac'}{extra}"
+
+
+class SavedWeightObserver:
+    """Saved-tensor hooks that record every tensor autograd saves whose values are a parameter's:
+    a view of the parameter's storage, or a tensor equal to it (or to its transpose) after a cast.
+    Knows nothing of the engine."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.kept: list[torch.Tensor] = []
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and any(self._is_value_of(t, p) for p in self.params):
+            self.kept.append(t)
+        return t
+
+    @staticmethod
+    def _is_value_of(t: torch.Tensor, p: torch.Tensor) -> bool:
+        if p.numel() == 0:
+            return False
+        if t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+            return True
+        if t.numel() != p.numel():
+            return False
+        candidates = [p] + ([p.t()] if p.dim() == 2 else [])
+        return any(c.shape == t.shape and torch.equal(t, c.to(t.dtype)) for c in candidates)
+
+    def kept_bytes(self) -> int:
+        """Bytes of storage that the recorded tensors hold now (a released gather holds none)."""
+        storages = {}
+        for t in self.kept:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+
+def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(vocab=64, d=D, layers=depth, heads=2, seq=16, lora_rank=4 if cell.lora else 0)
+    if cell.precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    unit_numel = sum(p.numel() for p in model.blocks[0].parameters())
+    engine = ZeroEngine(
+        model,
+        block_classes=["Block"],
+        # The next unit is gathered ahead (the bucket holds one block), nothing stays gathered.
+        prefetch=PrefetchConfig(bucket_size=unit_numel, persistence_threshold=0),
+        mixed_precision=BF16 if cell.precision == "bf16-mixed" else MixedPrecisionConfig(),
+        activation_checkpointing=["Block"] if cell.ac else (),
+        offload=OffloadConfig(**cell.offload),
+        zero_pp=ZeroPPConfig(**cell.zero_pp),
+    )
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    for step in range(2):  # the second replays the prefetch trace
+        x, y = models.make_batch("gpt", step, 2 * world)
+        x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+        engine.reset_memory_peaks()
+        observer = SavedWeightObserver(model)
+        with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cell.precision == "bf16-mixed"):
+                loss = models.loss_fn(model, x, y)
+        kept = observer.kept_bytes()
+        observer.kept.clear()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    memory = engine.memory()
+    unit = max(sum(g.full.numel() * g.full.element_size() for g in u.groups) for u in engine.units)
+    engine.release_all()
+    return {"gathered": memory["gathered"][1], "kept": kept, "unit": unit, "loss": loss.item(),
+            "grad_buffers": memory["grad_buffers"][1], "reduce_pending": memory["reduce_pending"][1],
+            "secondary": memory["secondary"][1]}
+
+
+def _cells(rank: int, world: int, cells: list[Cell]) -> dict:
+    return {cell.name: {depth: _measure(cell, depth, rank, world) for depth in DEPTHS} for cell in cells}
+
+
+def _check(results: dict) -> None:
+    for name, by_depth in results.items():
+        shallow, deep = by_depth[DEPTHS[0]], by_depth[DEPTHS[-1]]
+        unit = deep["unit"]
+        assert deep["loss"] == deep["loss"], f"{name}: NaN loss"
+        for key in ("gathered", "kept", "grad_buffers", "reduce_pending"):
+            assert deep[key] - shallow[key] <= unit, (
+                f"{name}: {key} grows with depth: {shallow[key]} B at {DEPTHS[0]} blocks, {deep[key]} B at "
+                f"{DEPTHS[-1]} (one unit: {unit} B)"
+            )
+        # A few units at most, at any depth: the one in use, the one gathered ahead, one whose
+        # gradients are still being reduced, and the small ones (embeddings, final norm).
+        assert deep["gathered"] <= 4 * unit, (name, deep)
+
+
+GRID = [Cell(precision=p, lora=lora, ac=ac) for p in ("32-true", "bf16-mixed", "bf16-true")
+        for lora in (False, True) for ac in (False, True)]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_bound_holds_in_every_cell_of_the_grid(precision: str) -> None:
+    cells = [c for c in GRID if c.precision == precision]
+    _check(run_distributed(_cells, 2, cells)[0])
+
+
+def test_bound_with_offload_and_zero_pp(tmp_path) -> None:
+    """At 4 ranks: parameters and optimizer in CPU memory, and on NVMe; hpZ + qwZ over 2 simulated
+    nodes (whose secondary partitions, ZeRO++'s stated cost, are the one category that grows)."""
+    cells = [
+        Cell(precision="bf16-mixed", lora=True, offload={"param": "cpu", "optimizer": "cpu"}),
+        Cell(precision="bf16-mixed", ac=True, offload={"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}),
+        Cell(precision="bf16-mixed", lora=True, zero_pp={"ranks_per_node": 2, "hpz": True, "qwz": True}),
+        Cell(precision="32-true", ac=True, zero_pp={"ranks_per_node": 2, "hpz": True, "qwz": True}),
+    ]
+    results = run_distributed(_cells, 4, cells)[0]
+    _check(results)
+    hpz = results[cells[2].name]
+    assert hpz[DEPTHS[-1]]["secondary"] > hpz[DEPTHS[0]]["secondary"] > 0
+
+
+def test_observer_sees_autocast_copies() -> None:
+    """The observer is not blind: in plain PyTorch under bf16 autocast, the bf16 casts of the
+    Linear weights it keeps for backward are found, and their bytes grow with depth."""
+    kept = {}
+    for depth in DEPTHS:
+        torch.manual_seed(0)
+        model = models.GPT(vocab=64, d=D, layers=depth, heads=2, seq=16)
+        observer = SavedWeightObserver(model)
+        x, _ = models.make_batch("gpt", 0, 2)
+        with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                model(x)
+        kept[depth] = observer.kept_bytes()
+    linear_bf16 = 2 * sum(m.weight.numel() for m in models.GPT(d=D, layers=1).blocks[0].modules()
+                          if isinstance(m, torch.nn.Linear))
+    assert kept[DEPTHS[-1]] - kept[DEPTHS[0]] >= (DEPTHS[-1] - DEPTHS[0]) * linear_bf16

@@ -1,0 +1,241 @@
+"""The precision policy (MixedPrecisionConfig): bf16 gathers and compute, fp32 masters and reductions.
+
+The reference is written out by hand in plain PyTorch, as FSDP2's and DeepSpeed's bf16 modes define
+the arithmetic: an fp32 master model; each step a bf16 copy of it computes forward and backward on
+each rank's slice of the batch (under autocast); the bf16 gradients are cast to the reduce dtype,
+averaged over the slices and stepped by AdamW on the fp32 masters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zinf import MixedPrecisionConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
+from tests import models
+from tests.harness import run_distributed
+
+STEPS = 6
+BATCH = 8
+BF16 = MixedPrecisionConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _build(name: str, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return getattr(models, name)(**kwargs)
+
+
+def _slice(step: int, data: str, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = models.make_batch(data, step, BATCH)
+    per = BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def _reference(_rank: int, _world: int, name: str, kwargs: dict, world: int, reduce_dtype: torch.dtype,
+               dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """One process (run like the ranks, with one thread: bf16 GEMMs round by their blocking)."""
+    data = "gpt" if name == "GPT" else "mlp"
+    master = _build(name, **kwargs)
+    opt = torch.optim.AdamW([p for p in master.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        compute = copy.deepcopy(master).to(dtype)
+        grads: dict[str, torch.Tensor] = {}
+        total = 0.0
+        for rank in range(world):
+            x, y = _slice(step, data, rank, world)
+            x = x.to(dtype) if x.is_floating_point() else x
+            compute.zero_grad()
+            with torch.autocast("cpu", dtype=dtype):
+                loss = models.loss_fn(compute, x, y)
+            loss.backward()
+            total += loss.item() / world
+            for n, p in compute.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.to(reduce_dtype)
+                    grads[n] = g if n not in grads else grads[n] + g
+        for n, p in master.named_parameters():
+            if n in grads:
+                p.grad = (grads[n] / world).float()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
+
+
+def _zero(rank: int, world: int, name: str, kwargs: dict, policy: MixedPrecisionConfig, zero_pp: dict,
+          engine_kwargs: dict | None = None) -> tuple:
+    data = "gpt" if name == "GPT" else "mlp"
+    model = _build(name, **kwargs)
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0), mixed_precision=policy,
+                        zero_pp=ZeroPPConfig(**zero_pp), **(engine_kwargs or {}))
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                                                   weight_decay=0.1))
+    losses, dtypes = [], set()
+    for step in range(STEPS):
+        x, y = _slice(step, data, rank, world)
+        handles = [m.register_forward_pre_hook(lambda m, a: dtypes.update(p.dtype for p in m.parameters(recurse=False)))
+                   for m in model.modules()]
+        with torch.autocast("cpu", dtype=policy.param_dtype):
+            loss = models.loss_fn(model, x, y)
+        for h in handles:
+            h.remove()
+        loss.backward()
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses.append(reported.item() / world)
+        opt.step()
+        opt.zero_grad()
+    with engine.gathered():  # by state-dict names: a tiled layer's too
+        weights = {n: p.detach().clone() for n, p in model.state_dict().items()}
+        gathered_dtypes = {p.dtype for p in model.parameters()}
+    return losses, weights, dtypes, gathered_dtypes
+
+
+def _distance(a: tuple, b: tuple) -> float:
+    worst = max(abs(x - y) / max(abs(y), 1e-8) for x, y in zip(a[0], b[0]))
+    for name, ref in b[1].items():
+        worst = max(worst, ((a[1][name] - ref).norm() / ref.norm().clamp_min(1e-12)).item())
+    return worst
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, dtype, reduce_dtype",
+    [("GPT", {}, torch.bfloat16, torch.float32), ("MLP", {"frozen": True}, torch.bfloat16, torch.float32),
+     ("TwiceMLP", {}, torch.bfloat16, torch.bfloat16), ("GPT", {}, torch.float16, torch.float32)],
+)
+def test_policy_matches_hand_written_reference(name: str, kwargs: dict, dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    """Forward and backward see bf16 (fp16) weights (observed in every module's pre-hook), the
+    masters stay fp32 (what ``gathered()`` shows), and 6 AdamW steps land where the hand-written
+    policy does: the same low-precision arithmetic on the same slices, so to float tolerance."""
+    policy = MixedPrecisionConfig(param_dtype=dtype, reduce_dtype=reduce_dtype)
+    got = run_distributed(_zero, 2, name, kwargs, policy, {})
+    want = run_distributed(_reference, 1, name, kwargs, 2, reduce_dtype, dtype, init_pg=False)[0]
+    losses, weights, dtypes, gathered_dtypes = got[0]
+    assert dtypes == {dtype}
+    assert gathered_dtypes == {torch.float32}
+    assert _distance(got[0], want) <= 1e-5, _distance(got[0], want)
+    assert _distance(got[1], got[0]) == 0.0
+
+
+def test_bf16_policy_with_zero_pp_stays_in_its_bands() -> None:
+    """hpZ (bit-exact), qwZ (INT8 weights) and qgZ (INT8 gradients) under the bf16 policy at 4
+    ranks as 2 nodes: the losses stay within 2% of the reference, whose arithmetic has no
+    quantization."""
+    zpp = {"ranks_per_node": 2, "hpz": True, "qwz": True, "qgz": True, "qgz_bits": 8}
+    got = run_distributed(_zero, 4, "GPT", {}, BF16, zpp)
+    want = run_distributed(_reference, 1, "GPT", {}, 4, torch.float32, init_pg=False)[0]
+    for a, b in zip(got[0][0], want[0]):
+        assert abs(a - b) / b < 0.02, (got[0][0], want[0])
+    hpz_only = run_distributed(_zero, 4, "GPT", {}, BF16, {"ranks_per_node": 2, "hpz": True})
+    assert _distance(hpz_only[0], want) <= 1e-5
+
+
+def test_bf16_policy_with_offload_tiling_and_frozen_codes(tmp_path) -> None:
+    """Parameters and optimizer state in CPU memory, or on NVMe, change no bit of the bf16
+    policy's training; tiling changes only the blocking of the bf16 matmuls (losses within 1%);
+    frozen weights stored as INT8 codes stay within 2% of the loss."""
+    from lightning_zinf import OffloadConfig, TilingConfig
+
+    plain = run_distributed(_zero, 2, "GPT", {}, BF16, {})[0]
+    for offload in ({"param": "cpu", "optimizer": "cpu"},
+                    {"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path)}):
+        got = run_distributed(_zero, 2, "GPT", {}, BF16, {}, {"offload": OffloadConfig(**offload)})[0]
+        assert _distance(got, plain) == 0.0, offload
+    tiled = run_distributed(_zero, 2, "GPT", {}, BF16, {}, {"tiling": TilingConfig(tile_numel=1024)})[0]
+    assert max(abs(a - b) / b for a, b in zip(tiled[0], plain[0])) < 1e-2
+    frozen = run_distributed(_zero, 2, "MLP", {"frozen": True}, BF16, {"frozen_bits": 8})[0]
+    exact = run_distributed(_zero, 2, "MLP", {"frozen": True}, BF16, {})[0]
+    for a, b in zip(frozen[0], exact[0]):
+        assert abs(a - b) / b < 0.02
+
+
+def _bytes(rank: int, world: int, policy: MixedPrecisionConfig) -> dict:
+    model = _build("GPT", layers=3, d=64)
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0), mixed_precision=policy)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for step in range(2):
+        engine.comm.bytes.reset()
+        x, y = _slice(step, "gpt", rank, world)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=policy.param_dtype is not None):
+            loss = models.loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"gathered": engine.comm.bytes.gathered, "reduced": engine.comm.bytes.reduce_scattered,
+            "peak": engine.peak_gathered_bytes}
+
+
+def test_bf16_gathers_move_and_hold_half_the_bytes() -> None:
+    """Shards are cast before the all-gather: a bf16 step receives exactly half the bytes of an
+    fp32 step and holds half the gathered bytes at its peak; gradients are reduce-scattered in fp32
+    (the reduce dtype), the same bytes as before; bf16 reductions halve those too."""
+    fp32 = run_distributed(_bytes, 2, MixedPrecisionConfig())[0]
+    bf16 = run_distributed(_bytes, 2, BF16)[0]
+    bf16_reduce = run_distributed(_bytes, 2, MixedPrecisionConfig(param_dtype="bf16", reduce_dtype="bf16"))[0]
+    assert bf16["gathered"] * 2 == fp32["gathered"]
+    assert bf16["peak"] * 2 == fp32["peak"]
+    assert bf16["reduced"] == fp32["reduced"]
+    assert bf16_reduce["reduced"] * 2 == fp32["reduced"]
+
+
+def test_config_validation_and_names() -> None:
+    assert MixedPrecisionConfig(param_dtype="bf16").param_dtype is torch.bfloat16
+    assert MixedPrecisionConfig(param_dtype="torch.float16", reduce_dtype="float32").reduce_dtype is torch.float32
+    assert MixedPrecisionConfig().gradient_reduce_dtype is torch.float32
+    assert MixedPrecisionConfig(param_dtype="bf16").compute_dtype(torch.int64) is torch.int64
+    with pytest.raises(ValueError, match="param_dtype='int8' is invalid.*bf16"):
+        MixedPrecisionConfig(param_dtype="int8")
+    with pytest.raises(ValueError, match="reduce_dtype=torch.float64 is invalid"):
+        MixedPrecisionConfig(reduce_dtype=torch.float64)
+
+
+# --- through the Trainer --------------------------------------------------------------------------------
+def _fit(rank: int, world: int, precision: str, root: str, ckpt: str | None) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_zinf.callbacks import ZeroMonitor
+    from tests.test_checkpoint import LitEpochs
+    from tests.test_trainer import GLOBAL_BATCH, _trainer
+
+    lit = LitEpochs(GLOBAL_BATCH // world)
+    metrics: list[dict] = []
+
+    class Record(ZeroMonitor):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            super().on_train_batch_end(trainer, *args)
+            metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("zinf/")})
+
+    trainer = _trainer("zero_infinity", world, precision=precision, max_steps=-1, max_epochs=2, limit_val_batches=0,
+                       enable_checkpointing=True, default_root_dir=root,
+                       callbacks=[Record(), ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)])
+    trainer.fit(lit, ckpt_path=ckpt)
+    engine = trainer.strategy.engine
+    with trainer.strategy.gathered_parameters():
+        weights = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    return {"losses": lit.train_losses, "weights": weights, "metrics": metrics,
+            "dtypes": sorted({f"{g.dtype}->{g.compute_dtype}" for g in engine.groups})}
+
+
+def test_trainer_bf16_mixed_gathers_bf16_and_resumes_exactly(tmp_path) -> None:
+    """``Trainer(precision="bf16-mixed")`` derives the bf16 policy: fp32 shards gathered as bf16
+    (half the gathered bytes per step of ``"32-true"``, in ZeroMonitor's count), the ledger logged
+    per step, the loss curve within bf16's rounding of fp32's, and a resume from the epoch-1
+    checkpoint bit-exact."""
+    fp32 = run_distributed(_fit, 2, "32-true", str(tmp_path / "fp32"), None, init_pg=False)[0]
+    bf16 = run_distributed(_fit, 2, "bf16-mixed", str(tmp_path / "bf16"), None, init_pg=False)[0]
+    assert bf16["dtypes"] == ["torch.float32->torch.bfloat16"]
+    assert fp32["dtypes"] == ["torch.float32->torch.float32"]
+    for a, b in zip(bf16["metrics"], fp32["metrics"]):
+        assert 2 * a["zinf/gathered_bytes"] == b["zinf/gathered_bytes"]
+        assert 0 < a["zinf/peak_gathered_bytes"] < b["zinf/peak_gathered_bytes"]
+        assert a["zinf/peak_device_total_bytes"] >= a["zinf/peak_shards_device_bytes"] + a["zinf/peak_gathered_bytes"]
+    torch.testing.assert_close(torch.tensor(bf16["losses"]), torch.tensor(fp32["losses"]), rtol=3e-2, atol=0)
+    resumed = run_distributed(_fit, 2, "bf16-mixed", str(tmp_path / "resumed"),
+                              str(tmp_path / "bf16" / "epoch=0-step=5.ckpt"), init_pg=False)[0]
+    assert resumed["losses"] == bf16["losses"][5:]
+    for name, value in bf16["weights"].items():
+        assert value.dtype == torch.float32 and torch.equal(resumed["weights"][name], value), name
