@@ -36,7 +36,9 @@ class TinyLit(L.LightningModule):
         strategy = self.trainer.strategy
         TinyLit.seen.update(strategy=type(strategy).__name__, blocks=list(getattr(strategy, "block_classes", [])),
                             bucket=getattr(getattr(strategy, "prefetch", None), "bucket_size", None),
-                            tiled=strategy.engine.tiled_layers)
+                            tiled=strategy.engine.tiled_layers,
+                            compute=sorted({str(g.compute_dtype) for g in strategy.engine.groups}),
+                            checkpointed=strategy.engine.checkpointed_modules)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -64,7 +66,9 @@ _BY_CLASS_PATH = """trainer:
     init_args:
       block_classes: [MLP]
       prefetch: {{bucket_size: 1000}}
-      tiling: {{tile_numel: 600}}""" + _TRAINER + "  init_args: {{hidden: 32}}\n"
+      tiling: {{tile_numel: 600}}
+      mixed_precision: {{param_dtype: bf16, reduce_dtype: fp32}}
+      activation_checkpointing: [Linear]""" + _TRAINER + "  init_args: {{hidden: 32}}\n"
 
 
 def _zinf_fit(rank: int, world: int, config: str) -> dict:
@@ -83,4 +87,8 @@ def test_zinf_fit_from_yaml(tmp_path: Path, text: str, blocks: list, bucket: int
     seen = run_distributed(_zinf_fit, 2, str(config), init_pg=False)[0]
     assert seen["strategy"] == "ZeroInfinityStrategy"
     assert seen["blocks"] == blocks and seen["bucket"] == bucket and seen["tiled"] == tiled
+    # The policy and the checkpointed modules from YAML (names and dtype names as strings).
+    by_class_path = text is _BY_CLASS_PATH
+    assert seen["compute"] == ["torch.bfloat16" if by_class_path else "torch.float32"]
+    assert seen["checkpointed"] == (["model.fc1", "model.fc3"] if by_class_path else [])
     assert len(seen["losses"]) == 3 and all(torch.isfinite(torch.tensor(seen["losses"])))
