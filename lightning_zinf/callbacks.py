@@ -81,7 +81,7 @@ class ZeroMonitor(Callback):
         engine.comm.bytes.reset()
         engine.reset_memory_peaks()
         if engine.device.type != "cpu":
-            torch.accelerator.reset_peak_memory_stats(engine.device)
+            _device_memory(engine.device).reset_peak_memory_stats(engine.device)
         self._swap_start = _swap_counters(engine.swapper)
         self._tokens = self.tokens_in_batch(batch) * trainer.world_size
         self._start = time.perf_counter()
@@ -102,7 +102,7 @@ class ZeroMonitor(Callback):
             "zinf/tokens_per_s": self._tokens / elapsed if elapsed > 0 else 0.0,
         }
         if engine.device.type != "cpu":
-            metrics["zinf/device_max_allocated_bytes"] = float(torch.accelerator.max_memory_allocated(engine.device))
+            metrics["zinf/device_max_allocated_bytes"] = float(_device_memory(engine.device).max_memory_allocated(engine.device))
         if engine.swapper is not None:
             read, written, read_s, write_s = (b - a for a, b in zip(self._swap_start, _swap_counters(engine.swapper)))
             metrics["zinf/swap_read_bytes"] = float(read)
@@ -122,6 +122,14 @@ class ZeroMonitor(Callback):
         width = max(len(name) for name, _ in rows)
         lines = [f"{name.ljust(width)}  {_human(name, value)}" for name, value in rows]
         rank_zero_info("zero_infinity, per step on rank 0 (mean after the first step):\n  " + "\n  ".join(lines))
+
+
+def _device_memory(device: torch.device) -> Any:
+    """The module with ``max_memory_allocated``/``reset_peak_memory_stats`` for ``device``:
+    ``torch.accelerator`` (torch >= 2.9), else the device's own (``torch.cuda``, ``torch.xpu``...)."""
+    if hasattr(torch.accelerator, "max_memory_allocated"):
+        return torch.accelerator
+    return getattr(torch, device.type)
 
 
 def _swap_counters(swapper: Any) -> tuple[float, ...]:

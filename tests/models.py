@@ -85,12 +85,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A tiny causal GPT with tied input/output embeddings (``head.weight is wte.weight``).
 
-    ``checkpointing=True`` wraps every block in ``torch.utils.checkpoint`` (non-reentrant).
+    ``checkpointing=True`` wraps every block in ``torch.utils.checkpoint`` (non-reentrant),
+    ``checkpointing="reentrant"`` in its reentrant form (Hugging Face's default).
     ``lora_rank`` > 0 adds adapters to every block and freezes everything else (a LoRA fine-tuning).
     """
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 2, seq: int = 16,
-                 checkpointing: bool = False, lora_rank: int = 0):
+                 checkpointing: bool | str = False, lora_rank: int = 0):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
@@ -106,7 +107,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+            x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant") if self.checkpointing else block(x)
         return self.head(self.ln_f(x))
 
 

@@ -35,13 +35,15 @@ BF16 = MixedPrecisionConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 class Cell:
     precision: str = "32-true"
     lora: bool = False
-    ac: str = ""  # activation checkpointing: "option" (the engine's), "hand" (the model calls checkpoint())
+    ac: str = ""  # activation checkpointing: "option" (the engine's), "hand" or "reentrant" (the model's)
+    discarded_forward: bool = False  # a forward with gradients on whose graph is never run backward
     offload: dict = field(default_factory=dict)
     zero_pp: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         extra = "".join(f"-{k}={v}" for k, v in {**self.offload, **self.zero_pp}.items() if k != "nvme_path")
+        extra += "-discarded-forward" if self.discarded_forward else ""
         return f"{self.precision}-{'lora' if self.lora else 'full'}-ac={self.ac or 'off'}{extra}"
 
 
@@ -82,7 +84,7 @@ class SavedWeightObserver:
 def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.GPT(vocab=64, d=D, layers=depth, heads=2, seq=16, lora_rank=4 if cell.lora else 0,
-                       checkpointing=cell.ac == "hand")
+                       checkpointing={"hand": True, "reentrant": "reentrant"}.get(cell.ac, False))
     if cell.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     unit_numel = sum(p.numel() for p in model.blocks[0].parameters())
@@ -101,6 +103,9 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
         x, y = models.make_batch("gpt", step, 2 * world)
         x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
         engine.reset_memory_peaks()
+        if cell.discarded_forward:  # e.g. a metric computed with gradients on, never backpropagated
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cell.precision == "bf16-mixed"):
+                models.loss_fn(model, x, y)
         observer = SavedWeightObserver(model)
         with torch.autograd.graph.saved_tensors_hooks(observer.pack, lambda t: t):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cell.precision == "bf16-mixed"):
@@ -139,9 +144,12 @@ def _check(results: dict) -> None:
 
 GRID = [Cell(precision=p, lora=lora, ac=ac) for p in ("32-true", "bf16-mixed", "bf16-true")
         for lora in (False, True) for ac in ("", "option")]
-# torch.utils.checkpoint applied by the model itself to each block's __call__: the route Hugging
-# Face's gradient_checkpointing_enable() takes.
-HAND = [Cell(precision="bf16-mixed", lora=lora, ac="hand") for lora in (False, True)]
+# torch.utils.checkpoint applied by the model itself to each block's __call__, non-reentrant and
+# reentrant: the route Hugging Face's gradient_checkpointing_enable() takes. (Reentrant
+# checkpointing of a frozen-embedding LoRA model gets no gradients without the inputs made to
+# require grad, which is a torch rule, so it is run with everything trainable.)
+HAND = [Cell(precision="bf16-mixed", lora=lora, ac="hand") for lora in (False, True)] + [
+    Cell(precision="bf16-mixed", ac="reentrant"), Cell(precision="bf16-mixed", lora=True, discarded_forward=True)]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])

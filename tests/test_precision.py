@@ -153,6 +153,37 @@ def test_bf16_policy_with_offload_tiling_and_frozen_codes(tmp_path) -> None:
         assert abs(a - b) / b < 0.02
 
 
+def _nested(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=400), mixed_precision=BF16)  # fc3 persistent
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = _slice(0, "mlp", rank, world)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        models.loss_fn(model, x, y).backward()
+    opt.step()
+    with engine.gathered(write_back=True):
+        with engine.gathered():
+            pass
+        dtypes = {p.dtype for p in model.parameters()}
+        with torch.no_grad():
+            model.fc3.bias.add_(0.125)
+            edited = model.fc3.bias.detach().clone()
+    with engine.gathered():
+        after = model.fc3.bias.detach().clone()
+    return {"dtypes": dtypes, "edited": edited, "after": after,
+            "compute": {p.dtype for p in model.fc3.parameters()}}
+
+
+def test_nested_gathered_blocks_keep_exact_values() -> None:
+    """An inner ``gathered()`` does not switch the outer block's persistent units back to bf16:
+    the outer block still reads and edits fp32, and its edit reaches the shards exactly."""
+    got = run_distributed(_nested, 2)[0]
+    assert got["dtypes"] == {torch.float32}
+    assert torch.equal(got["after"], got["edited"])
+    assert got["compute"] == {torch.bfloat16}  # persistent units back in the compute dtype after
+
+
 def _bytes(rank: int, world: int, policy: MixedPrecisionConfig) -> dict:
     model = _build("GPT", layers=3, d=64)
     engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0), mixed_precision=policy)

@@ -197,6 +197,8 @@ class ZeroEngine:
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
+        self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
+        self._gathered_depth = 0  # nested gathered() blocks
         for buffer_owner in module.modules():
             for name, buf in buffer_owner._buffers.items():
                 if buf is not None:
@@ -516,6 +518,7 @@ class ZeroEngine:
         units = list(self.units)
         for unit in units:
             unit.forward_depth += 1
+        self._gathered_depth += 1
         try:
             self._gather_all(units, read=True)
             yield
@@ -524,10 +527,12 @@ class ZeroEngine:
                     for group in self.groups:
                         group.write_back()
         finally:
+            self._gathered_depth -= 1
             for unit in units:
                 unit.forward_depth -= 1
                 self._maybe_release(unit)
-            self._gather_all([u for u in units if u.persistent])  # back to the compute dtype
+            if self._gathered_depth == 0:  # an enclosing block still wants the exact values
+                self._gather_all([u for u in units if u.persistent])  # back to the compute dtype
 
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
@@ -653,6 +658,7 @@ class ZeroEngine:
         self._ahead.clear()
         if boundary:
             self._backward_end_queued = False  # its callback died with a backward that raised
+            self._calls.clear()
         for unit in self.units:
             if boundary:
                 unit.forward_depth, unit.held, unit.reduced_groups, unit.pending_backward = 0, False, 0, 0
@@ -680,21 +686,27 @@ class ZeroEngine:
         # the inputs through an identity node whose backward runs right after this call's backward
         # (FSDP2's post-backward signal; a hook on the inputs' gradients would wait for every other
         # module that reads the same inputs, such as the sibling tiles of a layer). Not in a
-        # recomputation (activation checkpointing runs forwards inside backward): that graph is
-        # never run backward.
+        # recomputation: the original forward's node is the one its backward runs.
+        use = None
         frozen = [u for u in units if u.trainable_groups < len(u.groups)]
-        if frozen and torch.is_grad_enabled() and not _in_backward():
+        if torch.is_grad_enabled() and _in_backward():
+            # Recomputed by activation checkpointing for the backward that follows: held until
+            # that backward has run, not released after this forward and gathered again.
+            for unit in units:
+                unit.held = True
+        elif frozen and torch.is_grad_enabled():
             inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
             if inputs:
-                for unit in frozen:
-                    unit.pending_backward += 1
-                signalled = iter(_PostBackward.apply(functools.partial(self._post_backward, frozen), *inputs))
+                use = _Use(frozen)
+                signalled = iter(_PostBackward.apply(functools.partial(self._post_backward, use), *inputs))
                 swap = lambda t: next(signalled) if t.requires_grad else t  # noqa: E731  (_tensors_in's order)
                 args, kwargs = _map_tensors(args, swap), _map_tensors(kwargs, swap)
+        self._calls.setdefault(module, []).append(use)
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         units = self._uses[module]
+        use = self._calls[module].pop()
         for unit in units:
             unit.forward_depth -= 1
         tensors = list(_tensors_in(output))
@@ -704,17 +716,23 @@ class ZeroEngine:
             # the release below frees: hand out a copy instead.
             output = _map_tensors(output, lambda t: t.clone() if t.untyped_storage().data_ptr() in released else t)
             tensors = list(_tensors_in(output))
-        if torch.is_grad_enabled() and not _in_backward():
+        # Also in a recomputation: reentrant checkpointing runs backward over the recomputed graph.
+        if torch.is_grad_enabled():
             outputs = [t for t in tensors if t.requires_grad]
             if outputs:
-                hook = functools.partial(self._pre_backward, units)
+                hook = functools.partial(self._pre_backward, units, use)
                 torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
         for unit in units:
             self._maybe_release(unit)
         return output
 
-    def _pre_backward(self, units: list[Unit], grad: Any) -> None:
+    def _pre_backward(self, units: list[Unit], use: Optional[_Use], grad: Any) -> None:
         self._queue_backward_end()
+        if use is not None and not use.counted:
+            # Counted only now: a forward whose graph is never run backward leaves no count behind.
+            use.counted = True
+            for unit in use.units:
+                unit.pending_backward += 1
         for unit in units:
             unit.held = True
             self._acquire(unit)
@@ -722,10 +740,13 @@ class ZeroEngine:
                 if group.trainable:
                     group.prepare_grads(self.pool)
 
-    def _post_backward(self, units: list[Unit]) -> None:
-        """Autograd has run the backward of one forward use of these units (the identity node on
-        the module's inputs has their gradients)."""
-        for unit in units:
+    def _post_backward(self, use: _Use) -> None:
+        """Autograd has run the backward of one forward use (the identity node on the module's
+        inputs has their gradients)."""
+        if not use.counted:
+            return
+        use.counted = False
+        for unit in use.units:
             unit.pending_backward -= 1
             self._release_after_backward(unit)
 
@@ -801,6 +822,17 @@ class ZeroEngine:
             self.offload.after_accumulate(index)
         for buffer in buffers:
             self.pool.give(buffer)
+
+
+class _Use:
+    """One forward call of a module whose units hold frozen parameters: counted in their
+    ``pending_backward`` when its backward starts, uncounted when its identity node runs."""
+
+    __slots__ = ("units", "counted")
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self.counted = False
 
 
 class _PostBackward(torch.autograd.Function):

@@ -26,7 +26,8 @@ CATEGORIES = {
     "grad_shards": "fp32 gradient shards accumulated over micro-batches (resident bytes)",
     "optimizer": "fp32 master shards separate from the parameter shards, and optimizer states (resident bytes)",
     "optimizer_nvme": "fp32 masters, gradient shards and optimizer states in NVMe swap files",
-    "staging": "host staging buffers holding records swapped in from or out to NVMe",
+    "staging": "host staging buffers holding records swapped in from or out to NVMe (the resident part of "
+               "shards_cpu, grad_shards and optimizer under NVMe offload lives in them: they overlap)",
     "device_total": "all of the above that lives on the compute device (the peak of the sum)",
 }
 
