@@ -112,6 +112,7 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
                 loss = models.loss_fn(model, x, y)
         kept = observer.kept_bytes()
         observer.kept.clear()
+        grad_shards_in_forward = engine.memory()["grad_shards"][0]
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -120,7 +121,8 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
     engine.release_all()
     return {"gathered": memory["gathered"][1], "kept": kept, "unit": unit, "loss": loss.item(),
             "grad_buffers": memory["grad_buffers"][1], "reduce_pending": memory["reduce_pending"][1],
-            "secondary": memory["secondary"][1]}
+            "secondary": memory["secondary"][1], "grad_shards_in_forward": grad_shards_in_forward,
+            "offloaded_optimizer": cell.offload.get("optimizer", "none") != "none"}
 
 
 def _cells(rank: int, world: int, cells: list[Cell]) -> dict:
@@ -137,6 +139,9 @@ def _check(results: dict) -> None:
                 f"{name}: {key} grows with depth: {shallow[key]} B at {DEPTHS[0]} blocks, {deep[key]} B at "
                 f"{DEPTHS[-1]} (one unit: {unit} B)"
             )
+        # The previous step's gradient shards were freed after zero_grad (offloaded ones are kept).
+        if not deep["offloaded_optimizer"]:
+            assert deep["grad_shards_in_forward"] == 0, (name, deep)
         # A few units at most, at any depth: the one in use, the one gathered ahead, one whose
         # gradients are still being reduced, and the small ones (embeddings, final norm).
         assert deep["gathered"] <= 4 * unit, (name, deep)

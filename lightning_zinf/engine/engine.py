@@ -282,9 +282,13 @@ class ZeroEngine:
         """Mark the start of a forward (+ backward) pass of ``kind`` (e.g. ``"train"``, ``"eval"``).
 
         Finishes the previous pass: waits for gathers still in flight and releases units gathered
-        ahead but never used. Every rank must call it at the same points.
+        ahead but never used; frees the gradient shards the optimizer has consumed (after
+        ``zero_grad()``). Every rank must call it at the same points.
         """
         self._settle(boundary=True)
+        if self.offload is None:  # offloaded gradient shards are the offload's to manage
+            for group in self.groups:
+                group.free_consumed_grads()
         self._check_requires_grad()
         self.verify_ranks_agree()
         self.tracer.begin_pass(kind)

@@ -294,6 +294,15 @@ class FlatGroup:
             self.shard.copy_(self.master)
         self._consumed = True
 
+    def free_consumed_grads(self) -> None:
+        """Free the fp32 gradient shard once the optimizer has consumed it and no fragment holds it
+        (``zero_grad()`` set every ``.grad`` to ``None``): until the next backward accumulates into
+        a new one, forward runs without it (FSDP2's sharded gradients are freed the same way).
+        Not for a gradient shard that the NVMe optimizer offload swaps."""
+        if (self.grad_shard is not None and self._consumed and not self.swapped_optimizer
+                and all(f.grad is None for f in self.fragments)):
+            self.grad_shard, self._grad_fragments = None, []
+
     def discard_accumulated(self) -> None:
         """The gradients were consumed (a step) or zeroed: the next :meth:`accumulate` starts over."""
         self._consumed = True
