@@ -13,6 +13,9 @@ AdamW over the trainable parameters, and runs forward under ``torch.autocast("cp
 Modes: ``full`` trains every parameter; ``lora`` freezes the model and trains rank-8 adapters on
 each block's attention ``qkv`` and ``proj`` (:class:`LoRALinear`).
 
+Every contender's process imports ``lightning.pytorch`` first, as a Lightning job using any of them
+would (``lightning_zinf`` imports it to register its strategy), so that import costs them alike.
+
 Memory: after the warm-up step (which creates the AdamW state), ``gc.collect()`` and a write of
 "5" to ``/proc/self/clear_refs`` reset the kernel's peak RSS (``VmHWM``) to the RSS of the moment;
 ``VmHWM`` read after the last step is the peak RSS of the measured steps. zinf also reports its
@@ -207,6 +210,9 @@ def main() -> None:
     if args.fp32 and args.contender != "zinf":
         parser.error("--fp32 is for zinf only")
 
+    # Every contender's process imports Lightning, as the Lightning job that uses any of them would
+    # (lightning_zinf imports it to register its strategy): the start RSS is then the same import cost.
+    importlib.import_module("lightning.pytorch")
     library = importlib.import_module(LIBRARIES[args.contender])
     if args.contender == "deepspeed":
         library.init_distributed(dist_backend="gloo")
