@@ -12,7 +12,9 @@ Each rank writes ``<result_dir>/rank<r>.json`` with:
 """
 
 import json
+import os
 import resource
+import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -76,3 +78,16 @@ def write_rank_result(result_dir: str, rank: int, clock: StepClock) -> None:
         "io": clock.io,
     }
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_killable(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> int:
+    """Driver side: run a contender's ``torchrun`` with its output in ``log_path``, in a new session,
+    so that on timeout the whole process tree is killed at once. Returns its exit code (-9 when
+    killed)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            return proc.wait()

@@ -59,6 +59,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from examples.gpt import lm_loss  # noqa: E402
+from measure import run_killable  # noqa: E402
 from run_memory_scaling import (  # noqa: E402
     LORA_RANK, MICRO_BATCH, PERSISTENCE_THRESHOLD, WARMUP_STEPS, batch, build_gpt, gpt_config,
 )
@@ -103,14 +104,7 @@ def launch(contender: str, ranks: int, layers: int, mode: str, args: argparse.Na
                str(HERE / "run_memory_scaling.py"), contender, "--layers", str(layers), "--mode", mode,
                "--steps", str(args.steps), "--result-dir", result_dir, *(["--fp32"] if fp32 else [])]
         start = time.perf_counter()
-        with open(log, "w") as out:
-            # A new session, so that on timeout the whole torchrun tree can be killed at once.
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                returncode = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                returncode = proc.wait()
+        returncode = run_killable(cmd, env, log, args.timeout)
         files = [Path(result_dir, f"rank{r}.json") for r in range(ranks)]
         per_rank = [json.loads(f.read_text()) for f in files if f.exists()]
     run = {"returncode": returncode, "wall_s": round(time.perf_counter() - start, 1), "log": str(log)}

@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # the examples' GPT, as the contenders import it
 
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from measure import MICRO_BATCH  # noqa: E402
+from measure import MICRO_BATCH, run_killable  # noqa: E402
 CONTENDERS = ("zinf", "fsdp2", "ddp", "deepspeed")
 RANKS = 2
 WARMUP_STEPS = 2
@@ -119,14 +118,7 @@ def run_contender(name: str, args: argparse.Namespace, log_dir: Path, script_arg
     with tempfile.TemporaryDirectory(prefix=f"zinf_bench_{name}_") as result_dir:
         cmd, env = launch_command(name, args, result_dir, script_args)
         start = time.perf_counter()
-        with open(log_path, "w") as log:
-            # A new session, so that on timeout the whole torchrun tree can be killed at once.
-            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                returncode = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                returncode = proc.wait()
+        returncode = run_killable(cmd, env, log_path, args.timeout)
         ranks = [read_rank_result(Path(result_dir, f"rank{r}.json")) for r in range(RANKS)]
     result = {"command": cmd, "returncode": returncode, "wall_s": time.perf_counter() - start, "log": str(log_path)}
     # Success is judged by the steps each rank reported, not by torchrun's exit code: DeepSpeed
