@@ -28,7 +28,6 @@ import gc
 import importlib
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -109,6 +108,20 @@ def autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
+def torch_step(model: nn.Module, opt: torch.optim.Optimizer, use_autocast: bool):
+    """One plain PyTorch training step (forward, backward, step, zero_grad), as zinf and FSDP2 run it."""
+
+    def step(inputs, targets):
+        with autocast(use_autocast):
+            loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def setup_zinf(args):
     """``ZeroEngine`` over the meta-built model: blocks as units, bf16 gathers and fp32 reductions."""
     from lightning_zinf import MixedPrecisionConfig, PrefetchConfig, ZeroEngine, meta_parameters
@@ -121,15 +134,7 @@ def setup_zinf(args):
                         prefetch=PrefetchConfig(persistence_threshold=PERSISTENCE_THRESHOLD))
     opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR))
 
-    def step(inputs, targets):
-        with autocast(not args.fp32):
-            loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return engine, step
+    return engine, torch_step(model, opt, use_autocast=not args.fp32)
 
 
 def setup_fsdp2(args):
@@ -154,15 +159,7 @@ def setup_fsdp2(args):
             done.update(own)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
-    def step(inputs, targets):
-        with autocast(True):
-            loss = lm_loss(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return None, step
+    return None, torch_step(model, opt, use_autocast=True)
 
 
 def setup_deepspeed(args):

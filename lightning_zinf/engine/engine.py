@@ -58,6 +58,8 @@ from lightning_zinf.tiling import tile_linear_layers
 __all__ = ["ZeroEngine", "Unit"]
 
 _RELEASED, _INFLIGHT, _GATHERED = "released", "inflight", "gathered"
+# Ledger categories the engine allocates and frees during a step; all on the compute device.
+_MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled")
 # Reduce-scatters allowed in flight before the oldest is waited on: enough to overlap with the
 # backward compute, few enough that full-size fp32 gradients do not pile up.
 _MAX_PENDING_REDUCES = 2
@@ -72,6 +74,7 @@ class Unit:
         groups: One :class:`FlatGroup` per (dtype, requires_grad) among its parameters.
         numel: Parameter elements in the unit.
         persistent: Stays gathered for the whole run (small units and the root's own parameters).
+        trainable_groups: How many of ``groups`` are trainable; ``has_frozen``: some are not.
     """
 
     def __init__(self, index: int, name: str, groups: list[FlatGroup], persistent: bool) -> None:
@@ -81,6 +84,7 @@ class Unit:
         self.numel = sum(g.numel for g in groups)
         self.persistent = persistent
         self.trainable_groups = sum(g.trainable for g in groups)
+        self.has_frozen = self.trainable_groups < len(groups)
         self.state = _RELEASED
         self.handles: list[Handle] = []
         self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
@@ -131,6 +135,7 @@ class ZeroEngine:
     Attributes:
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
+        checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
 
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
@@ -171,7 +176,7 @@ class ZeroEngine:
                                 qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block)
         self.prefetch = prefetch
         self.mixed_precision = mixed_precision
-        on_device = ["gathered", "secondary", "grad_buffers", "reduce_pending", "pooled"]
+        on_device = list(_MOVING)
         on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
         self.ledger = MemoryLedger(tuple(on_device))
         self.auto_pass = auto_pass
@@ -367,7 +372,7 @@ class ZeroEngine:
         the engine placed each tensor on. :meth:`memory` splits the same bytes by category.
         """
         state = self._state_bytes()
-        moving = sum(self.ledger.now[c] for c in ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled"))
+        moving = sum(self.ledger.now[c] for c in _MOVING)
         optimizer_side = state["grad_shards"] + state["optimizer"]
         offloaded = self.offload is not None
         return {
@@ -585,7 +590,7 @@ class ZeroEngine:
         for group in unit.groups:
             group.finish_gather()
             # Not from a gather for reading in another dtype: the secondary partition feeds compute.
-            if self.comm.hpz is not None and not unit.persistent and group.secondary is None and group.active is group.full:
+            if self.comm.hpz is not None and not unit.persistent and group.secondary is None and group.holds_compute:
                 group.keep_secondary()
         if self.param_offload is not None:
             for group in unit.acquired:
@@ -599,8 +604,7 @@ class ZeroEngine:
         for reading that is asked for reading again; one in flight is waited for, and gathered
         again if its gather was quantized (qwZ) or in the other dtype."""
         for unit in units:
-            for_reading = all(g.active is g._read for g in unit.groups)  # True too where the dtypes agree
-            fits = not unit.quantized and (for_reading if read else all(g.active is g.full for g in unit.groups))
+            fits = not unit.quantized and all(g.holds_exact if read else g.holds_compute for g in unit.groups)
             if unit.state == _INFLIGHT:
                 if fits:
                     continue
@@ -692,7 +696,7 @@ class ZeroEngine:
         # module that reads the same inputs, such as the sibling tiles of a layer). Not in a
         # recomputation: the original forward's node is the one its backward runs.
         use = None
-        frozen = [u for u in units if u.trainable_groups < len(u.groups)]
+        frozen = [u for u in units if u.has_frozen]
         if torch.is_grad_enabled() and _in_backward():
             # Recomputed by activation checkpointing for the backward that follows: held until
             # that backward has run, not released after this forward and gathered again.

@@ -144,6 +144,17 @@ class FlatGroup:
 
     # --- gather / release -------------------------------------------------------------------------
     @property
+    def holds_exact(self) -> bool:
+        """The parameters point into a buffer in their own dtype (a gather for reading, or any
+        gather where the compute dtype is the parameters' dtype)."""
+        return self.active is self._read
+
+    @property
+    def holds_compute(self) -> bool:
+        """The parameters point into the compute-dtype buffer :attr:`full`."""
+        return self.active is self.full
+
+    @property
     def gathered_nbytes(self) -> int:
         """Bytes of gather buffer this group holds now (0 while released)."""
         return self.full.untyped_storage().nbytes() + (self._read.untyped_storage().nbytes() if self._read is not self.full else 0)
