@@ -122,6 +122,13 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
         )
     for old, new in zip(saved, current):
         for key in ("names", "shapes", "dtype", "trainable"):
+            if old[key] != new[key] and key == "dtype":
+                raise CheckpointError(
+                    f"{path} stores unit '{new['unit']}' in {old[key]}, but the model now stores it in "
+                    f"{new[key]} (a different MixedPrecisionConfig.frozen_dtype, or parameters cast after "
+                    "saving?): use the settings it was saved with, or consolidate the checkpoint and load "
+                    "it with load_full_state_dict, which converts."
+                )
             if old[key] != new[key]:
                 raise CheckpointError(
                     f"{path} was saved from a different model: unit '{new['unit']}' has {key} "

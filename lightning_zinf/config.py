@@ -27,7 +27,8 @@ def _require(ok: bool, owner: str, field: str, value: Any, allowed: str) -> None
 
 @dataclass(frozen=True, kw_only=True)
 class PrefetchConfig:
-    """How parameters are gathered ahead of use (ZeRO-Infinity §6.2, "overlap-centric design").
+    """How communication overlaps compute (ZeRO-Infinity §6.2, "overlap-centric design"):
+    parameters gathered ahead of use, gradients reduce-scattered behind it.
 
     The first forward/backward pass of each kind (training, evaluation) records the order in which
     units are gathered (the *trace*); every rank checks that its trace matches the others'. Later
@@ -44,6 +45,11 @@ class PrefetchConfig:
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many
             tiny collectives for biases and norms. DeepSpeed's ``stage3_param_persistence_threshold``.
+        overlap_reduce: Keep a unit's gradient reduce-scatter in flight while the backward of the
+            next unit computes, finishing it when the next one starts (DeepSpeed's ``overlap_comm``;
+            FSDP2 does so on GPUs). ``False`` waits for each right after issuing it: one unit's
+            reduce buffers less at the peak (under mixed precision a full-size cast to the reduce
+            dtype), at the cost of that overlap.
 
     Raises:
         ValueError: a negative ``bucket_size`` or ``persistence_threshold``.
@@ -52,9 +58,11 @@ class PrefetchConfig:
     enabled: bool = True
     bucket_size: int = 10_000_000
     persistence_threshold: int = 100_000
+    overlap_reduce: bool = True
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.enabled, bool), "PrefetchConfig", "enabled", self.enabled, "True or False")
+        for name in ("enabled", "overlap_reduce"):
+            _require(isinstance(getattr(self, name), bool), "PrefetchConfig", name, getattr(self, name), "True or False")
         for name in ("bucket_size", "persistence_threshold"):
             value = getattr(self, name)
             _require(
@@ -337,6 +345,13 @@ class MixedPrecisionConfig:
             gathers a unit to ``param_dtype`` before its forward (FSDP2's option of the same name),
             so an op outside autocast's lists (a LayerNorm fed an fp32 tensor, which the CPU cannot
             mix with bf16 weights) sees one dtype. Only with a ``param_dtype``.
+        frozen_dtype: Dtype the shards of frozen floating-point parameters (``requires_grad=False``:
+            the base model of a LoRA fine-tuning) are stored in, converted once at setup. ``None``:
+            their own dtype, exact (FSDP2 keeps them so). With ``param_dtype=bf16``, ``"bf16"``
+            halves an fp32 base's shard memory and changes no computed value, since the frozen
+            shards are cast to bf16 for every gather anyway (DeepSpeed's bf16 mode keeps the whole
+            model in bf16). The frozen parameters are then that dtype in state dicts, checkpoints
+            and :meth:`~lightning_zinf.ZeroEngine.gathered`, as after ``module.to(dtype)``.
 
     Raises:
         ValueError: a dtype that is not one of the three floating types above (or their names).
@@ -345,9 +360,10 @@ class MixedPrecisionConfig:
     param_dtype: Optional[Union[torch.dtype, str]] = None
     reduce_dtype: Optional[Union[torch.dtype, str]] = None
     cast_forward_inputs: bool = True
+    frozen_dtype: Optional[Union[torch.dtype, str]] = None
 
     def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "frozen_dtype"):
             object.__setattr__(self, name, _dtype("MixedPrecisionConfig", name, getattr(self, name)))
         _require(isinstance(self.cast_forward_inputs, bool), "MixedPrecisionConfig", "cast_forward_inputs",
                  self.cast_forward_inputs, "True or False")
@@ -355,6 +371,10 @@ class MixedPrecisionConfig:
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter of ``dtype`` is gathered and computed in."""
         return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
+
+    def storage_dtype(self, dtype: torch.dtype, trainable: bool) -> torch.dtype:
+        """The dtype the shards of a parameter of ``dtype`` are stored in."""
+        return self.frozen_dtype if self.frozen_dtype is not None and not trainable and dtype.is_floating_point else dtype
 
     @property
     def gradient_reduce_dtype(self) -> torch.dtype:

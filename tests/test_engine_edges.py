@@ -328,8 +328,8 @@ def test_parameter_without_gradient_is_not_stepped_on_any_rank() -> None:
 
 def test_single_rank_reduce_keeps_no_second_gradient_buffer() -> None:
     """With one rank the reduce-scatter is the identity: the flat gradient itself is accumulated,
-    so the buffer pool holds at most one fp32 flat gradient per group (it held two: the gradient
-    and a copy of it), and training matches plain PyTorch."""
+    so a reduce holds one fp32 flat gradient (it held two: the gradient and a copy of it), and
+    training matches plain PyTorch."""
     torch.manual_seed(0)
     model, plain = models.GPT(), models.GPT()
     plain.load_state_dict(model.state_dict())
@@ -337,11 +337,12 @@ def test_single_rank_reduce_keeps_no_second_gradient_buffer() -> None:
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     for step in range(2):
+        engine.reset_memory_peaks()
         for m, o in ((model, opt), (plain, plain_opt)):
             models.loss_fn(m, *models.make_batch("gpt", step, 4)).backward()
             o.step()
             o.zero_grad()
-    assert 0 < engine.pool.pooled_bytes <= sum(4 * g.padded_numel for g in engine.groups)
+    assert 0 < engine.memory()["reduce_pending"][1] <= max(4 * g.padded_numel for g in engine.groups)
     with engine.gathered():
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -118,8 +118,11 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
         opt.zero_grad()
     memory = engine.memory()
     unit = max(sum(g.full.numel() * g.full.element_size() for g in u.groups) for u in engine.units)
+    # One group's reduce-scatter buffers: the flat gradient in the reduce dtype and this rank's slice.
+    one_reduce = max(g.reduce_dtype.itemsize * (g.padded_numel + g.shard_numel) for g in engine.groups if g.trainable)
     engine.release_all()
     return {"gathered": memory["gathered"][1], "kept": kept, "unit": unit, "loss": loss.item(),
+            "one_reduce": one_reduce, "pooled_after_step": memory["pooled"][0],
             "grad_buffers": memory["grad_buffers"][1], "reduce_pending": memory["reduce_pending"][1],
             "secondary": memory["secondary"][1], "grad_shards_in_forward": grad_shards_in_forward,
             "offloaded_optimizer": cell.offload.get("optimizer", "none") != "none"}
@@ -142,6 +145,9 @@ def _check(results: dict) -> None:
         # The previous step's gradient shards were freed after zero_grad (offloaded ones are kept).
         if not deep["offloaded_optimizer"]:
             assert deep["grad_shards_in_forward"] == 0, (name, deep)
+        # One reduce-scatter in flight at a time, and no idle gradient buffer kept between steps.
+        assert 0 < deep["reduce_pending"] <= deep["one_reduce"], (name, deep)
+        assert deep["pooled_after_step"] == 0, (name, deep)
         # A few units at most, at any depth: the one in use, the one gathered ahead, one whose
         # gradients are still being reduced, and the small ones (embeddings, final norm).
         assert deep["gathered"] <= 4 * unit, (name, deep)
@@ -194,3 +200,39 @@ def test_observer_sees_autocast_copies() -> None:
     linear_bf16 = 2 * sum(m.weight.numel() for m in models.GPT(d=D, layers=1).blocks[0].modules()
                           if isinstance(m, torch.nn.Linear))
     assert kept[DEPTHS[-1]] - kept[DEPTHS[0]] >= (DEPTHS[-1] - DEPTHS[0]) * linear_bf16
+
+
+def _overlap(rank: int, world: int, overlap: bool) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(vocab=64, d=D, layers=4, heads=2, seq=16)
+    engine = ZeroEngine(model, block_classes=["Block"], mixed_precision=BF16,
+                        prefetch=PrefetchConfig(persistence_threshold=0, overlap_reduce=overlap))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses, in_flight = [], []  # reduce-scatter bytes in flight as each block's backward starts
+    for block in model.blocks:
+        block.register_full_backward_pre_hook(lambda *_: in_flight.append(engine.memory()["reduce_pending"][0]))
+    for step in range(2):
+        x, y = models.make_batch("gpt", step, 2 * world)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = models.loss_fn(model, x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    block = next(u for u in engine.units if u.name == "blocks.0").groups[0]
+    return {"losses": losses, "in_flight": in_flight, "block_reduce": 4 * (block.padded_numel + block.shard_numel)}
+
+
+def test_reduce_without_overlap_is_finished_before_the_next_backward() -> None:
+    """With ``overlap_reduce`` (default) a block's fp32 reduce-scatter is still in flight while the
+    next block's backward starts (its cast and slice, nothing more); with ``False`` none is, and the
+    training is the same."""
+    overlapped = run_distributed(_overlap, 2, True)[0]
+    waited = run_distributed(_overlap, 2, False)[0]
+    assert waited["losses"] == overlapped["losses"]
+    assert set(waited["in_flight"]) == {0}
+    # Per step (4 blocks, last first): the last block finds the final LayerNorm's reduce in flight,
+    # each other block the reduce of the block after it, and nothing more.
+    last, *others = overlapped["in_flight"][:4]
+    assert overlapped["in_flight"] == overlapped["in_flight"][:4] * 2, overlapped
+    assert 0 < last < overlapped["block_reduce"] and others == [overlapped["block_reduce"]] * 3, overlapped

@@ -153,6 +153,65 @@ def test_bf16_policy_with_offload_tiling_and_frozen_codes(tmp_path) -> None:
         assert abs(a - b) / b < 0.02
 
 
+def _frozen_storage(rank: int, world: int, frozen_dtype: str | None, ckpt: str, save: bool) -> dict:
+    """A rank-4 LoRA GPT under the bf16 policy, 4 steps; with ``save`` a sharded checkpoint after 2
+    steps, else it is loaded there (by a freshly built model) and the run goes on from it."""
+    from lightning_zinf.checkpoint import CheckpointError, load_sharded, save_sharded
+
+    model = _build("GPT", lora_rank=4)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    policy = MixedPrecisionConfig(param_dtype="bf16", reduce_dtype="fp32", frozen_dtype=frozen_dtype)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        mixed_precision=policy)
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    shard_bytes = engine.memory()["shards_device"][0]
+    losses, error = [], ""
+    for step in range(4):
+        if step == 2 and save:
+            save_sharded(engine, [opt], ckpt, {})
+        elif step == 2:
+            load_sharded(engine, [opt], ckpt)
+        x, y = _slice(step, "gpt", rank, world)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = models.loss_fn(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    other = ZeroEngine(_build("GPT", lora_rank=4), block_classes=["Block"], mixed_precision=BF16)
+    try:  # stored in fp32 there: a layout the checkpoint does not have, named as such
+        load_sharded(other, [], ckpt, load_optimizer=False)
+    except CheckpointError as e:
+        error = str(e)
+    return {"losses": losses, "weights": weights, "frozen": frozen, "shard_bytes": shard_bytes, "error": error,
+            "frozen_numel": sum(t.numel() for t in frozen.values())}
+
+
+def test_frozen_dtype_halves_the_frozen_shards_and_changes_no_computed_value(tmp_path) -> None:
+    """``frozen_dtype="bf16"`` under the bf16 policy: the frozen base's shards take half the bytes,
+    training is bit-identical (those weights are gathered in bf16 either way), the frozen weights
+    read back are the fp32 ones rounded to bf16, and a sharded checkpoint resumes exactly; loading
+    it into a model that stores them in fp32 is refused by name."""
+    exact = run_distributed(_frozen_storage, 2, None, str(tmp_path / "fp32"), True)[0]
+    halved = run_distributed(_frozen_storage, 2, "bf16", str(tmp_path / "bf16"), True)[0]
+    resumed = run_distributed(_frozen_storage, 2, "bf16", str(tmp_path / "bf16"), False)[0]
+    # 2 ranks: each holds half the frozen elements, at 2 bytes instead of 4 (up to alignment padding).
+    saved = exact["shard_bytes"] - halved["shard_bytes"]
+    assert abs(saved - exact["frozen_numel"]) <= 2 * 16 * len(exact["frozen"]), (saved, exact["frozen_numel"])
+    assert halved["losses"] == exact["losses"]
+    for name, value in exact["weights"].items():
+        if name in exact["frozen"]:
+            assert halved["weights"][name].dtype == torch.bfloat16
+            assert torch.equal(halved["weights"][name], exact["frozen"][name].to(torch.bfloat16)), name
+        else:
+            assert torch.equal(halved["weights"][name], value), name
+    assert resumed["losses"] == halved["losses"]
+    assert all(torch.equal(resumed["weights"][n], w) for n, w in halved["weights"].items())
+    assert "frozen_dtype" in halved["error"] and "bfloat16" in halved["error"], halved["error"]
+
+
 def _nested(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.MLP()
@@ -222,6 +281,10 @@ def test_config_validation_and_names() -> None:
         MixedPrecisionConfig(param_dtype="int8")
     with pytest.raises(ValueError, match="reduce_dtype=torch.float64 is invalid"):
         MixedPrecisionConfig(reduce_dtype=torch.float64)
+    policy = MixedPrecisionConfig(param_dtype="bf16", frozen_dtype="bf16")
+    assert policy.storage_dtype(torch.float32, trainable=False) is torch.bfloat16
+    assert policy.storage_dtype(torch.float32, trainable=True) is torch.float32
+    assert policy.storage_dtype(torch.int64, trainable=False) is torch.int64
 
 
 # --- through the Trainer --------------------------------------------------------------------------------

@@ -60,9 +60,6 @@ __all__ = ["ZeroEngine", "Unit"]
 _RELEASED, _INFLIGHT, _GATHERED = "released", "inflight", "gathered"
 # Ledger categories the engine allocates and frees during a step; all on the compute device.
 _MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled")
-# Reduce-scatters allowed in flight before the oldest is waited on: enough to overlap with the
-# backward compute, few enough that full-size fp32 gradients do not pile up.
-_MAX_PENDING_REDUCES = 2
 
 
 class Unit:
@@ -247,6 +244,7 @@ class ZeroEngine:
             # Materialised units need no broadcast: every rank drew them from rank 0's RNG state.
             self.comm.broadcast(source)
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device,
+                          storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger)
         if self.zero_pp.frozen_bits is not None and not group.trainable:
@@ -789,6 +787,7 @@ class ZeroEngine:
             elif group.grads_prepared:
                 group.discard_grads(self.pool)
         self._drain_reduces()
+        self.pool.release_free()
         self._expose_grads()
         for unit in self.units:
             unit.pending_backward = 0  # uses whose inputs' gradients were never needed
@@ -810,10 +809,14 @@ class ZeroEngine:
     # --- gradients --------------------------------------------------------------------------------
     def _reduce(self, group: FlatGroup) -> None:
         self._issued.append(-1 - self._group_index[id(group)])
+        # One reduce-scatter in flight at most (FSDP2's order): the previous one is finished before
+        # this one takes its buffers, so one unit's reduce buffers (a full-size cast to the reduce
+        # dtype under mixed precision) are alive at a time.
+        self._drain_reduces()
         handle, buffers, got = group.start_reduce(self.pool)
         self._pending.append((handle, buffers, got, group))
-        while len(self._pending) > _MAX_PENDING_REDUCES:
-            self._finish_reduce(self._pending.pop(0))
+        if not self.prefetch.overlap_reduce:
+            self._drain_reduces()
 
     def _drain_reduces(self) -> None:
         while self._pending:

@@ -53,13 +53,15 @@ class FlatGroup:
         comm: The data-parallel collectives.
         device: The compute device: where the gather buffer lives, and by default everything else.
         shard_device: Where the parameter shard lives (the CPU under parameter offload).
+        storage_dtype: Dtype of the shard, and of the parameters in gathers for reading (default:
+            the parameters' dtype; :attr:`MixedPrecisionConfig.frozen_dtype` for frozen groups).
         compute_dtype: Dtype of gathers for compute and of the gradients autograd produces
             (default: the parameters' dtype).
         reduce_dtype: Dtype of the gradient reduce-scatter (default: fp32).
         ledger: Where the bytes of the buffers this group allocates are accounted (optional).
 
     Attributes:
-        shard: This rank's ``shard_numel`` elements of the flat buffer, in the parameters' dtype.
+        shard: This rank's ``shard_numel`` elements of the flat buffer, in the storage dtype.
         full: The gather buffer for compute: ``W * shard_numel`` elements of ``compute_dtype``;
             zero bytes of storage when released (or gathered for reading).
         master: The fp32 master shard stepped by the optimizer (``shard`` itself when the dtype is
@@ -85,6 +87,7 @@ class FlatGroup:
         comm: Collectives,
         device: torch.device,
         shard_device: Optional[torch.device] = None,
+        storage_dtype: Optional[torch.dtype] = None,
         compute_dtype: Optional[torch.dtype] = None,
         reduce_dtype: torch.dtype = torch.float32,
         ledger: Optional[MemoryLedger] = None,
@@ -95,7 +98,7 @@ class FlatGroup:
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
-        self.dtype = params[0].dtype
+        self.dtype = storage_dtype or params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
         self.reduce_dtype = reduce_dtype
         self.ledger = ledger if ledger is not None else MemoryLedger()
