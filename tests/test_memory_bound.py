@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
+from lightning_zinf.engine.buffers import SLACK
 from tests import models
 from tests.harness import run_distributed
 
@@ -145,8 +146,9 @@ def _check(results: dict) -> None:
         # The previous step's gradient shards were freed after zero_grad (offloaded ones are kept).
         if not deep["offloaded_optimizer"]:
             assert deep["grad_shards_in_forward"] == 0, (name, deep)
-        # One reduce-scatter in flight at a time, and no idle gradient buffer kept between steps.
-        assert 0 < deep["reduce_pending"] <= deep["one_reduce"], (name, deep)
+        # One reduce-scatter in flight at a time (in buffers the pool may serve from one up to
+        # SLACK times larger), and no idle gradient buffer kept between steps.
+        assert 0 < deep["reduce_pending"] <= SLACK * deep["one_reduce"], (name, deep)
         assert deep["pooled_after_step"] == 0, (name, deep)
         # A few units at most, at any depth: the one in use, the one gathered ahead, one whose
         # gradients are still being reduced, and the small ones (embeddings, final norm).

@@ -1,19 +1,22 @@
 """A pool of reusable 1-D buffers for the per-unit gradient traffic of every backward.
 
-Each unit's backward needs a flat gradient buffer (one unit of elements) and a reduce-scatter
-output (one shard). Allocating and freeing them for every unit of every step costs page faults
-and, with glibc, fragments the heap: measured on a 91M GPT (2 ranks, CPU), resident memory grew
-from 1.3 to 2.1 GB over four steps while live tensors stayed near 1.05 GB. Reusing buffers of the
-same size within a backward avoids both: the pool holds at most as many buffers of a size as were
-in use at once. The engine releases the free ones at the end of every backward
-(:meth:`BufferPool.release_free`), so that between backwards (forward's activations, the optimizer
-step) and at the start of the next backward, where the peak is, no idle gradient buffer is held:
-kept across steps they were 72 MiB of a 4-rank bf16 peak (examples/benchmarks/RESULTS.md).
+Each unit's backward needs a flat gradient buffer (one unit of elements), under mixed precision its
+cast to the reduce dtype, and a reduce-scatter output (one shard). Allocating and freeing them for
+every unit of every step costs page faults and, with glibc, fragments the heap: measured on a 91M
+GPT (2 ranks, CPU), resident memory grew from 1.3 to 2.1 GB over four steps while live tensors
+stayed near 1.05 GB. Reusing buffers within a backward avoids both: a free buffer serves any
+request of 80% of its bytes up to all of them (units of nearly equal size share buffers), so the
+pool holds about as many buffers as were in use at once. Two rules keep idle buffers out of the peak (kept across steps, they were 72 MiB of a
+4-rank bf16 peak; examples/benchmarks/RESULTS.md):
+
+- a request that no free buffer serves first drops the free buffers too small for it (a larger
+  unit's turn: what it allocates replaces them, and they would only be served by their own size);
+- the engine releases every free buffer at the end of each backward (:meth:`BufferPool.release_free`),
+  so forward's activations and the optimizer step run without them.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Optional
 
 import torch
@@ -23,13 +26,17 @@ from lightning_zinf.engine.ledger import MemoryLedger
 
 __all__ = ["BufferPool"]
 
+#: A free buffer serves requests of 1/SLACK of its bytes and more.
+SLACK = 1.25
+
 
 class BufferPool:
-    """Free lists of 1-D tensors keyed by ``(numel, dtype)``, on one device.
+    """Free byte buffers on one device, handed out as 1-D tensors of any dtype.
 
     Every buffer handed out is accounted in the ledger under the category it was taken for (see
     :data:`~lightning_zinf.engine.ledger.CATEGORIES`) until it is given back; free ones under
-    ``pooled``.
+    ``pooled``. A request of ``n`` bytes is served by the smallest free buffer of ``n`` to
+    ``1.25 n`` bytes, else by a new one.
 
     Args:
         device: Where the buffers live.
@@ -39,47 +46,49 @@ class BufferPool:
     def __init__(self, device: torch.device, ledger: Optional[MemoryLedger] = None) -> None:
         self.device = device
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self._free: dict[tuple[int, torch.dtype], list[Tensor]] = defaultdict(list)
-        self._taken_for: dict[int, str] = {}
+        self._free: list[Tensor] = []  # uint8 buffers
+        self._handed: dict[int, tuple[Tensor, str]] = {}  # id(tensor handed out) -> (its buffer, category)
 
     def take(self, numel: int, dtype: torch.dtype, category: str = "grad_buffers") -> Tensor:
-        """A 1-D buffer of ``numel`` elements of ``dtype`` with undefined contents, accounted
+        """A 1-D tensor of ``numel`` elements of ``dtype`` with undefined contents, accounted
         under ``category`` until :meth:`give` or :meth:`move`."""
-        free = self._free[(numel, dtype)]
-        if free:
-            buffer = free.pop()
-            self.ledger.add("pooled", -_nbytes(buffer))
+        need = numel * dtype.itemsize
+        fits = [b for b in self._free if need <= b.numel() <= SLACK * need]
+        if fits:
+            buffer = min(fits, key=Tensor.numel)
+            self._free = [b for b in self._free if b is not buffer]
+            self.ledger.add("pooled", -buffer.numel())
         else:
-            buffer = torch.empty(numel, dtype=dtype, device=self.device)
-        self._taken_for[id(buffer)] = category
-        self.ledger.add(category, _nbytes(buffer))
-        return buffer
+            for small in (b for b in self._free if b.numel() < need):
+                self.ledger.add("pooled", -small.numel())
+            self._free = [b for b in self._free if b.numel() >= need]
+            buffer = torch.empty(need, dtype=torch.uint8, device=self.device)
+        tensor = buffer[:need].view(dtype)
+        self._handed[id(tensor)] = (buffer, category)
+        self.ledger.add(category, buffer.numel())
+        return tensor
 
-    def move(self, buffer: Tensor, category: str) -> None:
-        """Account a buffer from :meth:`take` under another category (a gradient whose
+    def move(self, tensor: Tensor, category: str) -> None:
+        """Account a tensor from :meth:`take` under another category (a gradient whose
         reduce-scatter started)."""
-        self.ledger.add(self._taken_for[id(buffer)], -_nbytes(buffer))
-        self._taken_for[id(buffer)] = category
-        self.ledger.add(category, _nbytes(buffer))
+        buffer, old = self._handed[id(tensor)]
+        self.ledger.add(old, -buffer.numel())
+        self._handed[id(tensor)] = (buffer, category)
+        self.ledger.add(category, buffer.numel())
 
-    def give(self, buffer: Tensor) -> None:
-        """Return a buffer from :meth:`take`; the caller must hold no view of it any more."""
-        self.ledger.add(self._taken_for.pop(id(buffer)), -_nbytes(buffer))
-        self.ledger.add("pooled", _nbytes(buffer))
-        self._free[(buffer.numel(), buffer.dtype)].append(buffer)
+    def give(self, tensor: Tensor) -> None:
+        """Return a tensor from :meth:`take`; the caller must hold no view of it any more."""
+        buffer, category = self._handed.pop(id(tensor))
+        self.ledger.add(category, -buffer.numel())
+        self.ledger.add("pooled", buffer.numel())
+        self._free.append(buffer)
 
     def release_free(self) -> None:
         """Drop every free buffer (the allocator gets them back once no view of them is left)."""
-        for free in self._free.values():
-            for buffer in free:
-                self.ledger.add("pooled", -_nbytes(buffer))
-        self._free.clear()
+        self.ledger.add("pooled", -self.pooled_bytes)
+        self._free = []
 
     @property
     def pooled_bytes(self) -> int:
-        """Bytes held in free lists (not in use)."""
-        return sum(_nbytes(t) for free in self._free.values() for t in free)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
+        """Bytes held in free buffers (not in use)."""
+        return sum(b.numel() for b in self._free)

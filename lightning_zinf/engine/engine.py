@@ -760,9 +760,11 @@ class ZeroEngine:
         self._queue_backward_end()
         if not group.mark_ready(index):
             return
-        self._reduce(group)
         unit.reduced_groups += 1
+        # Released before the reduce-scatter takes its buffers (FSDP2's order): the gradients are
+        # in their own flat buffer, so the gathered weights are not needed for it.
         self._release_after_backward(unit)
+        self._reduce(group)
 
     def _release_after_backward(self, unit: Unit) -> None:
         """Release a unit held for backward once autograd is done with it: every trainable group
