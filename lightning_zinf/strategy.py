@@ -238,6 +238,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 zero_pp=dataclasses.replace(self.zero_pp, ranks_per_node=self.zero_pp.ranks_per_node or self.num_processes),
                 mixed_precision=self.mixed_precision or policy_for(self.precision_plugin),
                 activation_checkpointing=self.activation_checkpointing,
+                timeout=self._timeout,
             )
         if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
             raise ValueError(

@@ -8,6 +8,8 @@ gathered weights are within the INT8 error band of the exact ones, and training 
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -295,3 +297,22 @@ def test_frozen_weights_stored_quantized_next_to_nvme_offload(tmp_path: Path) ->
     for a, b in zip(in_memory, on_nvme):
         assert b["losses"] == a["losses"] and b["resumed"] == a["resumed"]
         assert all(torch.equal(b["frozen"][k], v) for k, v in a["frozen"].items())
+
+
+def _subgroup_timeout(rank: int, world: int) -> float:
+    """Rank 1 stays alive without joining rank 0's hpZ gather; rank 0 reports how long it waited."""
+    comm = Collectives(hpz_partition_size=2, timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(7)
+        return 0.0
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        comm.all_gather_secondary(torch.zeros(8), torch.zeros(4))
+    return time.monotonic() - start
+
+
+def test_hpz_group_fails_within_the_given_timeout() -> None:
+    """The groups hpZ and qgZ build get the strategy's timeout, not torch's 30-minute default: a
+    rank that never joins is reported after the timeout (1 s), not when it finally exits (7 s)."""
+    waited = run_distributed(_subgroup_timeout, 2)[0]
+    assert waited < 4, waited

@@ -11,6 +11,7 @@ so the engine runs in a plain single-process script too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -98,6 +99,8 @@ class Collectives:
         qgz_bits: Code width of :meth:`reduce_scatter_mean_quantized` (qgZ), 4 or 8; ``None``: no
             qgZ. Builds the intra- and inter-node groups.
         block: Elements per scale of the qgZ codes.
+        timeout: How long the collectives of the hpZ and qgZ groups wait for other ranks; pass the
+            world group's (``None``: torch's default for a new group, 30 minutes for gloo, 10 for NCCL).
 
     Attributes:
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
@@ -117,6 +120,7 @@ class Collectives:
         qwz_block: Optional[int] = None,
         qgz_bits: Optional[int] = None,
         block: int = 256,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         self.qwz_block = qwz_block
         self.qgz_bits, self.block = qgz_bits, block
@@ -136,9 +140,9 @@ class Collectives:
         if hpz_partition_size is not None:
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
-                self._hpz_group = NodeGroups(self.hpz, with_inter=False).intra
+                self._hpz_group = NodeGroups(self.hpz, with_inter=False, timeout=timeout).intra
         if qgz_bits is not None and self.world_size > 1:
-            self._nodes = NodeGroups(self.topology)
+            self._nodes = NodeGroups(self.topology, timeout=timeout)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Gather every rank's ``shard`` into ``out``, rank r's at ``out[r*n:(r+1)*n]``.

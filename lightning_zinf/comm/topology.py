@@ -10,6 +10,7 @@ where ``D`` is the number of ranks per node.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterable, Optional
 
 import torch.distributed as dist
@@ -83,19 +84,22 @@ class NodeGroups:
         topology: Ranks and nodes; its ranks are ranks of the default (world) group.
         with_inter: Also build the ``inter`` groups (``False`` leaves ``inter`` ``None``).
         backend: The groups' backend (default: the world's).
+        timeout: How long the groups' collectives wait for other ranks (default: torch's default
+            for a new group, not the world group's own).
     """
 
-    def __init__(self, topology: Topology, with_inter: bool = True, backend: Optional[str] = None) -> None:
+    def __init__(self, topology: Topology, with_inter: bool = True, backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = None) -> None:
         self.topology = topology
         self.intra: Optional[dist.ProcessGroup] = None
         self.inter: Optional[dist.ProcessGroup] = None
         for node in range(topology.nodes):
-            group = dist.new_group(topology.node_ranks(node), backend=backend) if topology.ranks_per_node > 1 else None
+            group = dist.new_group(topology.node_ranks(node), backend=backend, timeout=timeout) if topology.ranks_per_node > 1 else None
             if node == topology.node:
                 self.intra = group
         if not with_inter or topology.nodes == 1:
             return
         for local in range(topology.ranks_per_node):
-            group = dist.new_group(topology.peer_ranks(local), backend=backend)
+            group = dist.new_group(topology.peer_ranks(local), backend=backend, timeout=timeout)
             if local == topology.local_rank:
                 self.inter = group

@@ -32,6 +32,7 @@ import multiprocessing.util
 import os
 import zlib
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
@@ -128,6 +129,9 @@ class ZeroEngine:
             torch's non-reentrant activation checkpointing
             (:func:`~lightning_zinf.engine.activation.apply_activation_checkpointing`); backward
             recomputes them, re-gathering their units.
+        timeout: How long the collectives of the process groups the engine builds (hpZ's and qgZ's)
+            wait for other ranks; give the world group's (the strategy does). ``None``: torch's
+            default for a new group.
 
     Attributes:
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
@@ -154,6 +158,7 @@ class ZeroEngine:
         zero_pp: ZeroPPConfig = ZeroPPConfig(),
         mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig(),
         activation_checkpointing: Sequence[Union[str, type]] = (),
+        timeout: Optional[timedelta] = None,
     ) -> None:
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
@@ -170,7 +175,8 @@ class ZeroEngine:
         self.zero_pp = zero_pp
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
-                                qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block)
+                                qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block,
+                                timeout=timeout)
         self.prefetch = prefetch
         self.mixed_precision = mixed_precision
         on_device = list(_MOVING)
