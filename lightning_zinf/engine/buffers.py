@@ -83,6 +83,12 @@ class BufferPool:
         self.ledger.add("pooled", buffer.numel())
         self._free.append(buffer)
 
+    def forget(self, tensor: Tensor) -> None:
+        """Hand a tensor from :meth:`take` over to its user for good (a reduce-scatter output kept
+        as a gradient shard): no longer accounted here, freed when its user drops it."""
+        buffer, category = self._handed.pop(id(tensor))
+        self.ledger.add(category, -buffer.numel())
+
     def release_free(self) -> None:
         """Drop every free buffer (the allocator gets them back once no view of them is left)."""
         self.ledger.add("pooled", -self.pooled_bytes)

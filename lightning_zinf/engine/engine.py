@@ -836,10 +836,12 @@ class ZeroEngine:
         index = self._group_index[id(group)]
         if self.offload is not None:
             self.offload.before_accumulate(index)
-        group.accumulate(buffers[0], got)
+        kept = group.accumulate(buffers[0], got)
         if self.offload is not None:
             self.offload.after_accumulate(index)
-        for buffer in buffers:
+        if kept:
+            self.pool.forget(buffers[0])
+        for buffer in buffers[1:] if kept else buffers:
             self.pool.give(buffer)
 
 

@@ -400,22 +400,31 @@ class FlatGroup:
             self._grad_flat, self._grad_views = None, []
         self._ready = [False] * len(self.params)
 
-    def accumulate(self, reduced: Tensor, got: list[bool]) -> None:
+    def accumulate(self, reduced: Tensor, got: list[bool]) -> bool:
         """Add a reduced gradient slice to the fp32 gradient shard; ``got`` marks the parameters
         that had a gradient on this rank. The optimizer sees the result after :meth:`expose_grads`.
 
         The first call after an optimizer step (:meth:`after_step`) or after ``zero_grad`` (all
         fragments' ``.grad`` set to ``None``) starts a fresh accumulation.
+
+        Returns:
+            Whether ``reduced`` itself became the gradient shard (the first accumulation since the
+            shard was freed, of an fp32 slice on the state device, as FSDP2 keeps its reduce-scatter
+            output): then the caller must not reuse it.
         """
+        adopt = (self.grad_shard is None and not self.swapped_optimizer and reduced.dtype == torch.float32
+                 and reduced.device == self.state_device and reduced.numel() == self.shard_numel)
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.state_device)
+            self.grad_shard = reduced if adopt else torch.zeros(self.shard_numel, dtype=torch.float32,
+                                                                device=self.state_device)
             # Views made once, while the storage exists: an offloaded gradient shard may have no
             # storage when they are handed to the optimizer.
             self._grad_fragments = [self.grad_shard[lo:hi] for lo, hi in self.owned_ranges()]
-        fresh = self.fresh_accumulation
+        fresh = self.fresh_accumulation or adopt
         self._consumed = False
         if fresh:
-            self.grad_shard.copy_(reduced)  # from the reduce dtype into fp32
+            if not adopt:
+                self.grad_shard.copy_(reduced)  # from the reduce dtype into fp32
             self.received = got
         else:
             self.grad_shard.add_(reduced.to(self.state_device))
@@ -423,6 +432,7 @@ class FlatGroup:
         if self.swapped_optimizer:
             self.grad_sq_norms = [g.pow(2).sum() for g in self._grad_fragments]
         self._accumulated = True
+        return adopt
 
     @property
     def fresh_accumulation(self) -> bool:
