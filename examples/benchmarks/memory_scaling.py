@@ -12,7 +12,11 @@ AdamW, forward under ``torch.autocast("cpu", bfloat16)``, in two modes:
 Contenders (run_memory_scaling.py; each run is its own ``torchrun``, one after another):
 
   zinf       ``ZeroEngine(block_classes=[Block], mixed_precision=MixedPrecisionConfig(bf16, fp32),
-             prefetch=PrefetchConfig(persistence_threshold=100_000))``, AdamW via ``shard_optimizer``
+             prefetch=PrefetchConfig(persistence_threshold=100_000, bucket_size=0,
+             overlap_reduce=False))``, AdamW via ``shard_optimizer``: one unit gathered ahead and
+             each reduce-scatter waited for at once, as FSDP2 runs on the CPU
+  zinf_frozen_bf16  (lora only) zinf with ``MixedPrecisionConfig(frozen_dtype=bf16)``: the frozen
+             base's shards stored in bf16, as DeepSpeed's bf16 mode stores its model
   fsdp2      ``fully_shard`` on each block and the root, ``MixedPrecisionPolicy(bf16, fp32)``
   deepspeed  DeepSpeed ZeRO-3, ``bf16.enabled``, AdamW as client optimizer, persistence 100,000,
              its defaults otherwise (prefetch bucket 5e7, max live parameters 1e9)
@@ -29,7 +33,8 @@ group); for zinf, its memory ledger's ``device_total`` peak (every byte the engi
 bytes its all-gathers received per step. Reported per contender, mode and world size: the largest
 rank's peak RSS at each depth and its growth per block (least-squares slope over the depths,
 MiB/block). Targets: zinf's growth per block <= each peer's; zinf's peak <= each peer's at every
-depth (the ratio shown is the largest over depths; printed beside it, not a target, the same ratio
+depth; in lora mode also zinf_frozen_bf16's against DeepSpeed's, which stores the frozen base alike
+(the ratio shown is the largest over depths; printed beside it, not a target, the same ratio
 for the RSS added since the start, which leaves out what each library's import costs). Then zinf
 alone in fp32 (``MixedPrecisionConfig()``, no autocast) on every multi-rank size: bytes gathered per step in bf16 must be at most 0.5 x
 those in fp32 plus what the persistent units (gathered again after each step) receive in fp32.
@@ -64,8 +69,11 @@ from run_memory_scaling import (  # noqa: E402
     LORA_RANK, MICRO_BATCH, PERSISTENCE_THRESHOLD, WARMUP_STEPS, batch, build_gpt, gpt_config,
 )
 
-CONTENDERS = ("zinf", "fsdp2", "deepspeed")
+CONTENDERS = ("zinf", "zinf_frozen_bf16", "fsdp2", "deepspeed")
 PEERS = ("fsdp2", "deepspeed")
+# (ours, peer) pairs held to the targets: zinf against both; with the frozen base stored in bf16,
+# against DeepSpeed, which stores it so.
+PAIRS = (("zinf", "fsdp2"), ("zinf", "deepspeed"), ("zinf_frozen_bf16", "deepspeed"))
 MIB = 1 << 20
 
 
@@ -122,7 +130,7 @@ def launch(contender: str, ranks: int, layers: int, mode: str, args: argparse.Na
         "step_times_s": per_rank[0]["step_times_s"],
         "losses": per_rank[0]["losses"],
     }
-    if contender == "zinf":
+    if contender.startswith("zinf"):
         ledger_peaks = [max(r["ledger_device_total_peak"][measured]) for r in per_rank]
         summary["ledger_device_total_peak_mib"] = max(ledger_peaks) / MIB
         summary["ledger_peaks_mib_rank0"] = {
@@ -178,6 +186,8 @@ def curves(runs: dict, args: argparse.Namespace, activations: dict) -> dict:
         for ranks in args.ranks:
             rows = {}
             for contender in args.only:
+                if contender == "zinf_frozen_bf16" and mode != "lora":
+                    continue
                 got = [runs.get(f"{contender}/{mode}/w{ranks}/l{layers}", {}) for layers in args.layers]
                 ok = all(run.get("status") == "ok" for run in got)
                 done = [r for r in got if r.get("status") == "ok"]
@@ -201,18 +211,18 @@ def targets(table: dict) -> list[dict]:
     """zinf against each peer that finished: growth per block and peak (largest ratio over depths)."""
     found = []
     for key, rows in table.items():
-        zinf = rows.get("zinf", {})
-        for peer in PEERS:
-            theirs = rows.get(peer, {})
+        for ours, peer in PAIRS:
+            zinf, theirs = rows.get(ours, {}), rows.get(peer, {})
             if zinf.get("mib_per_block") is None or theirs.get("mib_per_block") is None:
                 continue
-            ours, peer_slope = zinf["mib_per_block"], theirs["mib_per_block"]
-            found.append({"where": key, "peer": peer, "what": "growth per block", "zinf": ours, "peer_value": peer_slope,
-                          "ratio": ours / peer_slope if peer_slope > 0 else None, "pass": ours <= peer_slope})
+            slope_ours, peer_slope = zinf["mib_per_block"], theirs["mib_per_block"]
+            found.append({"where": key, "ours": ours, "peer": peer, "what": "growth per block", "zinf": slope_ours,
+                          "peer_value": peer_slope, "ratio": slope_ours / peer_slope if peer_slope > 0 else None,
+                          "pass": slope_ours <= peer_slope})
             ratios = [a / b for a, b in zip(zinf["peak_mib"], theirs["peak_mib"])]
             # Not a target: the same ratio for the RSS added since the start (imports excluded).
             above = [a / b for a, b in zip(zinf["above_start_mib"], theirs["above_start_mib"])]
-            found.append({"where": key, "peer": peer, "what": "peak RSS (worst depth)", "ratio": max(ratios),
+            found.append({"where": key, "ours": ours, "peer": peer, "what": "peak RSS (worst depth)", "ratio": max(ratios),
                           "pass": max(ratios) <= 1.0, "ratio_above_start": max(above)})
     return found
 
@@ -264,7 +274,7 @@ def format_tables(table: dict, layers: list[int]) -> str:
 def format_checks(checks: list[dict], gathered: list[dict]) -> str:
     lines = []
     for c in checks:
-        lines.append(f"{'PASS' if c['pass'] else 'FAIL'}  {c['where']:8} zinf vs {c['peer']:9} {c['what']:22} "
+        lines.append(f"{'PASS' if c['pass'] else 'FAIL'}  {c['where']:8} {c['ours']:16} vs {c['peer']:9} {c['what']:22} "
                      f"ratio {fmt(c['ratio'], '.2f')}"
                      + (f"  ({c['zinf']:.2f} vs {c['peer_value']:.2f} MiB/block)" if "zinf" in c else "")
                      + (f"  (above start RSS: {c['ratio_above_start']:.2f})" if "ratio_above_start" in c else ""))
@@ -307,7 +317,8 @@ def main() -> None:
     }
     # The grid, depth-major inside each world size and mode so that drift hits every contender alike;
     # then zinf in fp32 for the gathered-bytes check.
-    grid = [(c, w, n, m, False) for w in args.ranks for m in args.modes for n in args.layers for c in args.only]
+    grid = [(c, w, n, m, False) for w in args.ranks for m in args.modes for n in args.layers for c in args.only
+            if c != "zinf_frozen_bf16" or m == "lora"]
     if "zinf" in args.only:
         grid += [("zinf", w, n, m, True) for w in args.ranks if w > 1 for m in args.modes for n in args.layers]
     runs: dict = {}

@@ -1,7 +1,7 @@
 """One rank of memory_scaling.py: a few training steps of the GPT under one ZeRO-3 contender, with
 this process's peak memory measured over the steps after a warm-up step.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node N run_memory_scaling.py {zinf,fsdp2,deepspeed} \
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node N run_memory_scaling.py {zinf,zinf_frozen_bf16,fsdp2,deepspeed} \
         --layers L --mode {full,lora} [--fp32] [--steps 4] --result-dir DIR
 
 (``deepspeed`` also needs ``DS_ACCELERATOR=cpu``.) Every contender builds the model without any
@@ -122,19 +122,30 @@ def torch_step(model: nn.Module, opt: torch.optim.Optimizer, use_autocast: bool)
     return step
 
 
-def setup_zinf(args):
-    """``ZeroEngine`` over the meta-built model: blocks as units, bf16 gathers and fp32 reductions."""
+def setup_zinf(args, frozen_dtype=None):
+    """``ZeroEngine`` over the meta-built model: blocks as units, bf16 gathers and fp32 reductions,
+    scheduled as FSDP2 schedules them on the CPU: one unit gathered ahead (``bucket_size=0``; zinf's
+    default bucket of 1e7 elements holds three of these 3.15M-parameter blocks ahead) and each
+    reduce-scatter waited for as it is issued (``overlap_reduce=False``; FSDP2 overlaps it only on
+    GPUs, through its reduce-scatter stream)."""
     from lightning_zinf import MixedPrecisionConfig, PrefetchConfig, ZeroEngine, meta_parameters
 
     with meta_parameters():
         model = build_gpt(args.layers, args.mode)
-    bf16 = MixedPrecisionConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = MixedPrecisionConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, frozen_dtype=frozen_dtype)
     precision = MixedPrecisionConfig() if args.fp32 else bf16
     engine = ZeroEngine(model, block_classes=[Block], mixed_precision=precision,
-                        prefetch=PrefetchConfig(persistence_threshold=PERSISTENCE_THRESHOLD))
+                        prefetch=PrefetchConfig(persistence_threshold=PERSISTENCE_THRESHOLD, bucket_size=0,
+                                                 overlap_reduce=False))
     opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR))
 
     return engine, torch_step(model, opt, use_autocast=not args.fp32)
+
+
+def setup_zinf_frozen_bf16(args):
+    """zinf storing the frozen parameters' shards in bf16 (``frozen_dtype``), as DeepSpeed's bf16
+    mode stores its whole model."""
+    return setup_zinf(args, frozen_dtype=torch.bfloat16)
 
 
 def setup_fsdp2(args):
@@ -190,9 +201,11 @@ def setup_deepspeed(args):
     return None, step
 
 
-SETUPS = {"zinf": setup_zinf, "fsdp2": setup_fsdp2, "deepspeed": setup_deepspeed}
+SETUPS = {"zinf": setup_zinf, "zinf_frozen_bf16": setup_zinf_frozen_bf16, "fsdp2": setup_fsdp2,
+          "deepspeed": setup_deepspeed}
 # Imported before the start RSS is read, so that it counts each contender's library.
-LIBRARIES = {"zinf": "lightning_zinf", "fsdp2": "torch.distributed.fsdp", "deepspeed": "deepspeed"}
+LIBRARIES = {"zinf": "lightning_zinf", "zinf_frozen_bf16": "lightning_zinf", "fsdp2": "torch.distributed.fsdp",
+             "deepspeed": "deepspeed"}
 
 
 def main() -> None:
@@ -204,6 +217,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help=f"steps, the first {WARMUP_STEPS} a warm-up")
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
+    if args.contender == "zinf_frozen_bf16" and args.mode != "lora":
+        parser.error("zinf_frozen_bf16 differs from zinf only with frozen parameters: --mode lora")
     if args.fp32 and args.contender != "zinf":
         parser.error("--fp32 is for zinf only")
 
