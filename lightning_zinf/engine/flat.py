@@ -142,6 +142,7 @@ class FlatGroup:
         self._accumulated = False
         self._grad_flat: Optional[Tensor] = None
         self._grad_views: list[Tensor] = []
+        self._loose_grad_bytes = 0  # gradients autograd allocated itself, in the ledger until reduced
         self._consumed = True
         self.release()
 
@@ -323,11 +324,21 @@ class FlatGroup:
         self.exposed = [False] * len(self.params)
 
     # --- gradients --------------------------------------------------------------------------------
+    @property
+    def casts_gradients(self) -> bool:
+        """Gradients come out of backward in another dtype than the reduce-scatter's."""
+        return self.compute_dtype != self.reduce_dtype
+
     def prepare_grads(self, pool: BufferPool) -> None:
         """Before the unit's backward: point every ``p.grad`` at its slice of one zeroed flat buffer,
         so autograd accumulates gradients in place, already laid out for the reduce-scatter
-        (DeepSpeed's contiguous gradients). Idempotent within one backward."""
-        if self._grad_flat is not None:
+        (DeepSpeed's contiguous gradients). Idempotent within one backward.
+
+        Not for a group whose gradients are cast for the reduce-scatter: there autograd keeps its
+        own per-parameter gradients (FSDP2's way) and :meth:`start_reduce` casts them straight
+        into the reduce-scatter input, so no compute-dtype flat buffer is held beside that input
+        (measured: 15-19 MiB of a 4-rank bf16 peak, examples/benchmarks/RESULTS.md)."""
+        if self._grad_flat is not None or self.casts_gradients:
             return
         self._new_grad_buffer(pool)
         for p, view in zip(self.params, self._grad_views):
@@ -340,8 +351,19 @@ class FlatGroup:
 
     def mark_ready(self, index: int) -> bool:
         """Note that parameter ``index`` has its gradient; True once every parameter has one."""
+        grad = self.params[index].grad
+        if not self._ready[index] and self._grad_flat is None and grad is not None:
+            # A gradient autograd allocated itself: accounted until start_reduce copies it.
+            self._loose_grad_bytes += grad.numel() * grad.element_size()
+            self.ledger.add("grad_buffers", grad.numel() * grad.element_size())
         self._ready[index] = True
         return all(self._ready)
+
+    def _drop_loose_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.ledger.add("grad_buffers", -self._loose_grad_bytes)
+        self._loose_grad_bytes = 0
 
     @property
     def any_ready(self) -> bool:
@@ -363,25 +385,32 @@ class FlatGroup:
             rank's slice) and ``got`` (which parameters had a gradient on this rank), and give all
             ``buffers`` back to ``pool``.
         """
-        if self._grad_flat is None:
-            # No pre-backward hook ran (a parameter used outside any hooked module's output path):
-            # autograd stored the gradients itself; they are copied in below.
-            self._new_grad_buffer(pool)
-        flat, views = self._grad_flat, self._grad_views
         got = list(self._ready)
-        for j, (p, view) in enumerate(zip(self.params, views)):
-            if p.grad is not None and p.grad is not view:  # autograd replaced our view
-                view.copy_(p.grad)
-                got[j] = True
-            p.grad = None
-        self._grad_flat, self._grad_views = None, []
-        self._ready = [False] * len(self.params)
-        if flat.dtype != self.reduce_dtype:
-            cast = pool.take(self.padded_numel, self.reduce_dtype, "reduce_pending").copy_(flat)
-            pool.give(flat)
-            flat = cast
+        if self.casts_gradients:
+            # One pass over autograd's gradients casts them into the reduce-scatter input (FSDP2's
+            # copy-in); zeros where a parameter got none, and in the padding.
+            flat = pool.take(self.padded_numel, self.reduce_dtype, "reduce_pending")
+            for j, (p, offset, numel) in enumerate(zip(self.params, self.offsets, self.numels)):
+                if p.grad is None:
+                    flat[offset : offset + numel].zero_()
+                else:
+                    flat[offset : offset + numel].copy_(p.grad.reshape(-1))
+                    got[j] = True
+            flat[self.numel :].zero_()
         else:
+            if self._grad_flat is None:
+                # No pre-backward hook ran (a parameter used outside any hooked module's output
+                # path): autograd stored the gradients itself; they are copied in below.
+                self._new_grad_buffer(pool)
+            flat, views = self._grad_flat, self._grad_views
+            for j, (p, view) in enumerate(zip(self.params, views)):
+                if p.grad is not None and p.grad is not view:  # autograd replaced our view
+                    view.copy_(p.grad)
+                    got[j] = True
+            self._grad_flat, self._grad_views = None, []
             pool.move(flat, "reduce_pending")
+        self._drop_loose_grads()
+        self._ready = [False] * len(self.params)
         if self.comm.world_size == 1 and self.comm.qgz_bits is None:
             # The mean over one rank is the flat gradient itself (shard_numel == padded_numel):
             # hand it on as the result, with no second buffer and no copy.
@@ -391,13 +420,12 @@ class FlatGroup:
         return reduce(out, flat, async_op=True), [out, flat], got
 
     def discard_grads(self, pool: BufferPool) -> None:
-        """Drop a prepared flat gradient that received nothing, and forget partial readiness
-        (after a backward that raised)."""
+        """Drop a prepared flat gradient that received nothing, or gradients autograd stored
+        itself, and forget partial readiness (after a backward that raised)."""
         if self._grad_flat is not None:
-            for p in self.params:
-                p.grad = None
             pool.give(self._grad_flat)
             self._grad_flat, self._grad_views = None, []
+        self._drop_loose_grads()
         self._ready = [False] * len(self.params)
 
     def accumulate(self, reduced: Tensor, got: list[bool]) -> bool:

@@ -17,7 +17,8 @@ __all__ = ["MemoryLedger", "CATEGORIES"]
 CATEGORIES = {
     "gathered": "full parameter buffers of gathered units, prefetched and in-flight ones included",
     "secondary": "hpZ secondary partitions",
-    "grad_buffers": "full flat gradients that autograd is accumulating into (one per unit in backward)",
+    "grad_buffers": "full flat gradients that autograd is accumulating into (one per unit in backward); for "
+                    "gradients cast for the reduce-scatter, autograd's own per-parameter gradients until then",
     "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output)",
     "pooled": "free gradient buffers kept for reuse",
     "shards_device": "parameter shards (or frozen codes) on the compute device",
