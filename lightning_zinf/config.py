@@ -373,7 +373,8 @@ class MixedPrecisionConfig:
         return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
 
     def storage_dtype(self, dtype: torch.dtype, trainable: bool) -> torch.dtype:
-        """The dtype the shards of a parameter of ``dtype`` are stored in."""
+        """The dtype the shards of a parameter of ``dtype`` are stored in: ``frozen_dtype`` for a
+        frozen (``trainable=False``) floating-point parameter when it is set, else ``dtype``."""
         return self.frozen_dtype if self.frozen_dtype is not None and not trainable and dtype.is_floating_point else dtype
 
     @property

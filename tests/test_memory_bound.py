@@ -238,3 +238,27 @@ def test_reduce_without_overlap_is_finished_before_the_next_backward() -> None:
     last, *others = overlapped["in_flight"][:4]
     assert overlapped["in_flight"] == overlapped["in_flight"][:4] * 2, overlapped
     assert 0 < last < overlapped["block_reduce"] and others == [overlapped["block_reduce"]] * 3, overlapped
+
+
+def _grad_storages(rank: int, world: int, policy: MixedPrecisionConfig) -> list:
+    torch.manual_seed(0)
+    model = models.GPT(vocab=64, d=D, layers=2, heads=2, seq=16)
+    weight = model.blocks[0].up.weight
+    numel, unit = weight.numel(), sum(p.numel() for p in model.blocks[0].parameters())
+    ZeroEngine(model, block_classes=["Block"], mixed_precision=policy, prefetch=PrefetchConfig(persistence_threshold=0))
+    seen = []  # bytes of the storage behind the weight's gradient, as autograd hands it over
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.untyped_storage().nbytes()))
+    x, y = models.make_batch("gpt", 0, 2 * world)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=policy.param_dtype is not None):
+        models.loss_fn(model, x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]).backward()
+    return [seen, numel, unit]
+
+
+def test_mixed_precision_gradients_are_not_copied_into_a_unit_wide_buffer() -> None:
+    """Under the bf16 policy a weight's gradient is autograd's own tensor (its storage holds that
+    weight alone, cast into the fp32 reduce-scatter input afterwards, as FSDP2 does); in fp32 it is
+    a view of the unit's flat gradient buffer, which is the reduce-scatter input itself."""
+    seen, numel, unit = run_distributed(_grad_storages, 2, BF16)[0]
+    assert seen == [2 * numel], (seen, numel)
+    seen, numel, unit = run_distributed(_grad_storages, 2, MixedPrecisionConfig())[0]
+    assert len(seen) == 1 and seen[0] >= 4 * unit, (seen, unit)

@@ -1,13 +1,14 @@
 """A pool of reusable 1-D buffers for the per-unit gradient traffic of every backward.
 
-Each unit's backward needs a flat gradient buffer (one unit of elements), under mixed precision its
-cast to the reduce dtype, and a reduce-scatter output (one shard). Allocating and freeing them for
-every unit of every step costs page faults and, with glibc, fragments the heap: measured on a 91M
-GPT (2 ranks, CPU), resident memory grew from 1.3 to 2.1 GB over four steps while live tensors
-stayed near 1.05 GB. Reusing buffers within a backward avoids both: a free buffer serves any
-request of 80% of its bytes up to all of them (units of nearly equal size share buffers), so the
-pool holds about as many buffers as were in use at once. Two rules keep idle buffers out of the peak (kept across steps, they were 72 MiB of a
-4-rank bf16 peak; examples/benchmarks/RESULTS.md):
+Each unit's backward needs a reduce-scatter input (a flat gradient of one unit of elements: the
+buffer autograd accumulates into, or under mixed precision the cast of autograd's own gradients)
+and a reduce-scatter output (one shard). Allocating and freeing them for every unit of every step
+costs page faults and, with glibc, fragments the heap: measured on a 91M GPT (2 ranks, CPU),
+resident memory grew from 1.3 to 2.1 GB over four steps while live tensors stayed near 1.05 GB.
+Reusing buffers within a backward avoids both: a free buffer serves any request of 1/``SLACK`` of
+its bytes up to all of them (units of nearly equal size share buffers), so the pool holds about as
+many buffers as were in use at once. Two rules keep idle buffers out of the peak (kept across
+steps, they were 72 MiB of a 4-rank bf16 peak; examples/benchmarks/RESULTS.md):
 
 - a request that no free buffer serves first drops the free buffers too small for it (a larger
   unit's turn: what it allocates replaces them, and they would only be served by their own size);
@@ -36,7 +37,7 @@ class BufferPool:
     Every buffer handed out is accounted in the ledger under the category it was taken for (see
     :data:`~lightning_zinf.engine.ledger.CATEGORIES`) until it is given back; free ones under
     ``pooled``. A request of ``n`` bytes is served by the smallest free buffer of ``n`` to
-    ``1.25 n`` bytes, else by a new one.
+    ``SLACK * n`` bytes, else by a new one (``uint8`` storage, viewed as the requested dtype).
 
     Args:
         device: Where the buffers live.

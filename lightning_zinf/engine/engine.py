@@ -768,7 +768,7 @@ class ZeroEngine:
             return
         unit.reduced_groups += 1
         # Released before the reduce-scatter takes its buffers (FSDP2's order): the gradients are
-        # in their own flat buffer, so the gathered weights are not needed for it.
+        # in their own tensors, so the gathered weights are not needed for it.
         self._release_after_backward(unit)
         self._reduce(group)
 
