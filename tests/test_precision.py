@@ -333,3 +333,69 @@ def test_trainer_bf16_mixed_gathers_bf16_and_resumes_exactly(tmp_path) -> None:
     assert resumed["losses"] == bf16["losses"][5:]
     for name, value in bf16["weights"].items():
         assert value.dtype == torch.float32 and torch.equal(resumed["weights"][name], value), name
+
+
+STEP_WITH_INF = 4
+
+
+def _fit_fp16(rank: int, world: int, strategy: str) -> dict:
+    """``16-mixed`` through the Trainer. Lightning builds ``MixedPrecision("16-mixed", "cuda")``
+    only with an accelerator (on the CPU it falls back to bf16), so the plugin it would build is
+    passed by hand with a CPU ``GradScaler``: the strategy's own translation and policy still run."""
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    class LitInf(LitGPT):
+        """At one step, on the last rank only, one element of ``ln_f.weight`` gets an infinite
+        gradient. Under ZeRO it lands in one rank's shard only; the step must be skipped everywhere."""
+
+        def configure_model(self) -> None:
+            super().configure_model()
+            self.inf_term = None
+            # Registered before the engine's hooks: runs while ln_f is still gathered.
+            self.model.ln_f.register_forward_hook(self._stash)
+
+        def _stash(self, module, args, output) -> None:
+            inject = self.trainer.global_step == STEP_WITH_INF and self.trainer.global_rank == world - 1
+            self.inf_term = module.weight.flatten()[0] * float("inf") if inject else None
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss if self.inf_term is None else loss + self.inf_term
+
+    scales: list[float] = []
+
+    class RecordScale(L.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            scales.append(trainer.precision_plugin.scaler.get_scale())
+
+    lit = LitInf(GLOBAL_BATCH // world)
+    # A low initial scale: fp16 weights (not only autocast's matmuls) would overflow at 2**16 in
+    # the first steps, which would skip different steps than DDP's autocast does.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+    trainer = _trainer(strategy, world, plugins=[plugin], callbacks=[RecordScale()], val_check_interval=None,
+                       limit_val_batches=0)
+    trainer.fit(lit)
+    engine = getattr(trainer.strategy, "engine", None)
+    return {"losses": lit.train_losses, "scales": scales, "scaler": type(trainer.precision_plugin.scaler).__name__,
+            "dtypes": sorted({f"{g.dtype}->{g.compute_dtype}" for g in engine.groups}) if engine else None}
+
+
+def test_trainer_fp16_mixed_skips_a_step_with_one_shard_infinite_on_every_rank() -> None:
+    """``16-mixed`` gathers and computes in fp16 with fp32 master shards and a ``ShardedGradScaler``.
+    An infinite gradient that reaches one rank's shard only makes every rank skip that step and
+    halve its scale, as DDP (whose all-reduce spreads it) does: the scales match DDP's step for
+    step, and the losses track DDP's within fp16's rounding. A plain ``GradScaler`` would skip on
+    one rank only and let the replicas diverge."""
+    zinf = run_distributed(_fit_fp16, 2, "zero_infinity", init_pg=False)
+    ddp = run_distributed(_fit_fp16, 2, "ddp", init_pg=False)
+    assert zinf[0]["dtypes"] == ["torch.float32->torch.float16"]
+    assert zinf[0]["scaler"] == "ShardedGradScaler"
+    want = [256.0] * STEP_WITH_INF + [128.0] * (len(ddp[0]["scales"]) - STEP_WITH_INF)
+    assert ddp[0]["scales"] == ddp[1]["scales"] == want
+    assert zinf[0]["scales"] == zinf[1]["scales"] == want
+    finite = [i for i in range(len(want)) if i != STEP_WITH_INF]
+    got, ref = (torch.tensor([run[0]["losses"][i] for i in finite]) for run in (zinf, ddp))
+    torch.testing.assert_close(got, ref, rtol=3e-2, atol=0)
