@@ -112,7 +112,8 @@ class ZeroMonitor(Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
         if trainer.global_step > 1:  # the first step also records the prefetch trace
             for name, value in metrics.items():
-                self._means.setdefault(name, MeanMetric()).update(value)
+                # This rank's own means: compute() must not sync CPU states over an NCCL world group.
+                self._means.setdefault(name, MeanMetric(sync_on_compute=False)).update(value)
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -1,5 +1,7 @@
 """The gradient buffer pool's reuse rules and its ledger accounting, byte for byte."""
 
+import weakref
+
 import torch
 
 from lightning_zinf.engine.buffers import BufferPool
@@ -33,3 +35,21 @@ def test_pool_reuses_within_slack_drops_smaller_on_a_miss_and_accounts_every_byt
     pool.give(big)
     pool.release_free()
     assert now["pooled"] == pool.pooled_bytes == 0 and pool.ledger.peak["pooled"] == 8000  # the big one, given back
+
+
+def test_pool_without_reuse_hands_buffers_back_to_the_allocator_at_once() -> None:
+    """On an accelerator the caching allocator pools (stream-safely); the pool only accounts."""
+    assert BufferPool(torch.device("cpu")).reuse and not BufferPool(torch.device("cuda")).reuse
+    pool = BufferPool(torch.device("cpu"), reuse=False)
+    now = pool.ledger.now
+    grad = pool.take(1000, torch.float32)
+    buffer = weakref.ref(pool._handed[id(grad)][0])  # the uint8 buffer behind the view
+    assert now["grad_buffers"] == 4000
+    pool.give(grad)
+    del grad
+    assert buffer() is None, "the pool kept a given-back buffer alive"
+    assert (now["grad_buffers"], now["pooled"], pool.pooled_bytes) == (0, 0, 0)
+    again = pool.take(1000, torch.float32)
+    assert now["grad_buffers"] == 4000 and pool.ledger.peak["pooled"] == 0
+    pool.forget(again)
+    assert now["grad_buffers"] == 0

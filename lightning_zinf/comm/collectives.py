@@ -6,6 +6,16 @@ engine, and every byte sent is counted for the monitoring callbacks.
 
 Without an initialised process group (or with world size 1) the collectives become local copies,
 so the engine runs in a plain single-process script too.
+
+Two planes, two groups. The data plane (gathers, reduce-scatters, all-to-alls, collectives of
+tensors on the compute device) runs on the data-parallel group, NCCL on GPUs. The control plane
+(rank agreement, trace checks, gradient-received flags, object gathers, barriers, anything held in
+host memory: RNG states, norms of CPU-offloaded gradients) runs on a gloo group over the same ranks
+with CPU tensors. A group of its own rather than a default group with a per-device backend
+(``cpu:gloo,cuda:nccl``): it works whatever backend the caller initialised the world with
+(``init_process_group("nccl")`` in a torchrun script included), and a host-side agreement then
+never enqueues device work nor waits for the device's queue to drain, as an all-reduce of a CUDA
+tensor read back with ``int()`` would.
 """
 
 from __future__ import annotations
@@ -99,10 +109,13 @@ class Collectives:
         qgz_bits: Code width of :meth:`reduce_scatter_mean_quantized` (qgZ), 4 or 8; ``None``: no
             qgZ. Builds the intra- and inter-node groups.
         block: Elements per scale of the qgZ codes.
-        timeout: How long the collectives of the hpZ and qgZ groups wait for other ranks; pass the
-            world group's (``None``: torch's default for a new group, 30 minutes for gloo, 10 for NCCL).
+        timeout: How long the collectives of the control, hpZ and qgZ groups wait for other ranks;
+            pass the world group's (``None``: torch's default for a new group, 30 minutes for gloo,
+            10 for NCCL).
 
     Attributes:
+        group: The data-parallel group (data plane).
+        control_group: A gloo group over the same ranks (control plane), ``None`` on one rank.
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
         hpz: The topology of the hpZ partition groups (a "node" is one group), or ``None``.
 
@@ -129,6 +142,12 @@ class Collectives:
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.bytes = CommBytes()
+        self.control_group: Optional[dist.ProcessGroup] = None
+        if self.world_size > 1:
+            # Only this group's ranks take part, so engines over different sub-groups need not
+            # create their control groups in one global order.
+            self.control_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
+                                                timeout=timeout, use_local_synchronization=True)
         self.topology = Topology(self.world_size, self.rank, ranks_per_node or self.world_size)
         self.hpz: Optional[Topology] = None
         self._hpz_group: Optional[dist.ProcessGroup] = None
@@ -315,36 +334,56 @@ class Collectives:
             handle.wait()
         return handle
 
+    def _group_for(self, tensor: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        # NCCL takes device tensors only; host tensors go over gloo.
+        return self.control_group if tensor.device.type == "cpu" else self.group
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over ranks in place and return it (used for global norms)."""
+        """Sum ``tensor`` over ranks in place and return it (global norms). A tensor in host
+        memory goes over the control group, one on the device over the data group."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group_for(tensor))
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s values (group rank) and return it.
+        A tensor in host memory (an RNG state) goes over the control group, one on the device (a
+        parameter buffer) over the data group."""
+        if self.world_size > 1:
+            group = self._group_for(tensor)
+            dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
         return tensor
 
     def barrier(self) -> None:
-        """Wait until every rank of the group has reached this call."""
+        """Wait until every rank of the group has reached this call (host-side; queued device work
+        is not waited for)."""
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.control_group)
 
     def all_equal(self, value: int) -> bool:
         """Whether every rank passed the same ``value`` (a signed 64-bit integer): one all-reduce
-        (MAX) of ``[value, -value]``, equal everywhere exactly when max == min."""
+        (MAX) of ``[value, -value]`` on the control group, equal everywhere exactly when max == min.
+        Blocks the host for one round trip between the ranks, never on the device."""
         if self.world_size == 1:
             return True
         pair = torch.tensor([value, -value], dtype=torch.int64)
-        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.control_group)
         return int(pair[0]) == -int(pair[1])
 
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Element ``i`` is whether ``flags[i]`` is true on some rank: one all-reduce (MAX) of a
+        uint8 host tensor on the control group, read back once."""
+        if self.world_size == 1 or not flags:
+            return list(flags)
+        agreed = torch.tensor(flags, dtype=torch.uint8)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.control_group)
+        return [bool(f) for f in agreed.tolist()]
+
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, indexed by rank (small control data: trace hashes, RNG states)."""
+        """Every rank's ``obj``, indexed by rank (small control data: trace hashes, checksums),
+        over the control group."""
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.control_group)
         return out
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrite ``tensor`` on every rank with rank ``src``'s values (group rank) and return it."""
-        if self.world_size > 1:
-            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src), group=self.group)
-        return tensor

@@ -14,6 +14,11 @@ steps, they were 72 MiB of a 4-rank bf16 peak; examples/benchmarks/RESULTS.md):
   unit's turn: what it allocates replaces them, and they would only be served by their own size);
 - the engine releases every free buffer at the end of each backward (:meth:`BufferPool.release_free`),
   so forward's activations and the optimizer step run without them.
+
+On an accelerator the pool does not reuse (``reuse=False``): the caching allocator already keeps
+freed blocks per stream and hands them out again only once the streams that used them (NCCL's
+included, which records its use) have moved past, which a pool outside it would have to redo with
+events. The pool then only accounts the buffers in the ledger.
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ class BufferPool:
     Args:
         device: Where the buffers live.
         ledger: Where the bytes are accounted (default: a ledger of its own).
+        reuse: Keep given-back buffers for later requests (default: on the CPU only); ``False``
+            lets the allocator have them back at once.
     """
 
-    def __init__(self, device: torch.device, ledger: Optional[MemoryLedger] = None) -> None:
+    def __init__(self, device: torch.device, ledger: Optional[MemoryLedger] = None,
+                 reuse: Optional[bool] = None) -> None:
         self.device = device
+        self.reuse = device.type == "cpu" if reuse is None else reuse
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self._free: list[Tensor] = []  # uint8 buffers
         self._handed: dict[int, tuple[Tensor, str]] = {}  # id(tensor handed out) -> (its buffer, category)
@@ -81,8 +90,9 @@ class BufferPool:
         """Return a tensor from :meth:`take`; the caller must hold no view of it any more."""
         buffer, category = self._handed.pop(id(tensor))
         self.ledger.add(category, -buffer.numel())
-        self.ledger.add("pooled", buffer.numel())
-        self._free.append(buffer)
+        if self.reuse:
+            self.ledger.add("pooled", buffer.numel())
+            self._free.append(buffer)
 
     def forget(self, tensor: Tensor) -> None:
         """Hand a tensor from :meth:`take` over to its user for good (a reduce-scatter output kept

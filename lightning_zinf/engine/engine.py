@@ -499,8 +499,8 @@ class ZeroEngine:
         """
         if self.offload is not None and self.offload.nvme:
             self._settle()
-            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm().to(self.device)).sqrt()
-            self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).cpu()
+            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm()).sqrt()  # on the host
+            self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             return norm
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
@@ -804,14 +804,13 @@ class ZeroEngine:
                 self._maybe_release(unit)
 
     def _expose_grads(self) -> None:
-        """Agree with the other ranks which parameters received a gradient (one all-reduce of one
-        flag per trainable parameter) and hand the optimizer gradients for those only."""
+        """Agree with the other ranks which parameters received a gradient (one host-side
+        all-reduce of one flag per trainable parameter) and hand the optimizer gradients for those only."""
         trainable = [g for g in self.groups if g.trainable]
-        flags = torch.tensor([r for g in trainable for r in g.received], dtype=torch.float32, device=self.device)
-        self.comm.all_reduce_sum(flags)
+        flags = self.comm.any_rank([r for g in trainable for r in g.received])
         start = 0
         for group in trainable:
-            group.expose_grads((flags[start : start + len(group.params)] > 0).tolist())
+            group.expose_grads(flags[start : start + len(group.params)])
             start += len(group.params)
 
     # --- gradients --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ CATEGORIES = {
     "grad_buffers": "full flat gradients that autograd is accumulating into (one per unit in backward); for "
                     "gradients cast for the reduce-scatter, autograd's own per-parameter gradients until then",
     "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output)",
-    "pooled": "free gradient buffers kept for reuse",
+    "pooled": "free gradient buffers kept for reuse (CPU only; the caching allocator pools on accelerators)",
     "shards_device": "parameter shards (or frozen codes) on the compute device",
     "shards_cpu": "parameter shards (or frozen codes) in CPU memory",
     "shards_nvme": "parameter shards in NVMe swap files",
