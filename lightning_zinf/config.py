@@ -99,10 +99,12 @@ class OffloadConfig:
             group larger than this is stepped alone. DeepSpeed's ``sub_group_size`` (default 1e9).
         read_ahead: With ``param="nvme"``: how many units of the prefetch trace beyond the one
             being gathered have their shards read from NVMe ahead of time.
-        activations: Keep the tensors autograd saves for backward in CPU memory (pinned on CUDA)
-            during the training step, and copy them back for backward (ZeRO-Infinity §5.1.2 offloads
-            activation checkpoints this way; ``torch.autograd.graph.save_on_cpu`` does the work).
-            Only useful with an accelerator; on a CPU device it costs a copy and saves nothing.
+        activations: Keep the tensors autograd saves for backward in host memory (page-locked on
+            an accelerator, copied on the copy stream) during the training step, and copy them
+            back for backward (ZeRO-Infinity §5.1.2). Parameters and views of gathered parameter
+            buffers are left to the re-gather, not copied
+            (:class:`~lightning_zinf.offload.activations.ActivationOffload`). Only useful with an
+            accelerator; on a CPU device it costs a copy and saves nothing.
         aio: How the NVMe swapper does its I/O (block size, queue depth, threads, ``O_DIRECT``):
             an :class:`~lightning_zinf.offload.AioConfig` or a mapping of its fields.
         staging_bytes: Cap, in bytes per rank, on the host memory that holds records swapped in

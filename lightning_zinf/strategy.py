@@ -34,7 +34,6 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
-from torch.autograd.graph import save_on_cpu
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -281,7 +280,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         self.engine.begin_pass("train")
         if not self.offload.activations:
             return super().training_step(*args, **kwargs)
-        with save_on_cpu(pin_memory=self.root_device.type == "cuda"):
+        with self.engine.offload_activations():
             return super().training_step(*args, **kwargs)
 
     @override

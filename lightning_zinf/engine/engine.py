@@ -48,6 +48,8 @@ from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
 from lightning_zinf.engine.trace import Tracer
+from lightning_zinf.engine.transfer import Transfers
+from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.offload.stale import reclaim_stale_folders, swap_folder_name
@@ -167,6 +169,7 @@ class ZeroEngine:
             )
         self.module = module
         self.device = torch.device(device)
+        self.transfers = Transfers(self.device)
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         # torchrun's LOCAL_WORLD_SIZE, where it fits the group (a sub-group may not span whole nodes).
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
@@ -202,6 +205,8 @@ class ZeroEngine:
         self.peak_gathered_bytes = 0
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []
         self.pool = BufferPool(self.device, self.ledger)
+        self._in_transit: list[FlatGroup] = []
+        self._activation_offload: Optional[ActivationOffload] = None  # gradient slices on their way to host-side shards
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
@@ -252,7 +257,8 @@ class ZeroEngine:
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device,
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
-                          reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger)
+                          reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
+                          transfers=self.transfers)
         if self.zero_pp.frozen_bits is not None and not group.trainable:
             # Codes are a fraction of the shard: they stay in memory, not in a swap file.
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
@@ -441,6 +447,17 @@ class ZeroEngine:
             out["optimizer_nvme"] = self.offload.tier_bytes()["nvme"]
         return out
 
+    def offload_activations(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which the tensors autograd saves for backward are kept in host memory,
+        except parameters and views of gathered parameter buffers (the re-gather restores those):
+        :class:`~lightning_zinf.offload.activations.ActivationOffload`."""
+        if self._activation_offload is None:
+            self._activation_offload = ActivationOffload(self.transfers, self._is_gathered)
+        return self._activation_offload()
+
+    def _is_gathered(self, tensor: Tensor) -> bool:
+        return any(g.holds_storage_of(tensor) for u in self.units if u.state != _RELEASED for g in u.groups)
+
     def verify_ranks_agree(self) -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
         the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
@@ -515,6 +532,9 @@ class ZeroEngine:
             group.after_step()
             if rewrites:
                 self.param_offload.changed(group)
+        # Updated shards copied from host-side masters (in order, on the copy stream) are read by
+        # compute from here on: order it after them, without waiting on the host.
+        self.transfers.wait_on_device(self.transfers.record())
         self._gather_all([u for u in self.units if u.persistent])
 
     @contextmanager
@@ -667,6 +687,7 @@ class ZeroEngine:
         raised (and was caught by user code) are cleared rather than keeping stale units gathered.
         """
         self._drain_reduces()
+        self._finish_host_grads()
         self._ahead.clear()
         if boundary:
             self._backward_end_queued = False  # its callback died with a backward that raised
@@ -795,6 +816,7 @@ class ZeroEngine:
             elif group.grads_prepared:
                 group.discard_grads(self.pool)
         self._drain_reduces()
+        self._finish_host_grads()
         self.pool.release_free()
         self._expose_grads()
         for unit in self.units:
@@ -825,6 +847,14 @@ class ZeroEngine:
         if not self.prefetch.overlap_reduce:
             self._drain_reduces()
 
+    def _finish_host_grads(self) -> None:
+        """Wait on the host for the gradient slices copied towards host-side gradient shards, and
+        add those accumulating onto earlier micro-batches (the copy stream is in order: after the
+        first wait the others have completed)."""
+        for group in self._in_transit:
+            group.finish_host_grads()
+        self._in_transit = []
+
     def _drain_reduces(self) -> None:
         while self._pending:
             self._finish_reduce(self._pending.pop(0))
@@ -835,7 +865,17 @@ class ZeroEngine:
         index = self._group_index[id(group)]
         if self.offload is not None:
             self.offload.before_accumulate(index)
+        # Landing buffers of an earlier group accumulating onto a previous micro-batch are added
+        # now, so at most one group's are alive (its copy has had a unit's backward to finish).
+        for earlier in self._in_transit:
+            if earlier is not group and earlier.host_adds_pending:
+                earlier.finish_host_grads()
         kept = group.accumulate(buffers[0], got)
+        self._in_transit = [g for g in self._in_transit if g.grads_in_transit and g is not group]
+        if group.grads_in_transit:
+            self._in_transit.append(group)
+        if group.swapped_optimizer:
+            self._finish_host_grads()  # the shard is swapped out next: its bytes must be here
         if self.offload is not None:
             self.offload.after_accumulate(index)
         if kept:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.ledger import MemoryLedger
+from lightning_zinf.engine.transfer import HeldUntilWait, Transfers
 from triton_kernels import dequantize, quantize
 
 __all__ = ["FlatGroup", "SHARD_ALIGN"]
@@ -59,6 +60,8 @@ class FlatGroup:
             (default: the parameters' dtype).
         reduce_dtype: Dtype of the gradient reduce-scatter (default: fp32).
         ledger: Where the bytes of the buffers this group allocates are accounted (optional).
+        transfers: The device's copy stream (default: one of its own). Host-side shards and
+            gradient shards are page-locked when it overlaps copies.
 
     Attributes:
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the storage dtype.
@@ -70,6 +73,8 @@ class FlatGroup:
         grad_shard: fp32 gradient shard accumulated over micro-batches, or ``None`` before the first.
         state_device: Where ``master`` and ``grad_shard`` live: ``device``, or the CPU when the
             optimizer is offloaded (:meth:`make_master` with ``separate=True``).
+        host_state: The optimizer is offloaded to host memory: reduced gradient slices travel to
+            ``grad_shard`` through the copy stream (:meth:`finish_host_grads` completes them).
         swapped_optimizer: Set by the NVMe optimizer offload, which then swaps ``master`` and
             ``grad_shard`` and does the post-step copy into ``shard`` itself. Gradients are handed to
             the optimizer only inside its step (``exposed`` says which fragments have one meanwhile),
@@ -91,6 +96,7 @@ class FlatGroup:
         compute_dtype: Optional[torch.dtype] = None,
         reduce_dtype: torch.dtype = torch.float32,
         ledger: Optional[MemoryLedger] = None,
+        transfers: Optional[Transfers] = None,
     ) -> None:
         self.names = names
         self.params = params
@@ -105,6 +111,7 @@ class FlatGroup:
         self.trainable = params[0].requires_grad
         self.comm = comm
         self.device = device
+        self.transfers = transfers or Transfers(device)
         world = comm.world_size
         self.shard_numel = -(-self.numel // (world * SHARD_ALIGN)) * SHARD_ALIGN
         self.padded_numel = self.shard_numel * world
@@ -114,7 +121,9 @@ class FlatGroup:
         if source is None:
             source = torch.cat([p.detach().reshape(-1) for p in params])
         start, stop = self.shard_start, min(self.shard_start + self.shard_numel, self.numel)
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=shard_device or device)
+        shard_device = shard_device or device
+        self.shard = (self.transfers.host_zeros(self.shard_numel, self.dtype) if shard_device != device
+                      else torch.zeros(self.shard_numel, dtype=self.dtype, device=device))
         if stop > start:
             self.shard[: stop - start].copy_(source[start:stop])
         self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
@@ -135,6 +144,7 @@ class FlatGroup:
         self._grad_fragments: list[Tensor] = []
         self.grad_sq_norms: list[Tensor] = []
         self.state_device = device
+        self.host_state = False  # master and gradient shard offloaded to host memory
         self.swapped_optimizer = False
         self.exposed = [False] * len(params)
         self._ready = [False] * len(params)
@@ -143,6 +153,10 @@ class FlatGroup:
         self._grad_flat: Optional[Tensor] = None
         self._grad_views: list[Tensor] = []
         self._loose_grad_bytes = 0  # gradients autograd allocated itself, in the ledger until reduced
+        # Gradient slices on their way to a host-side gradient shard: the last copy's event, and the
+        # copies to add once it has completed (accumulation onto earlier micro-batches).
+        self._to_host: Optional[torch.Event] = None
+        self._host_adds: list[Tensor] = []
         self._consumed = True
         self.release()
 
@@ -163,6 +177,11 @@ class FlatGroup:
         """Bytes of gather buffer this group holds now (0 while released)."""
         return self.full.untyped_storage().nbytes() + (self._read.untyped_storage().nbytes() if self._read is not self.full else 0)
 
+    def holds_storage_of(self, tensor: Tensor) -> bool:
+        """``tensor`` is (a view of) one of this group's gather buffers while it has storage."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return ptr != 0 and ptr in (self.full.untyped_storage().data_ptr(), self._read.untyped_storage().data_ptr())
+
     def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False) -> Handle:
         """Allocate the gather buffer and start all-gathering into it (asynchronously).
 
@@ -180,12 +199,25 @@ class FlatGroup:
             target.untyped_storage().resize_(self.padded_numel * target.element_size())
         if self.secondary is not None and from_secondary and not read:
             return self.comm.all_gather_secondary(target, self.secondary, async_op=True)
+        stored = self.codes if self.codes is not None else self.shard
+        if stored.device == self.device:
+            return self._gather_from_stored(target, quantized and not read)
+        # Offloaded to host memory: copy it over on the copy stream and gather from there, so that
+        # neither the host nor the compute stream waits for the copy; only the consumer does, when
+        # it waits on the handle. What was staged on the copy stream lives until then.
+        with self.transfers.on_copy_stream():
+            return self._gather_from_stored(target, quantized and not read)
+
+    def _gather_from_stored(self, target: Tensor, quantized: bool) -> Handle:
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
-            codes, scales = self.codes.to(self.device), self.scales.to(self.device)  # on the CPU under param offload
-            return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True)
-        if quantized and not read:
-            return self.comm.all_gather_quantized(target, self.shard.to(self.device), async_op=True)
-        return self.comm.all_gather(target, self.shard.to(self.device, target.dtype), async_op=True)
+            codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
+            handle = self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True)
+            return HeldUntilWait(handle, codes, scales)
+        shard = self.transfers.to_device(self.shard)
+        if quantized:
+            return HeldUntilWait(self.comm.all_gather_quantized(target, shard, async_op=True), shard)
+        shard = shard.to(target.dtype)
+        return HeldUntilWait(self.comm.all_gather(target, shard, async_op=True), shard)
 
     def keep_secondary(self) -> None:
         """hpZ (ZeRO++ §3.2): keep this rank's secondary partition, its ``1/P`` of the gathered
@@ -275,6 +307,7 @@ class FlatGroup:
         """
         if self.master is None:
             self.state_device = state_device or self.device
+            self.host_state = separate and self.state_device.type == "cpu"
             if self.dtype == torch.float32 and not separate and self.state_device == self.device:
                 self.master = self.shard
             else:
@@ -306,7 +339,8 @@ class FlatGroup:
         secondary partition, now stale, is dropped."""
         self.drop_secondary()
         if self.master is not None and self.master is not self.shard and not self.swapped_optimizer:
-            self.shard.copy_(self.master)
+            # From a host-side master: queued on the copy stream; the engine orders compute after it.
+            self.transfers.copy_to_device(self.shard, self.master)
         self._consumed = True
 
     def free_consumed_grads(self) -> None:
@@ -443,24 +477,65 @@ class FlatGroup:
         adopt = (self.grad_shard is None and not self.swapped_optimizer and reduced.dtype == torch.float32
                  and reduced.device == self.state_device and reduced.numel() == self.shard_numel)
         if self.grad_shard is None:
-            self.grad_shard = reduced if adopt else torch.zeros(self.shard_numel, dtype=torch.float32,
-                                                                device=self.state_device)
+            if adopt:
+                self.grad_shard = reduced
+            elif self.host_state:
+                self.grad_shard = self.transfers.host_zeros(self.shard_numel, torch.float32)
+            else:
+                self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.state_device)
             # Views made once, while the storage exists: an offloaded gradient shard may have no
             # storage when they are handed to the optimizer.
             self._grad_fragments = [self.grad_shard[lo:hi] for lo, hi in self.owned_ranges()]
         fresh = self.fresh_accumulation or adopt
         self._consumed = False
-        if fresh:
+        to_host = self.host_state and not adopt
+        if to_host:
+            # To a host-side gradient shard: on the copy stream, read on the host only after
+            # finish_host_grads (the end of backward), so backward is never blocked by a copy.
+            reduced = reduced.float()  # on the device: the copy moves fp32 once, whatever the reduce dtype
+            if fresh:
+                self._to_host = self.transfers.copy_to_host(self.grad_shard, reduced)
+            else:
+                landing = self.transfers.host_empty(self.shard_numel, torch.float32)
+                self._to_host = self.transfers.copy_to_host(landing, reduced)
+                self._host_adds.append(landing)
+        elif fresh:
             if not adopt:
                 self.grad_shard.copy_(reduced)  # from the reduce dtype into fp32
-            self.received = got
         else:
-            self.grad_shard.add_(reduced.to(self.state_device))
-            self.received = [a or b for a, b in zip(self.received, got)]
-        if self.swapped_optimizer:
-            self.grad_sq_norms = [g.pow(2).sum() for g in self._grad_fragments]
+            self.grad_shard.add_(reduced)
+        self.received = got if fresh else [a or b for a, b in zip(self.received, got)]
+        if not self.grads_in_transit:
+            self._record_norms()
         self._accumulated = True
         return adopt
+
+    @property
+    def grads_in_transit(self) -> bool:
+        """Gradient slices are on their way to the host-side gradient shard (:meth:`finish_host_grads`)."""
+        return self._to_host is not None or bool(self._host_adds)
+
+    @property
+    def host_adds_pending(self) -> bool:
+        """Gradient slices wait to be added onto earlier micro-batches' (:meth:`finish_host_grads`)."""
+        return bool(self._host_adds)
+
+    def finish_host_grads(self) -> None:
+        """Wait (on the host) for the gradient slices copied towards the host-side gradient shard,
+        and add those that accumulate onto earlier micro-batches. Nothing to do on the CPU, where
+        every copy was made at once, or when none is in transit."""
+        if not self.grads_in_transit:
+            return
+        self.transfers.wait_on_host(self._to_host)
+        self._to_host = None
+        for landing in self._host_adds:
+            self.grad_shard.add_(landing)
+        self._host_adds = []
+        self._record_norms()
+
+    def _record_norms(self) -> None:
+        if self.swapped_optimizer:
+            self.grad_sq_norms = [g.pow(2).sum() for g in self._grad_fragments]
 
     @property
     def fresh_accumulation(self) -> bool:

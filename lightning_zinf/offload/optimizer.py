@@ -245,7 +245,9 @@ class OptimizerOffload:
         if i not in self._shared:  # a shared record: the stepped master is the shard already
             if self.params is not None:
                 self.params.will_overwrite(group)
-            group.shard.copy_(group.master)  # the compute-dtype shard the next forward gathers
+            # The compute-dtype shard the next forward gathers (on the device: through the copy
+            # stream, overlapping the next sub-group's step; the engine orders compute after it).
+            group.transfers.copy_to_device(group.shard, group.master)
         if self.params is not None:
             self.params.changed(group)
         self._collect_states(optimizer, i)  # states the optimizer created in this step, if any
