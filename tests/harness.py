@@ -33,7 +33,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, init_pg: bool, args: tuple, out: Any) -> None:
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, init_pg: bool, backend: str, args: tuple,
+            out: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -46,7 +47,7 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, init_pg: b
     torch.set_num_threads(1)
     try:
         if init_pg:
-            torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+            torch.distributed.init_process_group(backend, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         buffer = io.BytesIO()
         torch.save(result, buffer)
@@ -59,15 +60,16 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, init_pg: b
 
 
 def run_distributed(
-    fn: Callable[..., Any], world: int, *args: Any, init_pg: bool = True, timeout: float = 300.0
+    fn: Callable[..., Any], world: int, *args: Any, init_pg: bool = True, backend: str = "gloo", timeout: float = 300.0
 ) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` processes and return the results by rank.
 
     Args:
         fn: A module-level (picklable) function. Its return value must be ``torch.save``-able.
         world: Number of ranks.
-        init_pg: Initialise a gloo process group before calling ``fn`` (``False`` for Lightning
+        init_pg: Initialise a process group before calling ``fn`` (``False`` for Lightning
             runs, which initialise their own from the same environment variables).
+        backend: Its backend (``"nccl"`` for the GPU suite).
         timeout: Seconds all ranks together may take.
 
     Raises:
@@ -77,7 +79,7 @@ def run_distributed(
     out = _CTX.Queue()
     port = _free_port()
     procs = [
-        _CTX.Process(target=_worker, args=(fn, rank, world, port, init_pg, args, out), daemon=True)
+        _CTX.Process(target=_worker, args=(fn, rank, world, port, init_pg, backend, args, out), daemon=True)
         for rank in range(world)
     ]
     for p in procs:

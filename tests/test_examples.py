@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -25,3 +26,30 @@ def test_unknown_held_out_package(tmp_path: Path) -> None:
     (tmp_path / "a.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match="No stdlib file under package 'nope'"):
         stdlib_sources(tmp_path, held_out="nope")
+
+
+def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: Path, capsys) -> None:
+    """``gpu_check.py`` exits 2 without CUDA; its ledger and overlap steps run their code on the
+    CPU (a small GPT), and the overlap arithmetic is right on a hand-made trace."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    import gpu_check
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run gpu_check.py itself")
+    assert gpu_check.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    args = gpu_check.parse_args(["--device", "cpu", "--d-model", "32", "--layers", "2",
+                                 "--trace", str(tmp_path / "trace.json")])
+    ledger = gpu_check.step_ledger(args, tmp_path)
+    assert ledger["ok"] and all(len(ledger[c]["ledger_peak_bytes"]) == 4 for c in ("plain", "bf16", "cpu_offload"))
+    assert ledger["cpu_offload"]["ledger_peak_bytes"][-1] < ledger["plain"]["ledger_peak_bytes"][-1]
+    overlap = gpu_check.step_overlap(args, tmp_path)
+    assert (tmp_path / "trace.json").exists() and overlap["copy_us"] == 0  # no device copies on a CPU
+    copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"stream": 9}}
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm"}
+    events = [{**copy, "ts": 0, "dur": 10}, {**copy, "ts": 20, "dur": 10},
+              {**kernel, "ts": 5, "dur": 20, "args": {"stream": 7}}, {**kernel, "ts": 0, "dur": 30, "args": {"stream": 9}}]
+    got = gpu_check.copy_overlap(events)
+    assert (got["copy_us"], got["copy_us_overlapping_compute"], got["overlap_fraction"]) == (20.0, 10.0, 0.5)

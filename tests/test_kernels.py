@@ -347,6 +347,7 @@ class TestKernelsInterpreter(_KernelChecks):
         )
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 class TestKernelsCuda(_KernelChecks):
     """The same checks with CUDA tensors and compiled kernels (a code may differ by one)."""

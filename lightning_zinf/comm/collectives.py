@@ -112,6 +112,8 @@ class Collectives:
         timeout: How long the collectives of the control, hpZ and qgZ groups wait for other ranks;
             pass the world group's (``None``: torch's default for a new group, 30 minutes for gloo,
             10 for NCCL).
+        device: The compute device. On an accelerator, qgZ chains its two all-to-all legs on a
+            side stream of it (:meth:`reduce_scatter_mean_quantized`).
 
     Attributes:
         group: The data-parallel group (data plane).
@@ -134,8 +136,12 @@ class Collectives:
         qgz_bits: Optional[int] = None,
         block: int = 256,
         timeout: Optional[timedelta] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.qwz_block = qwz_block
+        accelerated = device is not None and torch.device(device).type != "cpu"
+        self._device = torch.device(device) if accelerated else None
+        self._chain: Optional[torch.Stream] = torch.Stream(device=self._device) if accelerated else None
         self.qgz_bits, self.block = qgz_bits, block
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
@@ -289,8 +295,12 @@ class Collectives:
            partition's node sums;
         5. dequantize, sum over nodes, times 1/W, into ``out``.
 
-        Steps 1-2 start at once; ``wait()`` on the handle runs 3-5. Any ``n`` and any number of
-        nodes work (no fallback path). Non-finite gradients come out as NaN.
+        Steps 1-2 start at once. On an accelerator steps 3-4 are queued at once too, on a side
+        stream that waits for step 2 on the device, so the inter-node leg starts as soon as the
+        intra-node one is done, without the host or the compute stream waiting; ``wait()`` on the
+        handle orders the compute stream after step 4 and queues step 5. On the CPU (gloo waits
+        block the host) ``wait()`` runs 3-5. Any ``n`` and any number of nodes work (no fallback
+        path). Non-finite gradients come out as NaN.
 
         Args:
             out: 1-D fp32 (or fp16/bf16) tensor of ``n`` elements.
@@ -318,18 +328,47 @@ class Collectives:
         else:
             recv_codes, recv_scales, works = codes, scales, []
 
-        def finish() -> None:
+        def inter_node() -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+            """Steps 3-4 (after step 2's works have been waited for): the codes of this rank's own
+            partition, and the works that deliver them."""
             partial_codes, partial_scales = dequantize_reduce_requantize(
                 recv_codes.view(local_peers, nodes, -1), recv_scales.view(local_peers, nodes, -1), layout)
-            if self._nodes is not None and self._nodes.inter is not None:
-                mine_codes, mine_scales = torch.empty_like(partial_codes), torch.empty_like(partial_scales)
-                dist.all_to_all_single(mine_codes, partial_codes, group=self._nodes.inter)
-                dist.all_to_all_single(mine_scales, partial_scales, group=self._nodes.inter)
-            else:
-                mine_codes, mine_scales = partial_codes, partial_scales
+            if self._nodes is None or self._nodes.inter is None:
+                return partial_codes, partial_scales, []
+            mine_codes, mine_scales = torch.empty_like(partial_codes), torch.empty_like(partial_scales)
+            return mine_codes, mine_scales, [
+                dist.all_to_all_single(mine_codes, partial_codes, group=self._nodes.inter, async_op=True),
+                dist.all_to_all_single(mine_scales, partial_scales, group=self._nodes.inter, async_op=True)]
+
+        def dequantize_mine(mine_codes: torch.Tensor, mine_scales: torch.Tensor) -> None:
             dequantize_reduce(mine_codes, mine_scales, layout, multiplier=1 / self.world_size, dtype=out.dtype, out=out)
 
-        handle = _Then(works, finish)
+        if self._chain is None:
+            def finish() -> None:
+                mine_codes, mine_scales, inter = inter_node()
+                for work in inter:
+                    work.wait()
+                dequantize_mine(mine_codes, mine_scales)
+
+            handle = _Then(works, finish)
+        else:
+            # Memory allocated on the side stream is read by the compute stream in step 5 and freed
+            # after it; the next chain starts by waiting for the compute stream, so it is not reused
+            # early. NCCL's works wait, when waited for, on the device only.
+            self._chain.wait_stream(torch.accelerator.current_stream(self._device))
+            with self._chain:
+                for work in works:
+                    work.wait()
+                mine_codes, mine_scales, inter = inter_node()
+            chained = torch.Event(device=self._device)
+            chained.record(self._chain)
+
+            def finish_on_device() -> None:
+                # Step 3's output (one node: no inter-node works to wait for) is on the side stream.
+                torch.accelerator.current_stream(self._device).wait_event(chained)
+                dequantize_mine(mine_codes, mine_scales)
+
+            handle = _Then(inter, finish_on_device)
         if not async_op:
             handle.wait()
         return handle

@@ -179,7 +179,7 @@ class ZeroEngine:
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
                                 qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block,
-                                timeout=timeout)
+                                timeout=timeout, device=self.device)
         self.prefetch = prefetch
         self.mixed_precision = mixed_precision
         on_device = list(_MOVING)

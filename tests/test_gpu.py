@@ -1,0 +1,113 @@
+"""The GPU suite (marker ``gpu``; ``pytest -m gpu tests``, or ``examples/benchmarks/gpu_check.py``
+for the whole check). Skipped with the reason on a machine without CUDA.
+
+- Every feature of the engine at one rank on CUDA in an NCCL process group, against the same run
+  on the CPU: the copy stream, page-locked memory, CUDA kernels and the control group over gloo
+  all run for real.
+- Two ranks sharing one GPU through gloo with CUDA tensors (NCCL refuses two ranks on one device):
+  the copy stream, the collectives' streams and compute run concurrently, against two CPU ranks.
+- The memory ledger against ``torch.cuda.max_memory_allocated()``.
+
+The Triton kernels on CUDA are tested in test_kernels.py (marked ``gpu`` as well).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroEngine, ZeroPPConfig
+from tests import models
+from tests.harness import run_distributed
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+STEPS = 4
+BATCH = 8
+FEATURES = ("fp32", "bf16", "offload_cpu", "offload_nvme", "zero_pp", "tiling", "checkpointing", "lora_frozen_int8",
+            "activation_offload")
+# Relative tolerance of the losses against the CPU run: reduction orders and attention kernels
+# differ between devices; bf16 and INT8-quantized weights round far more than that.
+TOLERANCE = {"fp32": 2e-3, "offload_cpu": 2e-3, "offload_nvme": 2e-3, "tiling": 2e-3, "checkpointing": 2e-3,
+             "activation_offload": 2e-3, "bf16": 3e-2, "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2}
+
+
+def _engine_kwargs(feature: str, nvme_path: str) -> dict:
+    return {
+        "bf16": {"mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
+        "offload_cpu": {"offload": OffloadConfig(param="cpu", optimizer="cpu")},
+        "offload_nvme": {"offload": OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path)},
+        "zero_pp": {"zero_pp": ZeroPPConfig(qwz=True, hpz=True, qgz=True)},
+        # Each rank a node of its own: qgZ's inter-node leg, chained on a side stream.
+        "qgz_two_nodes": {"zero_pp": ZeroPPConfig(qgz=True, ranks_per_node=1)},
+        "tiling": {"tiling": TilingConfig(tile_numel=1024)},
+        "checkpointing": {"activation_checkpointing": [models.Block]},
+        "lora_frozen_int8": {"zero_pp": ZeroPPConfig(frozen_bits=8)},
+        "activation_offload": {"offload": OffloadConfig(optimizer="cpu", activations=True)},
+    }.get(feature, {})
+
+
+def _train(rank: int, world: int, device: str, feature: str, nvme_path: str) -> dict:
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = models.GPT(lora_rank=4 if feature == "lora_frozen_int8" else 0)
+    engine = ZeroEngine(model, block_classes=["Block"], device=device, prefetch=PrefetchConfig(persistence_threshold=0),
+                        **_engine_kwargs(feature, nvme_path))
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    losses, ledger_peaks, allocated_peaks = [], [], []
+    for step in range(STEPS):
+        engine.reset_memory_peaks()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        x, y = models.make_batch("gpt", step, BATCH)
+        per_rank = BATCH // world
+        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
+        offloading = engine.offload_activations() if feature == "activation_offload" else contextlib.nullcontext()
+        with offloading:
+            loss = models.loss_fn(model, x, y)
+        loss.backward()
+        engine.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        ledger_peaks.append(engine.memory()["device_total"][1])
+        if device == "cuda":
+            allocated_peaks.append(torch.cuda.max_memory_allocated())
+    with engine.gathered():
+        weights = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    engine.release_all()
+    return {"losses": losses, "weights": weights, "ledger": ledger_peaks, "allocated": allocated_peaks}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_every_feature_on_one_gpu_matches_the_cpu(feature: str, tmp_path: Path) -> None:
+    """One rank, NCCL world group, CUDA compute device: losses and weights track the CPU run of the
+    same configuration, and the ledger's device peak is at most what the allocator saw."""
+    gpu = run_distributed(_train, 1, "cuda", feature, str(tmp_path / "gpu"), backend="nccl")[0]
+    cpu = run_distributed(_train, 1, "cpu", feature, str(tmp_path / "cpu"))[0]
+    rtol = TOLERANCE[feature]
+    torch.testing.assert_close(torch.tensor(gpu["losses"]), torch.tensor(cpu["losses"]), rtol=rtol, atol=0)
+    for name, value in cpu["weights"].items():
+        torch.testing.assert_close(gpu["weights"][name], value, rtol=rtol, atol=rtol, msg=name)
+    for ledger, allocated in zip(gpu["ledger"], gpu["allocated"]):
+        assert 0 < ledger <= allocated
+
+
+@pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "activation_offload", "zero_pp", "qgz_two_nodes"])
+def test_two_ranks_sharing_one_gpu_through_gloo_match_two_cpu_ranks(feature: str, tmp_path: Path) -> None:
+    """Two processes on one GPU, joined by gloo with CUDA tensors: real concurrency between each
+    rank's copy stream, the collectives and compute, with gathers prefetched along the trace."""
+    gpu = run_distributed(_train, 2, "cuda", feature, str(tmp_path / "gpu"))
+    cpu = run_distributed(_train, 2, "cpu", feature, str(tmp_path / "cpu"))
+    rtol = TOLERANCE[feature]
+    for g, c in zip(gpu, cpu):
+        torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(c["losses"]), rtol=rtol, atol=0)
+    for name, value in gpu[0]["weights"].items():
+        assert torch.equal(gpu[1]["weights"][name], value), f"ranks disagree on {name}"
+        torch.testing.assert_close(value, cpu[0]["weights"][name], rtol=rtol, atol=rtol, msg=name)
