@@ -46,10 +46,13 @@ def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: P
     assert ledger["ok"] and all(len(ledger[c]["ledger_peak_bytes"]) == 4 for c in ("plain", "bf16", "cpu_offload"))
     assert ledger["cpu_offload"]["ledger_peak_bytes"][-1] < ledger["plain"]["ledger_peak_bytes"][-1]
     overlap = gpu_check.step_overlap(args, tmp_path)
-    assert (tmp_path / "trace.json").exists() and overlap["copy_us"] == 0  # no device copies on a CPU
+    assert (tmp_path / "trace.json").exists() and overlap["copy_us"] == 0 and not overlap["ok"]  # no device on a CPU
     copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"stream": 9}}
     kernel = {"ph": "X", "cat": "kernel", "name": "gemm"}
+    # Copies on stream 9 at [0, 10) and [20, 30); compute on stream 7 at [5, 25): 10 µs overlap.
+    # The kernel on stream 9 (a copy stream's own cast) is not compute.
     events = [{**copy, "ts": 0, "dur": 10}, {**copy, "ts": 20, "dur": 10},
               {**kernel, "ts": 5, "dur": 20, "args": {"stream": 7}}, {**kernel, "ts": 0, "dur": 30, "args": {"stream": 9}}]
     got = gpu_check.copy_overlap(events)
     assert (got["copy_us"], got["copy_us_overlapping_compute"], got["overlap_fraction"]) == (20.0, 10.0, 0.5)
+    assert got["compute_streams"] == ["7", "9"] and got["copy_streams"] == ["9"]

@@ -52,11 +52,13 @@ class _Done:
 
 class _Then:
     """A handle that waits for its collectives (possibly none), then runs ``finish`` once
-    (dequantization, the rest of qgZ's steps)."""
+    (dequantization, the rest of qgZ's steps); ``keep`` stays alive until then (tensors in use by
+    work on other streams)."""
 
-    def __init__(self, works: list[Any], finish: Callable[[], None]) -> None:
+    def __init__(self, works: list[Any], finish: Callable[[], None], keep: tuple = ()) -> None:
         self.works: list[Any] = works
         self.finish: Optional[Callable[[], None]] = finish
+        self.keep = keep
 
     def wait(self) -> bool:
         for work in self.works:
@@ -65,6 +67,7 @@ class _Then:
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
+        self.keep = ()
         return True
 
 
@@ -150,10 +153,13 @@ class Collectives:
         self.bytes = CommBytes()
         self.control_group: Optional[dist.ProcessGroup] = None
         if self.world_size > 1:
-            # Only this group's ranks take part, so engines over different sub-groups need not
-            # create their control groups in one global order.
+            # Over the world every rank calls this, so the group's name comes from the global count.
+            # Over a sub-group only its ranks do (engines over different sub-groups need not build
+            # their control groups in one global order); then every rank must have created the
+            # same number of groups before, since a locally synchronised group is named after it.
+            subgroup = self.group is not dist.group.WORLD
             self.control_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
-                                                timeout=timeout, use_local_synchronization=True)
+                                                timeout=timeout, use_local_synchronization=subgroup)
         self.topology = Topology(self.world_size, self.rank, ranks_per_node or self.world_size)
         self.hpz: Optional[Topology] = None
         self._hpz_group: Optional[dist.ProcessGroup] = None
@@ -368,7 +374,9 @@ class Collectives:
                 torch.accelerator.current_stream(self._device).wait_event(chained)
                 dequantize_mine(mine_codes, mine_scales)
 
-            handle = _Then(inter, finish_on_device)
+            # The intra-node leg's buffers were released by NCCL at the chain's wait; the compute
+            # stream frees them only after waiting for the chain (which waited for that leg).
+            handle = _Then(inter, finish_on_device, keep=(codes, scales, recv_codes, recv_scales))
         if not async_op:
             handle.wait()
         return handle

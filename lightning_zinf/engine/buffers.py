@@ -16,9 +16,9 @@ steps, they were 72 MiB of a 4-rank bf16 peak; examples/benchmarks/RESULTS.md):
   so forward's activations and the optimizer step run without them.
 
 On an accelerator the pool does not reuse (``reuse=False``): the caching allocator already keeps
-freed blocks per stream and hands them out again only once the streams that used them (NCCL's
-included, which records its use) have moved past, which a pool outside it would have to redo with
-events. The pool then only accounts the buffers in the ledger.
+freed blocks per stream, and a buffer is given back only after ``wait()`` on the collective that
+used it, issued on its allocation (compute) stream, so the allocator's own reuse is safe. The pool
+then only accounts the buffers in the ledger.
 """
 
 from __future__ import annotations

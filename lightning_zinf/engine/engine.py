@@ -48,7 +48,7 @@ from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
 from lightning_zinf.engine.trace import Tracer
-from lightning_zinf.engine.transfer import Transfers
+from lightning_zinf.engine.transfer import HeldUntilWait, Transfers, resolve_device
 from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
@@ -112,7 +112,8 @@ class ZeroEngine:
         block_classes: Module classes (or class names) whose whole subtree is one unit, e.g. a
             transformer block. Default: each module's own parameters are a unit.
         prefetch: Prefetch and persistence settings.
-        device: Where shards, gathered parameters and gradient shards live (the compute device).
+        device: Where shards, gathered parameters and gradient shards live (the compute device;
+            ``"cuda"`` means the current CUDA device).
         group: The data-parallel process group (default: the world, or one local rank without
             ``torch.distributed``).
         auto_pass: Start a new trace pass at every forward of ``module`` itself. Drivers that call
@@ -168,7 +169,7 @@ class ZeroEngine:
                 "(`module._zinf_engine`) instead of building a second one over empty parameters."
             )
         self.module = module
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.transfers = Transfers(self.device)
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         # torchrun's LOCAL_WORLD_SIZE, where it fits the group (a sub-group may not span whole nodes).
@@ -205,8 +206,9 @@ class ZeroEngine:
         self.peak_gathered_bytes = 0
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []
         self.pool = BufferPool(self.device, self.ledger)
-        self._in_transit: list[FlatGroup] = []
-        self._activation_offload: Optional[ActivationOffload] = None  # gradient slices on their way to host-side shards
+        self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
+        self._activation_offload: Optional[ActivationOffload] = None
+        self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
@@ -258,7 +260,7 @@ class ZeroEngine:
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
-                          transfers=self.transfers)
+                          transfers=self.transfers, pin_shard=self.param_offload is None)
         if self.zero_pp.frozen_bits is not None and not group.trainable:
             # Codes are a fraction of the shard: they stay in memory, not in a swap file.
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
@@ -367,8 +369,12 @@ class ZeroEngine:
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
         self.verify_ranks_agree()
-        if self.offload is not None and self.offload.nvme:
-            self.offload.step(optimizer)  # sub-group by sub-group; the optimizer's own step then has nothing left
+        if self.offload is not None:
+            if self._shard_device != self.device:
+                self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read
+            # Sub-group by sub-group, each one's updated shards copied out while the next steps;
+            # the optimizer's own step then has nothing left.
+            self.offload.step(optimizer)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
@@ -456,7 +462,7 @@ class ZeroEngine:
         return self._activation_offload()
 
     def _is_gathered(self, tensor: Tensor) -> bool:
-        return any(g.holds_storage_of(tensor) for u in self.units if u.state != _RELEASED for g in u.groups)
+        return any(g.holds_storage_of(tensor) for u in self._live.values() for g in u.groups)
 
     def verify_ranks_agree(self) -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
@@ -493,6 +499,7 @@ class ZeroEngine:
         otherwise); ``write_back``: they were modified (a load, an edit), so write them out
         afterwards. For checkpoints and edits: one group at a time keeps memory to one group's state."""
         self._settle()
+        self.transfers.host_wait_h2d()  # the host may write host-tier shards a gather still reads
         groups = self.groups if groups is None else groups
         with contextlib.ExitStack() as stack:
             for group in groups:
@@ -525,8 +532,11 @@ class ZeroEngine:
         """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs): cast
         masters into compute shards, mark gradients consumed, re-gather persistent units."""
         self._settle(boundary=True)
+        if self._shard_device != self.device:
+            self.transfers.host_wait_h2d()  # host-tier shards are rewritten below
         for group in self.groups:
-            rewrites = self.param_offload is not None and group.master is not None and not group.swapped_optimizer
+            # An offloaded optimizer rewrote the shards of what it stepped already (OptimizerOffload.step).
+            rewrites = self.param_offload is not None and group.master is not None and not group.host_state
             if rewrites:
                 self.param_offload.will_overwrite(group)
             group.after_step()
@@ -598,6 +608,7 @@ class ZeroEngine:
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
         unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
         unit.state = _INFLIGHT
+        self._live[unit.index] = unit
         self.ledger.add("gathered", sum(g.gathered_nbytes for g in unit.groups) - before)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.ledger.now["gathered"])
 
@@ -617,6 +628,11 @@ class ZeroEngine:
             if self.comm.hpz is not None and not unit.persistent and group.secondary is None and group.holds_compute:
                 group.keep_secondary()
         if self.param_offload is not None:
+            # The shards' staging buffers go back to the pool: the copies reading them must be done
+            # (waited for on the device only, so far). Issued a unit or more ago, they usually are.
+            for handle in unit.handles:
+                if isinstance(handle, HeldUntilWait):
+                    handle.wait_on_host()
             for group in unit.acquired:
                 self.param_offload.drop(group)
             unit.acquired = []
@@ -679,6 +695,7 @@ class ZeroEngine:
                 self.ledger.add("gathered", -group.gathered_nbytes)
                 group.release()
             unit.state = _RELEASED
+            self._live.pop(unit.index, None)
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using.
@@ -865,10 +882,12 @@ class ZeroEngine:
         index = self._group_index[id(group)]
         if self.offload is not None:
             self.offload.before_accumulate(index)
-        # Landing buffers of an earlier group accumulating onto a previous micro-batch are added
-        # now, so at most one group's are alive (its copy has had a unit's backward to finish).
-        for earlier in self._in_transit:
-            if earlier is not group and earlier.host_adds_pending:
+        # Landing buffers of earlier groups accumulating onto a previous micro-batch are added once
+        # their copies have arrived, without blocking; the host waits only to keep at most
+        # _MAX_LANDING groups' landing buffers alive.
+        landing = [g for g in self._in_transit if g is not group and g.host_adds_pending]
+        for i, earlier in enumerate(landing):
+            if earlier.host_grads_arrived or len(landing) - i >= _MAX_LANDING:
                 earlier.finish_host_grads()
         kept = group.accumulate(buffers[0], got)
         self._in_transit = [g for g in self._in_transit if g.grads_in_transit and g is not group]
@@ -882,6 +901,10 @@ class ZeroEngine:
             self.pool.forget(buffers[0])
         for buffer in buffers[1:] if kept else buffers:
             self.pool.give(buffer)
+
+
+#: Groups whose gradient slices may wait in landing buffers for their host-side add at once.
+_MAX_LANDING = 2
 
 
 class _Use:

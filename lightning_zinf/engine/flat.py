@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.transfer import HeldUntilWait, Transfers
+from lightning_zinf.engine.transfer import Transfers
 from triton_kernels import dequantize, quantize
 
 __all__ = ["FlatGroup", "SHARD_ALIGN"]
@@ -60,8 +60,9 @@ class FlatGroup:
             (default: the parameters' dtype).
         reduce_dtype: Dtype of the gradient reduce-scatter (default: fp32).
         ledger: Where the bytes of the buffers this group allocates are accounted (optional).
-        transfers: The device's copy stream (default: one of its own). Host-side shards and
+        transfers: The device's copy streams (default: their own). Host-side shards and
             gradient shards are page-locked when it overlaps copies.
+        pin_shard: Page-lock a host-side shard (``False`` when it moves into NVMe staging memory at once).
 
     Attributes:
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the storage dtype.
@@ -97,6 +98,7 @@ class FlatGroup:
         reduce_dtype: torch.dtype = torch.float32,
         ledger: Optional[MemoryLedger] = None,
         transfers: Optional[Transfers] = None,
+        pin_shard: bool = True,
     ) -> None:
         self.names = names
         self.params = params
@@ -122,8 +124,10 @@ class FlatGroup:
             source = torch.cat([p.detach().reshape(-1) for p in params])
         start, stop = self.shard_start, min(self.shard_start + self.shard_numel, self.numel)
         shard_device = shard_device or device
-        self.shard = (self.transfers.host_zeros(self.shard_numel, self.dtype) if shard_device != device
-                      else torch.zeros(self.shard_numel, dtype=self.dtype, device=device))
+        if shard_device != device and pin_shard:
+            self.shard = self.transfers.host_zeros(self.shard_numel, self.dtype)
+        else:
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=shard_device)
         if stop > start:
             self.shard[: stop - start].copy_(source[start:stop])
         self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
@@ -201,23 +205,25 @@ class FlatGroup:
             return self.comm.all_gather_secondary(target, self.secondary, async_op=True)
         stored = self.codes if self.codes is not None else self.shard
         if stored.device == self.device:
-            return self._gather_from_stored(target, quantized and not read)
+            return self._gather_from_stored(target, quantized and not read)[0]
         # Offloaded to host memory: copy it over on the copy stream and gather from there, so that
         # neither the host nor the compute stream waits for the copy; only the consumer does, when
-        # it waits on the handle. What was staged on the copy stream lives until then.
+        # it waits on the handle (one rank's "gather" is a copy on the copy stream, and qwZ's
+        # dequantization runs on the compute stream: the handle orders both after the copy
+        # stream). What was staged on the copy stream lives until then.
         with self.transfers.on_copy_stream():
-            return self._gather_from_stored(target, quantized and not read)
+            handle, staged = self._gather_from_stored(target, quantized and not read)
+        return self.transfers.hold(handle, *staged)
 
-    def _gather_from_stored(self, target: Tensor, quantized: bool) -> Handle:
+    def _gather_from_stored(self, target: Tensor, quantized: bool) -> tuple[Handle, tuple[Tensor, ...]]:
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
             codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
-            handle = self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True)
-            return HeldUntilWait(handle, codes, scales)
+            return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
         shard = self.transfers.to_device(self.shard)
         if quantized:
-            return HeldUntilWait(self.comm.all_gather_quantized(target, shard, async_op=True), shard)
+            return self.comm.all_gather_quantized(target, shard, async_op=True), (shard,)
         shard = shard.to(target.dtype)
-        return HeldUntilWait(self.comm.all_gather(target, shard, async_op=True), shard)
+        return self.comm.all_gather(target, shard, async_op=True), (shard,)
 
     def keep_secondary(self) -> None:
         """hpZ (ZeRO++ §3.2): keep this rank's secondary partition, its ``1/P`` of the gathered
@@ -241,8 +247,14 @@ class FlatGroup:
         if self.trainable:
             raise ValueError(f"store_quantized: {self.names[0]}... is trainable; only frozen groups are stored quantized.")
         self.code_format = (bits, block)
-        self.codes, self.scales = quantize(self.shard, bits, block)
+        self._set_codes(*quantize(self.shard, bits, block))
         self.shard = self.shard.new_empty(0)
+
+    def _set_codes(self, codes: Tensor, scales: Tensor) -> None:
+        # Host-side codes are copied to the device at every gather: page-locked, without blocking.
+        if self.transfers.overlapped and codes.device.type == "cpu":
+            codes, scales = codes.pin_memory(), scales.pin_memory()
+        self.codes, self.scales = codes, scales
 
     @contextmanager
     def shard_resident(self, write_back: bool) -> Iterator[None]:
@@ -257,7 +269,7 @@ class FlatGroup:
         try:
             yield
             if write_back:
-                self.codes, self.scales = quantize(self.shard, bits, block)
+                self._set_codes(*quantize(self.shard, bits, block))
                 self.drop_secondary()
         finally:
             self.shard = self.shard.new_empty(0)
@@ -307,7 +319,7 @@ class FlatGroup:
         """
         if self.master is None:
             self.state_device = state_device or self.device
-            self.host_state = separate and self.state_device.type == "cpu"
+            self.host_state = state_device is not None and state_device.type == "cpu"  # the optimizer offloaded
             if self.dtype == torch.float32 and not separate and self.state_device == self.device:
                 self.master = self.shard
             else:
@@ -334,13 +346,13 @@ class FlatGroup:
         return ranges
 
     def after_step(self) -> None:
-        """Cast the stepped fp32 master back into the compute-dtype shard; the gradients are
-        consumed (the next backward starts a fresh accumulation, as after ``zero_grad``). The hpZ
-        secondary partition, now stale, is dropped."""
+        """Cast the stepped fp32 master back into the compute-dtype shard (unless the optimizer is
+        offloaded: :class:`~lightning_zinf.offload.optimizer.OptimizerOffload` copies each group as
+        it steps it); the gradients are consumed (the next backward starts a fresh accumulation, as
+        after ``zero_grad``). The hpZ secondary partition, now stale, is dropped."""
         self.drop_secondary()
-        if self.master is not None and self.master is not self.shard and not self.swapped_optimizer:
-            # From a host-side master: queued on the copy stream; the engine orders compute after it.
-            self.transfers.copy_to_device(self.shard, self.master)
+        if self.master is not None and self.master is not self.shard and not self.host_state:
+            self.shard.copy_(self.master)  # an offloaded optimizer copies as it steps (OptimizerOffload)
         self._consumed = True
 
     def free_consumed_grads(self) -> None:
@@ -514,6 +526,11 @@ class FlatGroup:
     def grads_in_transit(self) -> bool:
         """Gradient slices are on their way to the host-side gradient shard (:meth:`finish_host_grads`)."""
         return self._to_host is not None or bool(self._host_adds)
+
+    @property
+    def host_grads_arrived(self) -> bool:
+        """The copies towards the host-side gradient shard have completed (no host wait)."""
+        return self._to_host is None or self._to_host.query()
 
     @property
     def host_adds_pending(self) -> bool:

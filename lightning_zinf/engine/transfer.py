@@ -11,25 +11,44 @@ Device-agnostic (``torch.Stream``, ``torch.Event``, ``torch.accelerator``). With
 device there is nothing to overlap: every method makes the same calls synchronously, with no
 stream and no events, so the call sites run in CI exactly as they do on an accelerator.
 
+Two copy streams, one per direction (PCIe is full duplex): activations and gradients going to the
+host do not queue in front of the shards that the next units need.
+
 Memory safety, as the caching allocators see it:
 
-- the copy stream first waits for the work queued so far on the compute stream, so a device buffer
-  the compute stream freed (a released unit) is never overwritten under its pending kernels;
-- a device tensor read by the copy stream is recorded on it (``record_stream``), so the allocator
+- a copy stream first waits for the work queued so far on the compute stream. That protects
+  destinations the compute stream allocated (a gather buffer, a device shard, an activation coming
+  back), and makes it safe to reuse a copy-stream block freed after a compute-side ``wait()``
+  (NCCL holds the tensors of an asynchronous collective until ``wait()``, then the compute stream,
+  not the copy stream, is ordered after it);
+- a device tensor read by a copy stream is recorded on it (``record_stream``), so the allocator
   does not hand its memory out again before the copy is done;
 - a page-locked host tensor used by a non-blocking copy is kept by torch's caching host allocator
-  until that copy's event completes, so a transient staging buffer may be dropped right away.
+  until that copy's event completes, so a transient staging buffer may be dropped right away. That
+  allocator rounds every block up to a power of two: page-locked host memory can be up to twice
+  the bytes asked for (DeepSpeed's and FSDP2's ``pin_memory()`` buffers come from it too);
+- the host writes into a page-locked buffer that a copy may still read (a host-tier shard) only
+  after :meth:`Transfers.host_wait_h2d`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["HeldUntilWait", "Transfers"]
+__all__ = ["HeldUntilWait", "Transfers", "resolve_device"]
+
+
+def resolve_device(device: "torch.device | str") -> torch.device:
+    """``device`` with its index: an accelerator given without one (``"cuda"``) is the current
+    device of its type, so that comparisons with tensors' devices (``cuda:0``) hold."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        return torch.device(device.type, torch.accelerator.current_device_index())
+    return device
 
 
 class Transfers:
@@ -39,14 +58,16 @@ class Transfers:
         device: The compute device. On ``cpu`` copies are synchronous and no stream exists.
 
     Attributes:
-        overlapped: Whether copies run on a copy stream (an accelerator device).
-        stream: The copy stream, ``None`` on the CPU.
+        overlapped: Whether copies run on copy streams (an accelerator device).
+        h2d: The stream of copies to the device (and collectives that read them), ``None`` on the CPU.
+        d2h: The stream of copies to the host, ``None`` on the CPU.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.overlapped = self.device.type != "cpu"
-        self.stream: Optional[torch.Stream] = torch.Stream(device=self.device) if self.overlapped else None
+        self.h2d: Optional[torch.Stream] = torch.Stream(device=self.device) if self.overlapped else None
+        self.d2h: Optional[torch.Stream] = torch.Stream(device=self.device) if self.overlapped else None
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A 1-D host tensor of ``numel`` elements of ``dtype``, page-locked when copies overlap."""
@@ -57,24 +78,34 @@ class Transfers:
         return self.host_empty(numel, dtype).zero_()
 
     @contextmanager
-    def on_copy_stream(self) -> Iterator[None]:
+    def on_copy_stream(self, stream: Optional[torch.Stream] = None) -> Iterator[None]:
         """Queue the block's device work (copies, and collectives that read what they copied) on
-        the copy stream, after the work queued on the compute stream so far. Memory allocated inside
-        belongs to the copy stream: keep such tensors alive until a consumer has waited for them."""
-        if self.stream is None:
+        ``stream`` (default :attr:`h2d`), after the work queued on the compute stream so far.
+        Memory allocated inside belongs to that stream: keep such tensors alive until a consumer
+        has waited for them."""
+        stream = stream or self.h2d
+        if stream is None:
             yield
             return
-        self.stream.wait_stream(torch.accelerator.current_stream(self.device))
-        with self.stream:
+        stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with stream:
             yield
 
-    def record(self) -> Optional[torch.Event]:
-        """An event after everything queued on the copy stream so far (``None`` on the CPU)."""
-        if self.stream is None:
+    def record(self, stream: Optional[torch.Stream] = None) -> Optional[torch.Event]:
+        """An event after everything queued so far on ``stream`` (default :attr:`h2d`); ``None``
+        on the CPU."""
+        stream = stream or self.h2d
+        if stream is None:
             return None
         event = torch.Event(device=self.device)
-        event.record(self.stream)
+        event.record(stream)
         return event
+
+    def host_wait_h2d(self) -> None:
+        """Block the host until every copy to the device has completed: before the host writes
+        into page-locked memory such a copy may read (host-tier shards: a step, a load, an edit)."""
+        if self.h2d is not None:
+            self.h2d.synchronize()
 
     def wait_on_device(self, event: Optional[torch.Event]) -> None:
         """Make the compute stream wait for ``event`` (the host does not wait)."""
@@ -86,6 +117,12 @@ class Transfers:
         """Block the host until ``event`` has completed."""
         if event is not None:
             event.synchronize()
+
+    def hold(self, handle: Any, *staged: Tensor) -> HeldUntilWait:
+        """Wrap the handle of work just issued inside :meth:`on_copy_stream` (a collective, or one
+        rank's local copy): its ``wait()`` orders the compute stream after the copy stream first,
+        and ``staged`` stays alive until then."""
+        return HeldUntilWait(handle, staged, self.record(), self)
 
     def to_device(self, host: Tensor) -> Tensor:
         """``host`` copied to the device; call inside :meth:`on_copy_stream`. Non-blocking when
@@ -100,8 +137,8 @@ class Transfers:
         Returns:
             The copy's event: the compute stream must :meth:`wait_on_device` it before reading ``dst``.
         """
-        if not self.overlapped or dst.device.type == "cpu":
-            dst.copy_(src)
+        if not self.overlapped or dst.device.type == "cpu" or src.device.type != "cpu":
+            dst.copy_(src)  # nothing crosses to the device, or the source is on the device already
             return None
         staged = self.host_empty(src.numel(), dst.dtype).copy_(src.reshape(-1))
         with self.on_copy_stream():
@@ -110,30 +147,52 @@ class Transfers:
 
     def copy_to_host(self, dst: Tensor, src: Tensor) -> Optional[torch.Event]:
         """Copy the device tensor ``src`` into the host tensor ``dst`` (page-locked, same shape) on
-        the copy stream, after the compute stream's work so far; ``src`` may be freed as soon as
-        this returns. From a host tensor: a plain copy.
+        the :attr:`d2h` stream, after the compute stream's work so far; ``src`` may be freed as soon
+        as this returns. From a host tensor: a plain copy.
 
         Returns:
-            The copy's event: the host must :meth:`wait_on_host` it before reading ``dst``.
+            The copy's event: the host must :meth:`wait_on_host` it before reading ``dst``, and a
+            copy of ``dst`` back to the device must wait for it (:meth:`to_device_after`).
         """
         if not self.overlapped or src.device.type == "cpu":
             dst.copy_(src)
             return None
-        with self.on_copy_stream():
+        with self.on_copy_stream(self.d2h):
             dst.copy_(src, non_blocking=True)
-        src.record_stream(self.stream)
-        return self.record()
+        src.record_stream(self.d2h)
+        return self.record(self.d2h)
+
+    def to_device_after(self, host: Tensor, event: Optional[torch.Event]) -> Tensor:
+        """``host`` (page-locked, written by the copy ``event`` ends) back on the device, in memory of
+        the compute stream, which waits for the copy on the device (the host does not wait)."""
+        out = torch.empty(host.size(), dtype=host.dtype, device=self.device)
+        with self.on_copy_stream():
+            if event is not None:
+                self.h2d.wait_event(event)
+            out.copy_(host, non_blocking=True)
+        self.wait_on_device(self.record())
+        return out
 
 
 class HeldUntilWait:
-    """A collective's handle that also keeps tensors alive (staged on the copy stream) until its
-    ``wait()``, after which the compute stream is ordered after the collective."""
+    """The handle of work issued on the copy stream (:meth:`Transfers.hold`): ``wait()`` orders the
+    compute stream after the copy stream's work up to the issue (on the device), then waits on the
+    collective's own handle; the tensors staged for it stay alive until then."""
 
-    def __init__(self, handle, *tensors: Tensor) -> None:
+    def __init__(self, handle: Any, tensors: tuple[Tensor, ...], event: Optional[torch.Event],
+                 transfers: Transfers) -> None:
         self.handle = handle
-        self.tensors: tuple[Tensor, ...] = tensors
+        self.tensors = tensors
+        self.event = event
+        self.transfers = transfers
 
     def wait(self) -> bool:
+        self.transfers.wait_on_device(self.event)
         self.handle.wait()
         self.tensors = ()
         return True
+
+    def wait_on_host(self) -> None:
+        """Block the host until the copy stream's work up to the issue is done (before memory the
+        copies read, such as an NVMe staging buffer, is reused)."""
+        self.transfers.wait_on_host(self.event)

@@ -5,9 +5,15 @@ Unlike ``torch.autograd.graph.save_on_cpu``, which moves every saved tensor, ten
 parameters or views of a gathered parameter buffer stay where they are: under ZeRO their unit is
 released after forward and gathered again for backward, so the saved view is valid again when
 backward reads it, and copying it would move every weight of the model to the host and back each
-step. The copies run on the copy stream (:class:`~lightning_zinf.engine.transfer.Transfers`) into
-page-locked memory, so forward does not wait for them; a tensor comes back in backward through the
-same stream, and compute waits for it on the device, not on the host.
+step. The copies to the host run on the device-to-host copy stream
+(:class:`~lightning_zinf.engine.transfer.Transfers`) into page-locked memory, so forward neither
+waits for them nor delays the parameter copies going the other way. A tensor comes back when
+backward asks for it, through the host-to-device stream, and compute waits for it on the device,
+not on the host; that copy is not started ahead of backward (as with ``save_on_cpu``), so its time
+is exposed. A non-contiguous saved tensor is copied dense, and views of one tensor saved twice are
+copied twice (as with ``save_on_cpu``). Under a user's own ``autocast`` over fp32 weights the weight
+casts are new tensors, so they are copied; the strategy gathers weights in the compute dtype, so
+autocast makes no such casts there.
 """
 
 from __future__ import annotations
@@ -54,27 +60,21 @@ class ActivationOffload:
             isinstance(tensor, nn.Parameter)
             or tensor.layout != torch.strided
             or tensor.numel() == 0
-            or (self.transfers.overlapped and tensor.device.type == "cpu")
+            or (self.transfers.overlapped and tensor.device != self.transfers.device)  # host, or another device
             or self.is_gathered(tensor)
         )
         if keep:
             self.kept += 1
             return tensor
         host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=self.transfers.overlapped)
-        self.transfers.copy_to_host(host, tensor)
+        copied = self.transfers.copy_to_host(host, tensor)
         self.copied_bytes += host.numel() * host.element_size()
-        return tensor.device, host
+        return host, copied
 
     def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        device, host = packed
-        if device.type == "cpu":
+        host, copied = packed
+        if not self.transfers.overlapped:
             return host
-        # Allocated on the compute stream, which reads it; the copy stream writes it after the
-        # compute stream's work so far, and the compute stream waits for the copy.
-        out = torch.empty(host.size(), dtype=host.dtype, device=device)
-        with self.transfers.on_copy_stream():
-            out.copy_(host, non_blocking=True)
-        self.transfers.wait_on_device(self.transfers.record())
-        return out
+        return self.transfers.to_device_after(host, copied)

@@ -144,20 +144,30 @@ class OptimizerOffload:
         return total
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Step ``optimizer`` sub-group by sub-group with swapping (``nvme``). Its fragments get
-        their ``.grad`` only while their sub-group is in memory, so its own (hooked) step that
-        follows finds no gradient and does nothing. Outside the step ``.grad`` stays ``None``:
+        """Step ``optimizer`` sub-group by sub-group (``sub_group_size`` elements at most), and
+        copy each sub-group's updated masters into the compute shards as soon as it is stepped: on
+        an accelerator those copies run on the copy stream while the next sub-group steps
+        (ZeRO-Infinity §6.2). Stepped fragments lose their ``.grad`` (the gradient shard is
+        consumed), so the optimizer's own (hooked) step that follows finds none and does nothing.
+
+        ``nvme``: each sub-group is swapped in for its step and out after it; its fragments get
+        their ``.grad`` only while it is in memory. Outside the step ``.grad`` stays ``None``:
         code between backward and step cannot read offloaded gradients (nor unscale them, hence
-        no fp16 loss scaling with NVMe optimizer offload).
+        no fp16 loss scaling with NVMe optimizer offload). ``cpu``: the gradients are exposed after
+        backward as without offload (clipping and loss scaling read them there).
 
         The user's optimizer does the arithmetic: its step function runs on the resident fragments
         only (its param groups restricted for the call), so its hyper-parameters, LR schedule and
         state layout are unchanged.
         """
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+        def has_grad(group: FlatGroup) -> list[bool]:
+            return group.exposed if self.nvme else [f.grad is not None for f in group.fragments]
+
         todo = [
             i for i in self.trainable
-            if any(id(f) in owned and has for f, has in zip(self.groups[i].fragments, self.groups[i].exposed))
+            if any(id(f) in owned and has for f, has in zip(self.groups[i].fragments, has_grad(self.groups[i])))
         ]
         subgroups = self._subgroups(todo)
         raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
@@ -165,7 +175,8 @@ class OptimizerOffload:
             self._bring_in(members)  # what the read ahead left out, if anything
             for i in members:
                 self._settle_group(i)
-                self.groups[i].attach_grads(owned)
+                if self.nvme:
+                    self.groups[i].attach_grads(owned)
             if self.config.overlap and k + 1 < len(subgroups):
                 self._bring_in(subgroups[k + 1], ahead=True)
             fragments = {
@@ -250,6 +261,8 @@ class OptimizerOffload:
             group.transfers.copy_to_device(group.shard, group.master)
         if self.params is not None:
             self.params.changed(group)
+        if not self.nvme:
+            return
         self._collect_states(optimizer, i)  # states the optimizer created in this step, if any
         self._masters[i].swap_out()
         for state in self._states.get(i, []):
