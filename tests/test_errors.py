@@ -64,7 +64,7 @@ class _NoReset(nn.Module):
 def test_meta_module_without_reset_parameters() -> None:
     with meta_parameters():
         model = nn.Sequential(nn.Linear(4, 4), _NoReset())
-    with pytest.raises(ValueError, match=r"Module '1' \(_NoReset\).*no `reset_parameters\(\)`.*scale"):
+    with pytest.raises(ValueError, match=r"Module '1' \(_NoReset\).*no initialisation route.*\(scale\).*no `reset_parameters\(\)`"):
         ZeroEngine(model)
 
 

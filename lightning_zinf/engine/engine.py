@@ -46,7 +46,8 @@ from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
-from lightning_zinf.engine.partition import UnitSpec, init_rng_state, materialize, parameter_slots, plan_units
+from lightning_zinf.engine.partition import (UnitSpec, init_rng_state, materialize, parameter_slots, parent_modules,
+                                             plan_units)
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import HeldUntilWait, Transfers, resolve_device
 from lightning_zinf.offload.activations import ActivationOffload
@@ -231,6 +232,8 @@ class ZeroEngine:
         on_meta = any(p.is_meta for spec in specs for _, p in spec.params)
         names = {m: n for n, m in self.module.named_modules()}
         slots = parameter_slots(self.module) if on_meta else {}
+        parents = parent_modules(self.module) if on_meta else {}
+        built_real = frozenset(id(p) for p in self.module.parameters() if not p.is_meta)
         shapes = {id(p): p.shape for p in self.module.parameters()}
         own_rng = torch.get_rng_state()
         if on_meta:
@@ -239,9 +242,13 @@ class ZeroEngine:
         units = []
         try:
             for index, spec in enumerate(specs):
+                # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
+                # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
+                real = {id(p) for _, p in spec.params if not p.is_meta}
                 if on_meta:
-                    materialize(spec, names, slots, shapes)
-                groups = [self._flat_group(members, not on_meta) for members in _split_by_kind(spec.params)]
+                    materialize(spec, names, slots, shapes, parents, built_real)
+                groups = [self._flat_group(members, any(id(p) in real for _, p in members))
+                          for members in _split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold
                 units.append(Unit(index, spec.name, groups, persistent))
         finally:
@@ -253,9 +260,7 @@ class ZeroEngine:
         params = [p for _, p in members]
         source = torch.cat([p.detach().reshape(-1) for p in params]).to(self.device)
         if from_rank0:
-            # Ranks must shard identical values: rank 0's, as DDP broadcasts them at construction.
-            # Materialised units need no broadcast: every rank drew them from rank 0's RNG state.
-            self.comm.broadcast(source)
+            self.comm.broadcast(source)  # ranks must shard identical values
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self._shard_device,
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),

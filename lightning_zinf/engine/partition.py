@@ -3,15 +3,17 @@
 ZeRO-Infinity §7 ("ease of use"): partitioning happens at model construction, with no change to
 the model's code. Inside :func:`meta_parameters` every parameter a module registers is moved to the
 meta device (no memory), while buffers stay real. :func:`materialize` later initialises the
-parameters one unit at a time by calling each module's ``reset_parameters()`` on the CPU, so the
-engine can shard a unit before the next one exists.
+parameters one unit at a time on the CPU, each module by its library's route (PEFT's LoRA init, a
+``transformers`` model's own ``_init_weights``, torch's ``reset_parameters()``), so the engine can
+shard a unit before the next one exists. Parameters that were real when the model was built keep
+their values.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -19,7 +21,7 @@ from torch import nn
 from lightning_zinf.tiling import LinearTile
 
 __all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "parameter_slots",
-           "resolve_block_classes", "matches_classes"]
+           "parent_modules", "resolve_block_classes", "matches_classes"]
 
 
 @dataclass
@@ -207,16 +209,80 @@ def init_rng_state(specs: list[UnitSpec]) -> Optional[torch.Tensor]:
     return None
 
 
-def _reset(module: nn.Module, module_name: str) -> None:
-    reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-    if reset is None:
-        raise ValueError(
-            f"Module '{module_name or '<root>'}' ({type(module).__name__}) was built on the meta device "
-            "(inside `configure_model`) but has no `reset_parameters()` to initialise its parameters "
-            f"({', '.join(n for n, p in module._parameters.items() if p is not None)}). Add a "
-            "`reset_parameters()` method that initialises them, or build this module in `__init__`."
-        )
-    reset()
+def _peft_route(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> Optional[Callable[[], None]]:
+    """PEFT's own init of a LoRA adapter (``lora_A``/``lora_B``...): ``reset_lora_parameters`` of
+    the LoRA layer that holds ``module`` in one of its adapter dicts, with the adapter's
+    ``init_lora_weights`` from the nearest ``peft_config`` (zeros for ``lora_B`` by default)."""
+    holder = parents.get(module)
+    layer = parents.get(holder) if holder is not None else None
+    if layer is None or not hasattr(layer, "reset_lora_parameters") or not isinstance(holder, nn.ModuleDict):
+        return None
+    adapter = next((key for key, child in holder.items() if child is module), None)
+    if adapter is None:
+        return None
+    init_lora_weights = True
+    ancestor = layer
+    while ancestor is not None:
+        config = getattr(ancestor, "peft_config", None)
+        if isinstance(config, dict) and adapter in config:
+            init_lora_weights = getattr(config[adapter], "init_lora_weights", True)
+            break
+        ancestor = parents.get(ancestor)
+    return lambda: layer.reset_lora_parameters(adapter, init_lora_weights)
+
+
+def _library_model(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> Optional[nn.Module]:
+    """The nearest ``transformers`` model at or above ``module`` (it has a ``config`` and the
+    per-module init routine ``_init_weights``)."""
+    node: Optional[nn.Module] = module
+    while node is not None:
+        if callable(getattr(node, "_init_weights", None)) and hasattr(node, "config"):
+            return node
+        node = parents.get(node)
+    return None
+
+
+def _initialize(module: nn.Module, module_name: str, parents: dict[nn.Module, nn.Module]) -> None:
+    """Initialise ``module``'s own parameters (freshly materialised, filled with NaN) by the first
+    route that leaves none of them NaN: PEFT's LoRA init, the enclosing ``transformers`` model's
+    ``_init_weights(module)`` (what its ``post_init`` applies to every module, e.g. normal(0,
+    ``initializer_range``) for a Linear, ones for an RMSNorm), then ``reset_parameters()``.
+
+    Raises:
+        ValueError: no route initialises every parameter; names the module and the fix.
+    """
+    own = [p for p in module._parameters.values() if p is not None]
+
+    def done() -> bool:
+        return not any(p.isnan().any() for p in own if p.is_floating_point())
+
+    library = _library_model(module, parents)
+    routes = [
+        _peft_route(module, parents),
+        (lambda: library._init_weights(module)) if library is not None else None,
+        getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None),
+    ]
+    for route in routes:
+        if route is not None:
+            route()
+            if done():
+                return
+    raise ValueError(
+        f"Module '{module_name or '<root>'}' ({type(module).__name__}) was built on the meta device "
+        "(inside `configure_model`) but no initialisation route sets its parameters "
+        f"({', '.join(n for n, p in module._parameters.items() if p is not None)}): it has no "
+        "`reset_parameters()`, and no enclosing `transformers` model's `_init_weights` or PEFT "
+        "LoRA layer initialises it. Add a `reset_parameters()` method, or build this module in `__init__`."
+    )
+
+
+def parent_modules(root: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Every submodule of ``root`` -> the module that holds it (the first, if shared)."""
+    parents: dict[nn.Module, nn.Module] = {}
+    for module in root.modules():
+        for child in module.children():
+            parents.setdefault(child, module)
+    return parents
 
 
 def materialize(
@@ -224,8 +290,11 @@ def materialize(
     names: dict[nn.Module, str],
     slots: dict[int, list[tuple[nn.Module, str]]],
     shapes: dict[int, torch.Size],
+    parents: Optional[dict[nn.Module, nn.Module]] = None,
+    built_real: frozenset[int] = frozenset(),
 ) -> None:
-    """Give a unit's meta parameters real CPU memory and initialise them with ``reset_parameters()``.
+    """Give a unit's meta parameters real CPU memory and initialise them by their library's
+    route (:func:`_initialize`); real parameters keep their values.
 
     Each meta parameter is replaced by a new ``nn.Parameter`` in every module that registers it
     (``slots``: parameter id -> ``(module, name)`` pairs) and in ``spec.params``; ``shapes`` holds
@@ -233,35 +302,53 @@ def materialize(
     already released to an empty tensor when a later module is reset); no optimizer can
     hold the old object yet, since the model has not been set up. Modules are reset in
     ``modules()`` order, which for ordinary models is construction order, so the random stream is
-    consumed as eager construction would consume it. A parameter shared with a unit materialised
-    earlier is swapped for a scratch tensor during the reset (so the reset draws the same random
-    numbers without overwriting it).
+    consumed as eager construction would consume it. A module whose parameters were all real when
+    the model was built (ids in ``built_real``: built in ``__init__`` with their values) is not
+    initialised at all. Any other is, with its parameters other than this unit's fresh ones (real
+    ones, and those shared with a unit materialised earlier) swapped for scratch tensors, so the
+    route draws the same random numbers without overwriting them.
 
     Raises:
-        ValueError: a module with meta parameters has no ``reset_parameters()``.
+        ValueError: a module with meta parameters has no initialisation route (:func:`_initialize`).
     """
+    parents = parents if parents is not None else {}
     own = {id(p) for _, p in spec.params}
     replaced: dict[int, nn.Parameter] = {}
+    materialized: set[int] = set()
     for module in spec.modules:
         params = {n: p for n, p in module._parameters.items() if p is not None}
-        if not params:
-            continue
+        fresh: set[int] = set()
         for p in params.values():
             if p.is_meta and id(p) in own:
-                real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"), p.requires_grad)
+                real = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device="cpu")
+                                    if p.is_floating_point() else torch.zeros(p.shape, dtype=p.dtype), p.requires_grad)
                 for owner, name in slots[id(p)]:
                     owner._parameters[name] = real
                 replaced[id(p)] = real
                 own.add(id(real))
+                fresh.add(id(real))
                 shapes[id(real)] = p.shape
-        foreign = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in own}
-        for n, p in foreign.items():
-            module._parameters[n] = nn.Parameter(torch.empty(shapes[id(p)], dtype=p.dtype), p.requires_grad)
+        materialized |= fresh
+        if not params or all(id(p) in built_real for p in params.values()):
+            continue  # built with real values: they stay
+        kept = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in fresh}
+        for n, p in kept.items():
+            module._parameters[n] = nn.Parameter(torch.zeros(shapes.get(id(p), p.shape), dtype=p.dtype), p.requires_grad)
         try:
             with torch.no_grad():
-                _reset(module, names[module])
+                _initialize(module, names[module], parents)
         finally:
-            module._parameters.update(foreign)
+            module._parameters.update(kept)
+    # A transformers model's init also acts on modules without parameters of their own (GPT-2
+    # rescales the c_proj weights of each attention and MLP by 1/sqrt(2 n_layer)): after their
+    # children, as its post_init applies it, where every parameter below is one just initialised.
+    for module in reversed(spec.modules):
+        below = list(module.parameters())
+        library = _library_model(module, parents)
+        if (library is not None and not any(p is not None for p in module._parameters.values()) and below
+                and all(id(p) in materialized for p in below)):
+            with torch.no_grad():
+                library._init_weights(module)
     spec.params = [(n, replaced.get(id(p), p)) for n, p in spec.params]
 
 

@@ -1,0 +1,183 @@
+"""Models built on the meta device (``configure_model``) get their library's own initialisation,
+and values that were real at construction are never overwritten.
+
+References are independent of the engine: the same ``transformers`` model built eagerly (its
+``post_init`` applies ``_init_weights`` to every module), and the base model's own forward.
+"""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from lightning_zinf import PrefetchConfig, ZeroEngine
+from lightning_zinf.engine.partition import meta_parameters
+
+
+def _llama_config():
+    return transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+
+
+def _gathered(model: nn.Module, engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _stats_match(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Same distribution: exact where the init is deterministic (norms, biases), else mean and
+    std within sampling error of the eager values."""
+    if want.std() == 0:
+        assert torch.equal(got, want), name
+        return
+    n = want.numel()
+    assert abs(got.mean() - want.mean()) < 6 * want.std() / n**0.5, name
+    assert abs(got.std() / want.std() - 1) < 6 / (2 * n) ** 0.5, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_transformers_model_built_on_meta_gets_its_own_init(arch: str) -> None:
+    """A Llama (``LlamaRMSNorm`` has no ``reset_parameters``) and a GPT-2 (``Conv1D``, tied
+    embeddings, c_proj scaled by 1/sqrt(2 n_layer) at the block level) built on the meta device
+    come out with the parameter distributions of the same model built eagerly."""
+    if arch == "llama":
+        config, cls = _llama_config(), transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(vocab_size=512, n_embd=256, n_layer=3, n_head=4, n_positions=64)
+        cls = transformers.GPT2LMHeadModel
+    torch.manual_seed(0)
+    eager = cls(config)
+    with meta_parameters():
+        model = cls(config)
+    block = ["LlamaDecoderLayer"] if arch == "llama" else ["GPT2Block"]
+    engine = ZeroEngine(model, block_classes=block, prefetch=PrefetchConfig(persistence_threshold=0))
+    got = _gathered(model, engine)
+    want = dict(eager.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        _stats_match(got[name], value.detach(), name)
+    if arch == "gpt2":
+        assert model.lm_head.weight is model.transformer.wte.weight
+        c_proj = got["transformer.h.0.attn.c_proj.weight"].std()
+        assert abs(c_proj / (0.02 / (2 * 3) ** 0.5) - 1) < 0.05
+    tokens = torch.randint(0, 512, (2, 16))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_peft_lora_added_on_meta_keeps_the_real_base_and_peft_init() -> None:
+    """The base model built with real values (``__init__``, or loaded), LoRA adapters added by
+    ``get_peft_model`` inside the meta context (``configure_model``): the base weights are
+    partitioned from their values, bit for bit; ``lora_B`` is PEFT's zeros and ``lora_A`` PEFT's
+    kaiming-uniform, so step 0 computes exactly the base model's logits."""
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(_llama_config())
+    with torch.no_grad():  # values no init route would produce
+        for p in base.parameters():
+            p.add_(0.5)
+    original = {n: p.detach().clone() for n, p in base.named_parameters()}
+    tokens = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        want_logits = base(input_ids=tokens).logits
+    with meta_parameters():
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert any(p.is_meta for p in model.parameters())
+    engine = ZeroEngine(model, block_classes=["LlamaDecoderLayer"], prefetch=PrefetchConfig(persistence_threshold=0))
+    got = _gathered(model, engine)
+    prefix = "base_model.model."
+    for name, value in original.items():
+        key = prefix + name.replace(".q_proj.", ".q_proj.base_layer.").replace(".v_proj.", ".v_proj.base_layer.")
+        assert torch.equal(got[key], value), key
+    lora_a = [v for n, v in got.items() if "lora_A" in n]
+    lora_b = [v for n, v in got.items() if "lora_B" in n]
+    assert len(lora_a) == len(lora_b) == 4
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in lora_b)
+    bound = 1 / lora_a[0].shape[1] ** 0.5  # kaiming_uniform(a=sqrt(5)) on (r, in): U(-1/sqrt(in), 1/sqrt(in))
+    assert all(a.abs().max() <= bound and a.std() > bound / 3 for a in lora_a)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, want_logits)
+
+
+def test_real_module_beside_meta_modules_keeps_its_values() -> None:
+    """In a model mixing real and meta modules only the meta ones are initialised (a meta
+    parameter that no route initialises is an error naming its module: test_errors.py)."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.real = nn.Linear(8, 8)
+
+    torch.manual_seed(0)
+    model = Mixed()
+    before = model.real.weight.detach().clone()
+    with meta_parameters():
+        model.added = nn.Linear(8, 4)
+    ZeroEngine(model)
+    assert not any(p.is_meta for p in model.parameters())
+    engine = model._zinf_engine
+    with engine.gathered():
+        assert torch.equal(model.real.weight, before)
+        assert not model.added.weight.isnan().any() and model.added.weight.std() > 0
+
+
+def _lora_through_the_trainer(rank: int, world: int) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.base = transformers.LlamaForCausalLM(_llama_config())
+            self.model: nn.Module | None = None
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = peft.get_peft_model(self.base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+        def _loss(self, batch):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def training_step(self, batch, batch_idx):
+            loss = self._loss(batch)
+            self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self._loss(batch), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+        def train_dataloader(self):
+            tokens = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(1))
+            return DataLoader(TensorDataset(tokens[rank::world]), batch_size=8 // world)
+
+        val_dataloader = train_dataloader
+
+    lit = Lit()
+    with torch.no_grad():  # the base model's own loss on the validation data, before any wrapping
+        tokens = torch.randint(0, 512, (8, 16), generator=torch.Generator().manual_seed(1))
+        base_loss = lit.base(input_ids=tokens, labels=tokens).loss.item()
+    trainer = L.Trainer(strategy="zero_infinity", accelerator="cpu", devices=world, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
+    before = trainer.validate(lit, verbose=False)[0]["val_loss"]
+    trainer.fit(lit)
+    return {"base_loss": base_loss, "before": before, "losses": lit.losses}
+
+
+def test_peft_wrapped_in_configure_model_starts_from_the_base_model_through_the_trainer() -> None:
+    """The README's way, at 2 ranks through the Trainer: before training, the LoRA model's
+    validation loss is the base model's own (nothing re-initialised, ``lora_B`` zero), and
+    fine-tuning lowers the loss."""
+    from tests.harness import run_distributed
+
+    got = run_distributed(_lora_through_the_trainer, 2, init_pg=False)[0]
+    assert abs(got["before"] - got["base_loss"]) < 1e-5
+    assert got["losses"][-1] < got["losses"][0]
