@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import lightning.pytorch as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -162,5 +163,6 @@ class GPTPretrain(L.LightningModule):
         self.eval()
         sample = self.generate(self.hparams.prompt.encode(), self.hparams.sample_bytes)
         self.train(was_training)
-        if self.trainer.is_global_zero:
-            print("\n--- sample from the trained model ---\n" + sample.decode("utf-8", errors="replace"))
+        # Through logging, not print: a progress bar that redirects stdout (Lightning's rich one)
+        # can recurse on a print of arbitrary bytes in a notebook's worker processes.
+        rank_zero_info("\n--- sample from the trained model ---\n" + sample.decode("utf-8", errors="replace"))

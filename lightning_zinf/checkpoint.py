@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
@@ -474,29 +474,122 @@ def _load_group_state(
 
 
 # --- plain (unpartitioned) state dicts ------------------------------------------------------------------
-class _Source:
-    """Read parameter slices from a ``.safetensors`` file (by byte range) or an in-memory mapping."""
+class _TorchFile:
+    """The tensors of a ``torch.save`` file (``pytorch_model.bin``), memory-mapped: a slice read
+    touches only its own pages."""
 
-    def __init__(self, source: os.PathLike | str | dict[str, Tensor]) -> None:
-        if isinstance(source, dict):
-            self.where, self._mapping, self._file = "the state dict", source, None
-        else:
-            self.where, self._mapping = str(source), None
-            if not Path(source).is_file():
-                raise CheckpointError(f"{source} does not exist (expected a .safetensors file).")
-            self._file = _RangeFile(Path(source))
+    def __init__(self, path: Path) -> None:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be mapped: read it whole
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of tensors.")
+        self._tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
 
-    def keys(self) -> set[str]:
-        return set(self._mapping) if self._mapping is not None else set(self._file.keys())
+    def keys(self) -> list[str]:
+        return list(self._tensors)
 
     def shape(self, key: str) -> list[int]:
-        return list(self._mapping[key].shape) if self._mapping is not None else self._file.shape(key)
+        return list(self._tensors[key].shape)
+
+    def read(self, key: str, lo: int, hi: int) -> Tensor:
+        return self._tensors[key].reshape(-1)[lo:hi].clone()
+
+
+#: What a Hugging Face model folder may hold, in the order they are looked for.
+_HF_CHECKPOINTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    """The files of a checkpoint: the file itself, or in a Hugging Face model folder the single
+    or sharded (``*.index.json``) safetensors checkpoint, else the ``pytorch_model.bin`` one."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path} does not exist (expected a .safetensors or .bin file, or a Hugging Face model folder).")
+    for name in _HF_CHECKPOINTS:
+        found = path / name
+        if not found.is_file():
+            continue
+        if name.endswith(".index.json"):
+            weight_map = json.loads(found.read_text()).get("weight_map", {})
+            files = [path / f for f in sorted(set(weight_map.values()))]
+            absent = [str(f) for f in files if not f.is_file()]
+            if absent:
+                raise CheckpointError(f"{found} names shard files that are not there: {', '.join(absent)}.")
+            return files
+        return [found]
+    raise CheckpointError(
+        f"{path} holds none of {', '.join(_HF_CHECKPOINTS)}: not a Hugging Face model folder "
+        "(pass the checkpoint file itself, or the folder `save_pretrained` wrote)."
+    )
+
+
+def _checkpoint_names(name: str) -> list[str]:
+    """The names a model's parameter may have in a checkpoint of the unwrapped model: its own, and
+    without PEFT's ``base_layer`` (a LoRA-wrapped layer keeps the original weight there)."""
+    return [name, name.replace(".base_layer.", ".")] if ".base_layer." in name else [name]
+
+
+def matching_prefix(module: nn.Module, source: os.PathLike | str) -> str:
+    """Where a checkpoint's model sits inside ``module``: the prefix (``""``, or a submodule's
+    qualified name and a dot) under which the most of its keys name a parameter or buffer,
+    counting PEFT-wrapped layers' ``base_layer`` (e.g. ``"model.base_model.model."`` for a
+    LightningModule holding a PEFT model as ``self.model``).
+
+    Raises:
+        CheckpointError: the checkpoint is unreadable, or no prefix matches any key.
+    """
+    keys = _Source(source).keys()
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers()]
+    counts: dict[str, int] = {}
+    for prefix in [""] + [f"{n}." for n, _ in module.named_modules() if n]:
+        found = {key for n in names if n.startswith(prefix) for key in _checkpoint_names(n[len(prefix):])}
+        counts[prefix] = len(keys & found)
+    best = max(counts, key=lambda p: (counts[p], -len(p)))
+    if counts[best] == 0:
+        raise CheckpointError(f"{source}: none of its keys ({sorted(keys)[:5]} ...) names a parameter of "
+                              f"{type(module).__name__} under any prefix.")
+    return best
+
+
+def provided_parameters(module: nn.Module, source: os.PathLike | str, prefix: str) -> list[str]:
+    """Qualified names of ``module``'s parameters that ``source`` (a checkpoint, as
+    :func:`load_full_state_dict` takes it) holds under ``prefix``."""
+    keys = _Source(source).keys()
+    return [n for n, _ in module.named_parameters(remove_duplicate=False)
+            if n.startswith(prefix) and any(k in keys for k in _checkpoint_names(n[len(prefix):]))]
+
+
+class _Source:
+    """Read parameter slices from a checkpoint (a ``.safetensors`` file read by byte range, a
+    ``torch.save`` file memory-mapped, a Hugging Face model folder of either, sharded or not) or
+    from an in-memory mapping."""
+
+    def __init__(self, source: os.PathLike | str | dict[str, Tensor]) -> None:
+        self._mapping: Optional[dict[str, Tensor]] = None
+        self._file_of: dict[str, Any] = {}
+        if isinstance(source, dict):
+            self.where, self._mapping = "the state dict", source
+            return
+        self.where = str(source)
+        for path in _checkpoint_files(Path(source)):
+            reader = _RangeFile(path) if path.suffix == ".safetensors" else _TorchFile(path)
+            for key in reader.keys():
+                self._file_of.setdefault(key, reader)
+
+    def keys(self) -> set[str]:
+        return set(self._mapping) if self._mapping is not None else set(self._file_of)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._mapping[key].shape) if self._mapping is not None else self._file_of[key].shape(key)
 
     def flat_range(self, key: str, lo: int, hi: int) -> Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor."""
+        """Elements ``[lo, hi)`` of the flattened tensor, in the checkpoint's dtype."""
         if self._mapping is not None:
             return self._mapping[key].reshape(-1)[lo:hi]
-        return self._file.read(key, lo, hi)
+        return self._file_of[key].read(key, lo, hi)
 
     def full(self, key: str) -> Tensor:
         """The whole tensor (for small entries such as buffers)."""
@@ -519,9 +612,12 @@ def load_full_state_dict(
 
     Args:
         engine: The engine partitioning the model.
-        source: A ``.safetensors`` file (e.g. a Hugging Face ``model.safetensors``; read by byte
-            range, one shard-sized piece at a time) or a mapping of
-            names to full tensors.
+        source: A Hugging Face model folder (what ``save_pretrained`` writes: ``model.safetensors``,
+            or shards with ``model.safetensors.index.json``, or ``pytorch_model.bin``, sharded or
+            not), a ``.safetensors`` file (read by byte range, one shard-sized piece at a time), a
+            ``torch.save`` file of a state dict (memory-mapped), or a mapping of names to full
+            tensors. Values are converted to each parameter's dtype (a bf16 checkpoint into fp32
+            masters exactly); a tied parameter takes any of its names.
         prefix: Where the pretrained model sits inside ``engine.module``: parameter ``prefix + key``
             of the partitioned model takes ``source[key]`` (e.g. ``"model."`` for a LightningModule
             holding the network as ``self.model``). Parameters outside the prefix are left as they are.
@@ -541,7 +637,7 @@ def load_full_state_dict(
     aliases: dict[int, list[str]] = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         if name.startswith(prefix):
-            aliases.setdefault(id(p), []).append(name[len(prefix):])
+            aliases.setdefault(id(p), []).extend(_checkpoint_names(name[len(prefix):]))
     # A tile of a TiledLinear reads its part of the untiled layer's entry ("fc.weight").
     views = {i: v._replace(name=v.name[len(prefix):]) for i, v in tile_views(engine.module).items() if v.name.startswith(prefix)}
     used: set[str] = set()
@@ -565,7 +661,8 @@ def load_full_state_dict(
                 )
             entries.append((offset, numel, shape, key, view))
         plan.append((group, entries))
-    buffers = {n[len(prefix):]: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)}
+    buffers = {key: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)
+               for key in _checkpoint_names(n[len(prefix):])}
     matched_buffers = available & set(buffers)
     unexpected = sorted(available - used - matched_buffers)
     if strict and (missing or unexpected):

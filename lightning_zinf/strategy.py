@@ -9,6 +9,7 @@ work), and each ``*_step`` starts a trace pass.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,13 +33,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import load_sharded, save_sharded
+from lightning_zinf.checkpoint import (CheckpointError, load_full_state_dict, load_sharded, matching_prefix,
+                                      provided_parameters, save_sharded)
 from lightning_zinf.config import (
     MixedPrecisionConfig,
     OffloadConfig,
@@ -93,6 +95,15 @@ class ZeroInfinityStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
         timeout: How long a collective may wait for other ranks before failing (a rank that died or
             diverged then ends the run with an error instead of a hang).
+        load_full_weights: A checkpoint to start from, loaded partitioned when the model is set up
+            (Lightning's DeepSpeed strategy has the option of this name): a Hugging Face model
+            folder, a ``.safetensors`` or ``.bin`` file (:func:`~lightning_zinf.load_full_state_dict`).
+            Each rank reads only its shards' bytes; parameters built in ``configure_model`` that it
+            holds are not initialised first. Parameters it does not hold (PEFT adapters) keep their
+            initialisation, and the log says which; entries that match no parameter are an error.
+        load_prefix: Where the checkpoint's model sits in the LightningModule (``"model."``); by
+            default the prefix under which the most checkpoint keys name a parameter (a PEFT-wrapped
+            layer's ``base_layer`` counts as the layer).
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -117,6 +128,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = default_pg_timeout,
+        load_full_weights: Optional[str | os.PathLike] = None,
+        load_prefix: Optional[str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -138,6 +151,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
         self.activation_checkpointing = tuple(activation_checkpointing)
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.load_full_weights = load_full_weights
+        self.load_prefix = load_prefix
         self._engine: Optional[ZeroEngine] = None
         self.num_nodes = 1
 
@@ -225,6 +240,10 @@ class ZeroInfinityStrategy(ParallelStrategy):
         # A model already partitioned (fit then test, or a second Trainer) keeps its engine.
         self._engine = getattr(self.model, "_zinf_engine", None)
         if self._engine is None:
+            weights, prefix, preloaded = self.load_full_weights, self.load_prefix, []
+            if weights is not None:
+                prefix = prefix if prefix is not None else matching_prefix(self.model, weights)
+                preloaded = provided_parameters(self.model, weights, prefix)
             self._engine = ZeroEngine(
                 self.model,
                 block_classes=self.block_classes,
@@ -238,7 +257,10 @@ class ZeroInfinityStrategy(ParallelStrategy):
                 mixed_precision=self.mixed_precision or policy_for(self.precision_plugin),
                 activation_checkpointing=self.activation_checkpointing,
                 timeout=self._timeout,
+                preloaded=preloaded,
             )
+            if weights is not None:
+                self._load_full_weights(weights, prefix, preloaded)
         if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
             raise ValueError(
                 "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
@@ -271,6 +293,23 @@ class ZeroInfinityStrategy(ParallelStrategy):
         """
         with self.engine.gathered(write_back=write_back):
             yield
+
+    def _load_full_weights(self, weights: str | os.PathLike, prefix: str, preloaded: list[str]) -> None:
+        unexpected = load_full_state_dict(self._engine, weights, prefix=prefix, strict=False)
+        if unexpected:
+            raise CheckpointError(
+                f"load_full_weights={str(weights)!r}: {len(unexpected)} of its entries match no parameter or buffer "
+                f"of the model under load_prefix={prefix!r}: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}. "
+                "Check that it is this model's checkpoint, and pass load_prefix= where the model sits in the "
+                "LightningModule (e.g. 'model.')."
+            )
+        loaded = set(preloaded)
+        fresh = [n for n, _ in self.model.named_parameters() if n not in loaded]
+        rank_zero_info(
+            f"zero_infinity: loaded {len(loaded)} parameters from {weights} (prefix {prefix!r}); "
+            f"{len(fresh)} are not in it and keep their initialisation"
+            + (f": {fresh[:10]}{' ...' if len(fresh) > 10 else ''}" if fresh else "")
+        )
 
     # --- steps ------------------------------------------------------------------------------------
     @override

@@ -33,7 +33,7 @@ import os
 import zlib
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Hashable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Hashable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -133,9 +133,12 @@ class ZeroEngine:
             torch's non-reentrant activation checkpointing
             (:func:`~lightning_zinf.engine.activation.apply_activation_checkpointing`); backward
             recomputes them, re-gathering their units.
-        timeout: How long the collectives of the process groups the engine builds (hpZ's and qgZ's)
-            wait for other ranks; give the world group's (the strategy does). ``None``: torch's
-            default for a new group.
+        timeout: How long the collectives of the process groups the engine builds (control, hpZ's
+            and qgZ's) wait for other ranks; give the world group's (the strategy does). ``None``:
+            torch's default for a new group.
+        preloaded: Qualified names of parameters whose values the caller loads right after
+            construction (:func:`~lightning_zinf.checkpoint.load_full_state_dict`): built on the
+            meta device, they get memory but no initialisation.
 
     Attributes:
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
@@ -163,6 +166,7 @@ class ZeroEngine:
         mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig(),
         activation_checkpointing: Sequence[Union[str, type]] = (),
         timeout: Optional[timedelta] = None,
+        preloaded: Collection[str] = (),
     ) -> None:
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
@@ -170,6 +174,7 @@ class ZeroEngine:
                 "(`module._zinf_engine`) instead of building a second one over empty parameters."
             )
         self.module = module
+        self._preloaded = preloaded
         self.device = resolve_device(device)
         self.transfers = Transfers(self.device)
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -234,6 +239,9 @@ class ZeroEngine:
         slots = parameter_slots(self.module) if on_meta else {}
         parents = parent_modules(self.module) if on_meta else {}
         built_real = frozenset(id(p) for p in self.module.parameters() if not p.is_meta)
+        to_load = set(self._preloaded)
+        preloaded = frozenset(id(p) for n, p in self.module.named_parameters(remove_duplicate=False)
+                              if p.is_meta and n in to_load)
         shapes = {id(p): p.shape for p in self.module.parameters()}
         own_rng = torch.get_rng_state()
         if on_meta:
@@ -246,7 +254,7 @@ class ZeroEngine:
                 # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
                 real = {id(p) for _, p in spec.params if not p.is_meta}
                 if on_meta:
-                    materialize(spec, names, slots, shapes, parents, built_real)
+                    materialize(spec, names, slots, shapes, parents, built_real, preloaded)
                 groups = [self._flat_group(members, any(id(p) in real for _, p in members))
                           for members in _split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold

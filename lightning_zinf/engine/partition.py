@@ -292,6 +292,7 @@ def materialize(
     shapes: dict[int, torch.Size],
     parents: Optional[dict[nn.Module, nn.Module]] = None,
     built_real: frozenset[int] = frozenset(),
+    preloaded: frozenset[int] = frozenset(),
 ) -> None:
     """Give a unit's meta parameters real CPU memory and initialise them by their library's
     route (:func:`_initialize`); real parameters keep their values.
@@ -306,7 +307,9 @@ def materialize(
     the model was built (ids in ``built_real``: built in ``__init__`` with their values) is not
     initialised at all. Any other is, with its parameters other than this unit's fresh ones (real
     ones, and those shared with a unit materialised earlier) swapped for scratch tensors, so the
-    route draws the same random numbers without overwriting them.
+    route draws the same random numbers without overwriting them. Meta parameters in ``preloaded``
+    (ids) get memory but no initialisation: the caller loads their values next (a module whose
+    fresh parameters are all preloaded is not initialised at all).
 
     Raises:
         ValueError: a module with meta parameters has no initialisation route (:func:`_initialize`).
@@ -315,6 +318,7 @@ def materialize(
     own = {id(p) for _, p in spec.params}
     replaced: dict[int, nn.Parameter] = {}
     materialized: set[int] = set()
+    to_load: set[int] = set()
     for module in spec.modules:
         params = {n: p for n, p in module._parameters.items() if p is not None}
         fresh: set[int] = set()
@@ -328,9 +332,13 @@ def materialize(
                 own.add(id(real))
                 fresh.add(id(real))
                 shapes[id(real)] = p.shape
+                if id(p) in preloaded:
+                    to_load.add(id(real))
         materialized |= fresh
         if not params or all(id(p) in built_real for p in params.values()):
             continue  # built with real values: they stay
+        if fresh and fresh <= to_load:
+            continue  # loaded next
         kept = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in fresh}
         for n, p in kept.items():
             module._parameters[n] = nn.Parameter(torch.zeros(shapes.get(id(p), p.shape), dtype=p.dtype), p.requires_grad)
@@ -346,7 +354,7 @@ def materialize(
         below = list(module.parameters())
         library = _library_model(module, parents)
         if (library is not None and not any(p is not None for p in module._parameters.values()) and below
-                and all(id(p) in materialized for p in below)):
+                and all(id(p) in materialized and id(p) not in to_load for p in below)):
             with torch.no_grad():
                 library._init_weights(module)
     spec.params = [(n, replaced.get(id(p), p)) for n, p in spec.params]
