@@ -177,7 +177,8 @@ def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.
 
 
 def save_sharded(
-    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, meta: dict[str, Any]
+    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, meta: dict[str, Any],
+    *, exclude_frozen: bool = False,
 ) -> None:
     """Write a sharded checkpoint of ``engine``'s model and ``optimizers`` to the directory ``path``.
 
@@ -190,6 +191,10 @@ def save_sharded(
         path: Target directory.
         meta: Picklable state saved by rank 0 in ``meta.pt`` (e.g. Lightning's checkpoint dict
             without weights and optimizer tensors).
+        exclude_frozen: Leave out the frozen flat groups (a LoRA fine-tuning's base model;
+            DeepSpeed's ``exclude_frozen_parameters``). :func:`load_sharded` then keeps the values
+            those parameters have when it runs, so resuming is exact when the model is built with
+            the same frozen values (the same pretrained checkpoint).
 
     Raises:
         FileExistsError: ``path`` exists and is not a checkpoint written by this package.
@@ -210,12 +215,13 @@ def save_sharded(
     comm.barrier()
 
     engine.release_all()
-    checksum = _write_shard(engine, _owner_of(list(optimizers)), staging / shard_file(comm.rank))
+    checksum = _write_shard(engine, _owner_of(list(optimizers)), staging / shard_file(comm.rank), exclude_frozen)
     checksums = comm.all_gather_object(checksum)
 
     if comm.rank == 0:
+        groups = [{**layout, "excluded": exclude_frozen and not layout["trainable"]} for layout in _layout(engine)]
         zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
-                "groups": _layout(engine), "sha256": checksums}
+                "groups": groups, "sha256": checksums}
         torch.save({**meta, "zinf": zinf}, staging / META_FILE)
         old = path.parent / f".{path.name}.zinf-old"
         if path.exists():
@@ -226,7 +232,8 @@ def save_sharded(
     comm.barrier()
 
 
-def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Optimizer]], target: Path) -> str:
+def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Optimizer]], target: Path,
+                 exclude_frozen: bool = False) -> str:
     """Write this rank's shard file (safetensors) one flat group at a time, so that no more than one
     group's state is in memory (with NVMe offload the rest stays in swap files); returns its SHA-256.
 
@@ -243,6 +250,8 @@ def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
     with open(target, "w+b") as out:
         out.seek(8 + room)
         for i, group in enumerate(engine.groups):
+            if exclude_frozen and not group.trainable:
+                continue
             with engine.state_resident(write_back=False, groups=[group]):
                 for name, tensor in _group_tensors(i, group, owners).items():
                     data = tensor.detach().contiguous().cpu()
@@ -400,6 +409,8 @@ def load_sharded(
     Raises:
         CheckpointError: ``path`` is not a checkpoint, a shard file is missing or corrupt, or the
             checkpoint was saved from a different model.
+
+    Frozen groups saved with ``exclude_frozen`` keep the values they have now.
     """
     path = Path(path)
     if not is_sharded_checkpoint(path):
@@ -419,6 +430,8 @@ def load_sharded(
     owners = _owner_of(list(optimizers))
     engine.release_all()
     for i, group in enumerate(engine.groups):
+        if zinf["groups"][i].get("excluded", False):
+            continue  # saved without its frozen values: the model's own stay
         # One group's state in memory at a time (with NVMe offload the rest stays in swap files).
         with engine.state_resident(write_back=True, groups=[group]):
             old_shard = reader.shard_numel(i)

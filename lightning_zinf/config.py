@@ -50,19 +50,31 @@ class PrefetchConfig:
             FSDP2 does so on GPUs). ``False`` waits for each right after issuing it: one unit's
             reduce buffers less at the peak (under mixed precision a full-size cast to the reduce
             dtype), at the cost of that overlap.
+        inference_budget: Bytes of gathered parameters that may stay gathered from one forward
+            pass to the next within one validation, test or prediction step (the strategy's
+            :meth:`~lightning_zinf.ZeroInfinityStrategy.predict_step` and the others;
+            :meth:`~lightning_zinf.ZeroEngine.keep_gathered` for your own loop). ``generate()``
+            then gathers each unit once per call instead of once per token, as DeepSpeed's hybrid
+            engine does, while the units kept fit the budget; the rest are gathered per forward as
+            usual. ``0`` (default): every unit is released after each forward (memory stays the
+            ZeRO-3 bound).
 
     Raises:
-        ValueError: a negative ``bucket_size`` or ``persistence_threshold``.
+        ValueError: a negative ``bucket_size``, ``persistence_threshold`` or ``inference_budget``.
     """
 
     enabled: bool = True
     bucket_size: int = 10_000_000
     persistence_threshold: int = 100_000
     overlap_reduce: bool = True
+    inference_budget: int = 0
 
     def __post_init__(self) -> None:
         for name in ("enabled", "overlap_reduce"):
             _require(isinstance(getattr(self, name), bool), "PrefetchConfig", name, getattr(self, name), "True or False")
+        _require(isinstance(self.inference_budget, int) and not isinstance(self.inference_budget, bool)
+                 and self.inference_budget >= 0, "PrefetchConfig", "inference_budget", self.inference_budget,
+                 "an integer >= 0 (a number of bytes)")
         for name in ("bucket_size", "persistence_threshold"):
             value = getattr(self, name)
             _require(

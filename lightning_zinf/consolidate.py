@@ -42,9 +42,12 @@ _Item = tuple[list[str], torch.dtype, list[int]]  # every name of one tensor, it
 _Piece = tuple[int, int, list[int], list[int]]
 
 
-def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], list[list[_Piece]], dict[str, Any], dict[str, Tensor]]:
+def _items(path: Path, strip_prefix: str, skip_excluded: bool = False
+           ) -> tuple[list[_Item], list[list[_Piece]], dict[str, Any], dict[str, Tensor]]:
     """Every output tensor (with all its names: a tied parameter has several) and its pieces, in
-    file order. A TiledLinear's tiles make one ``weight`` (and one ``bias``), as the untiled layer has."""
+    file order. A TiledLinear's tiles make one ``weight`` (and one ``bias``), as the untiled layer has.
+    Groups saved without their values (``exclude_frozen``) are left out with ``skip_excluded``, else
+    they are an error."""
     if not is_sharded_checkpoint(path):
         raise CheckpointError(f"{path} is not a lightning_zinf checkpoint (no {META_FILE}).")
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
@@ -57,7 +60,16 @@ def _items(path: Path, strip_prefix: str) -> tuple[list[_Item], list[list[_Piece
     items: list[_Item] = []
     pieces: list[list[_Piece]] = []
     tiled: dict[str, int] = {}
+    excluded = [g["names"][0] for g in zinf["groups"] if g.get("excluded", False)]
+    if excluded and not skip_excluded:
+        raise CheckpointError(
+            f"{path} was saved with exclude_frozen_parameters: it does not hold the frozen parameters "
+            f"({excluded[0]} and {len(excluded) - 1} more groups), so it cannot give the whole model. "
+            "Export the adapters only, or use a checkpoint saved with them."
+        )
     for i, group in enumerate(zinf["groups"]):
+        if group.get("excluded", False):
+            continue
         dtype = getattr(torch, group["dtype"])
         views = group.get("views") or [None] * len(group["shapes"])
         for aliases, shape, offset, view in zip(group["aliases"], group["shapes"], group["offsets"], views):

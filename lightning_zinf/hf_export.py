@@ -30,11 +30,11 @@ from lightning_zinf.consolidate import _Item, _items, _tensors, _write_safetenso
 __all__ = ["export_pretrained", "export_peft_adapters", "main"]
 
 
-def _select(checkpoint: Path, strip_prefix: str, rename: Callable[[str], Optional[str]]
+def _select(checkpoint: Path, strip_prefix: str, rename: Callable[[str], Optional[str]], skip_excluded: bool = False
             ) -> tuple[list[_Item], Iterator[Iterator[Tensor]]]:
     """The checkpoint's tensors under ``strip_prefix``, each name passed through ``rename`` (``None``
     leaves it out; a tensor with no name left is skipped unread), and their values in order."""
-    items, pieces, zinf, buffers = _items(checkpoint, "")
+    items, pieces, zinf, buffers = _items(checkpoint, "", skip_excluded)
     values = _tensors(checkpoint, zinf, items, pieces, buffers)
     kept: list[tuple[int, _Item]] = []
     for index, (names, dtype, shape) in enumerate(items):
@@ -176,7 +176,7 @@ def export_peft_adapters(
             return None
         return name.replace(marker, ".")
 
-    items, values = _select(checkpoint, strip_prefix, rename)
+    items, values = _select(checkpoint, strip_prefix, rename, skip_excluded=True)  # adapters are trainable
     if not items:
         raise CheckpointError(
             f"{checkpoint} holds no LoRA tensor of adapter {adapter_name!r} under strip_prefix={strip_prefix!r}."

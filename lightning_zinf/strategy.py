@@ -104,6 +104,9 @@ class ZeroInfinityStrategy(ParallelStrategy):
         load_prefix: Where the checkpoint's model sits in the LightningModule (``"model."``); by
             default the prefix under which the most checkpoint keys name a parameter (a PEFT-wrapped
             layer's ``base_layer`` counts as the layer).
+        exclude_frozen_parameters: Leave frozen parameters out of the checkpoints (DeepSpeed's option
+            of this name): a LoRA run saves its adapters and their optimizer state only. Resuming is
+            exact when the model is built with the same frozen values (``load_full_weights``).
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -130,6 +133,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         load_full_weights: Optional[str | os.PathLike] = None,
         load_prefix: Optional[str] = None,
+        exclude_frozen_parameters: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -153,6 +157,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         self._timeout = timeout
         self.load_full_weights = load_full_weights
         self.load_prefix = load_prefix
+        self.exclude_frozen_parameters = exclude_frozen_parameters
         self._engine: Optional[ZeroEngine] = None
         self.num_nodes = 1
 
@@ -324,21 +329,26 @@ class ZeroInfinityStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Start a validation trace pass, then run the LightningModule's step."""
+        """Start a validation trace pass, then run the LightningModule's step (units kept gathered
+        across its forward passes within ``PrefetchConfig.inference_budget``)."""
         self.engine.begin_pass("validate")
-        return super().validation_step(*args, **kwargs)
+        with self.engine.keep_gathered(self.prefetch.inference_budget):
+            return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Start a test trace pass, then run the LightningModule's step."""
+        """Start a test trace pass, then run the LightningModule's step (as validation)."""
         self.engine.begin_pass("test")
-        return super().test_step(*args, **kwargs)
+        with self.engine.keep_gathered(self.prefetch.inference_budget):
+            return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Start a predict trace pass, then run the LightningModule's step."""
+        """Start a predict trace pass, then run the LightningModule's step: a ``generate()`` in
+        it gathers each unit once while the units fit ``PrefetchConfig.inference_budget``."""
         self.engine.begin_pass("predict")
-        return super().predict_step(*args, **kwargs)
+        with self.engine.keep_gathered(self.prefetch.inference_budget):
+            return super().predict_step(*args, **kwargs)
 
     @contextmanager
     @override
@@ -403,7 +413,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
         with_optimizer = "optimizer_states" in checkpoint
-        save_sharded(self.engine, self.optimizers if with_optimizer else [], self.broadcast(filepath), checkpoint)
+        save_sharded(self.engine, self.optimizers if with_optimizer else [], self.broadcast(filepath), checkpoint,
+                     exclude_frozen=self.exclude_frozen_parameters)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

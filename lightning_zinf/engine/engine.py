@@ -94,6 +94,7 @@ class Unit:
         self.held = False
         self.reduced_groups = 0
         self.pending_backward = 0  # forward uses whose input-side post-backward node has not run yet
+        self.kept = False  # stays gathered between forward passes (keep_gathered)
 
 
 class ZeroEngine:
@@ -215,6 +216,7 @@ class ZeroEngine:
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
         self._activation_offload: Optional[ActivationOffload] = None
         self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
+        self._keep_budget = 0  # keep_gathered(): bytes of units that may stay gathered between passes
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
@@ -230,6 +232,7 @@ class ZeroEngine:
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
         self._hooks = self._install_hooks()
         module._zinf_engine = self  # type: ignore[assignment]
+        self._mark_partitioned(True)
         self._gather_all([u for u in self.units if u.persistent])
 
     # --- construction -----------------------------------------------------------------------------
@@ -320,7 +323,8 @@ class ZeroEngine:
             for group in self.groups:
                 group.free_consumed_grads()
         self._check_requires_grad()
-        self.verify_ranks_agree()
+        if not self._keep_budget:  # inside keep_gathered(): checked once, at its end
+            self.verify_ranks_agree()
         self.tracer.begin_pass(kind)
 
     def _check_requires_grad(self) -> None:
@@ -590,6 +594,39 @@ class ZeroEngine:
             if self._gathered_depth == 0:  # an enclosing block still wants the exact values
                 self._gather_all([u for u in units if u.persistent])  # back to the compute dtype
 
+    @contextmanager
+    def keep_gathered(self, budget: int) -> Iterator[None]:
+        """Within the block, a unit that finishes its forward stays gathered while the gathered
+        bytes stay within ``budget`` (bytes), so later forward passes (the decode steps of one
+        ``generate()``) do not gather it again; on exit every unit kept is released. For passes
+        without gradients; a backward inside the block still works (units are released as usual).
+        Every rank must run the same forward passes in the block while gathers happen
+        (``transformers``' ``generate`` does, with ``synced_gpus``, which it turns on for a model
+        this engine partitions). When the budget holds every unit, only the first forward gathers,
+        so ``generate`` runs without ``synced_gpus`` (no all-reduce per token): a rank whose
+        sequences end first may stop.
+
+        Args:
+            budget: Most bytes of gathered parameters kept (``0``: release as usual).
+        """
+        previous = self._keep_budget
+        self._keep_budget = budget
+        whole = budget >= sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)
+        if whole:
+            self._mark_partitioned(False)
+        try:
+            yield
+        finally:
+            if whole:
+                self._mark_partitioned(True)
+            self._keep_budget = previous
+            if previous == 0:
+                self._settle()
+                for unit in self.units:
+                    unit.kept = False
+                    self._maybe_release(unit)
+                self.verify_ranks_agree()
+
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
         self._settle()
@@ -697,6 +734,8 @@ class ZeroEngine:
             budget -= unit.numel
 
     def _maybe_release(self, unit: Unit) -> None:
+        if unit.kept:
+            return
         if (
             unit.state == _GATHERED
             and not unit.persistent
@@ -704,11 +743,23 @@ class ZeroEngine:
             and not unit.held
             and unit.index not in self._ahead
         ):
+            if self._keep_budget and self._kept_bytes() + sum(g.gathered_nbytes for g in unit.groups) <= self._keep_budget:
+                unit.kept = True  # for the next forward pass of this keep_gathered block
+                return
             for group in unit.groups:
                 self.ledger.add("gathered", -group.gathered_nbytes)
                 group.release()
             unit.state = _RELEASED
             self._live.pop(unit.index, None)
+
+    def _mark_partitioned(self, on: bool) -> None:
+        # transformers' generate() reads FSDP2's marker to keep all ranks stepping until every
+        # rank's sequences are done (synced_gpus): forward passes gather collectively here too.
+        for submodule in self.module.modules():
+            submodule._is_fsdp_managed_module = on  # type: ignore[assignment]
+
+    def _kept_bytes(self) -> int:
+        return sum(g.gathered_nbytes for u in self._live.values() if u.kept for g in u.groups)
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using.
