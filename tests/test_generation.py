@@ -62,3 +62,35 @@ def test_ranks_that_stop_at_different_lengths_do_not_hang(budget: int) -> None:
     ranks = run_distributed(_generate, 2, budget, [3, 9], timeout=120)
     assert torch.equal(ranks[0]["tokens"], _reference(3))
     assert torch.equal(ranks[1]["tokens"], _reference(9))
+
+
+def _predict(rank: int, world: int, budget: int) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zinf import ZeroInfinityStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt2()
+
+        def predict_step(self, batch, batch_idx):
+            return self.model.generate(batch[0], max_new_tokens=3 + 6 * self.global_rank, do_sample=False)
+
+    strategy = ZeroInfinityStrategy(block_classes=["GPT2Block"], prefetch={"inference_budget": budget,
+                                                                           "persistence_threshold": 0})
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    out = trainer.predict(Lit(), DataLoader(TensorDataset(PROMPT), batch_size=2))
+    return {"tokens": out[0], "gathered": trainer.strategy.engine.gathered_bytes}
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 30], ids=["no-budget", "whole-model"])
+def test_trainer_predict_generates_at_different_lengths_per_rank(budget: int) -> None:
+    """``generate()`` in a ``predict_step`` through the Trainer at 2 ranks, rank 0 asking for 3 new
+    tokens and rank 1 for 9: the unpartitioned model's tokens on each, and the units released after."""
+    ranks = run_distributed(_predict, 2, budget, init_pg=False, timeout=180)
+    assert torch.equal(ranks[0]["tokens"], _reference(3))
+    assert torch.equal(ranks[1]["tokens"], _reference(9))
+    assert ranks[0]["gathered"] == ranks[1]["gathered"] == 0

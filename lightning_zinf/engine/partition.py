@@ -308,8 +308,8 @@ def materialize(
     initialised at all. Any other is, with its parameters other than this unit's fresh ones (real
     ones, and those shared with a unit materialised earlier) swapped for scratch tensors, so the
     route draws the same random numbers without overwriting them. Meta parameters in ``preloaded``
-    (ids) get memory but no initialisation: the caller loads their values next (a module whose
-    fresh parameters are all preloaded is not initialised at all).
+    (ids) get zeroed memory but no initialisation: the caller loads their values next (a module
+    whose fresh parameters are all preloaded is not initialised at all).
 
     Raises:
         ValueError: a module with meta parameters has no initialisation route (:func:`_initialize`).
@@ -324,8 +324,11 @@ def materialize(
         fresh: set[int] = set()
         for p in params.values():
             if p.is_meta and id(p) in own:
-                real = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device="cpu")
-                                    if p.is_floating_point() else torch.zeros(p.shape, dtype=p.dtype), p.requires_grad)
+                # NaN shows which parameters an init route left unset; those about to be loaded are
+                # zeros (frozen ones may be quantized before the load comes).
+                unset = p.is_floating_point() and id(p) not in preloaded
+                real = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype) if unset
+                                    else torch.zeros(p.shape, dtype=p.dtype), p.requires_grad)
                 for owner, name in slots[id(p)]:
                     owner._parameters[name] = real
                 replaced[id(p)] = real
