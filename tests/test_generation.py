@@ -94,3 +94,30 @@ def test_trainer_predict_generates_at_different_lengths_per_rank(budget: int) ->
     assert torch.equal(ranks[0]["tokens"], _reference(3))
     assert torch.equal(ranks[1]["tokens"], _reference(9))
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == 0
+
+
+def _generate_hpz(rank: int, world: int) -> dict:
+    from lightning_zinf import ZeroPPConfig
+
+    model = _gpt2()
+    engine = ZeroEngine(model, block_classes=["GPT2Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        zero_pp=ZeroPPConfig(hpz=True, ranks_per_node=2))
+    engine.comm.bytes.reset()
+    with torch.no_grad():
+        model(PROMPT)  # the first gather of each unit crosses nodes and leaves its secondary partition
+    first = engine.comm.bytes.inter_node
+    engine.comm.bytes.reset()
+    with torch.no_grad():
+        out = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+    return {"tokens": out, "first_inter": first, "generate_inter": engine.comm.bytes.inter_node,
+            "generate_intra": engine.comm.bytes.intra_node}
+
+
+def test_generation_regathers_from_hpz_secondaries_within_the_node() -> None:
+    """4 ranks as 2 simulated nodes with hpZ and no budget: every decode step gathers every unit
+    again, but from the secondary partitions inside the node; nothing crosses nodes."""
+    ranks = run_distributed(_generate_hpz, 4)
+    want = _reference(8)
+    for got in ranks:
+        assert torch.equal(got["tokens"], want)
+        assert got["first_inter"] > 0 and got["generate_inter"] == 0 and got["generate_intra"] > 0
