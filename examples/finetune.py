@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from safetensors import safe_open
 from torch.utils.data import DataLoader
 
-from lightning_zinf.checkpoint import matching_prefix
+from lightning_zinf.checkpoint import checkpoint_keys, matching_prefix
 
 __all__ = ["DocstringPairs", "MiniLMContrastive", "count_tokens", "docstring_pairs", "load_pretrained",
            "mean_pool", "minilm_dir"]
@@ -208,9 +208,8 @@ def load_pretrained(module: torch.nn.Module, path: str | Path) -> None:
             or the file holds keys the encoder does not know.
         lightning_zinf.CheckpointError: a shape differs (partitioned model).
     """
-    prefix = matching_prefix(module, path)
-    with safe_open(str(path), "pt") as f:
-        keys = set(f.keys())
+    keys = checkpoint_keys(path)
+    prefix = matching_prefix(module, keys)
     # A PEFT-wrapped layer keeps the original weight as base_layer.weight.
     params = {n[len(prefix):].replace(".base_layer.", "."): n for n, _ in module.named_parameters()
               if n.startswith(prefix) and ".lora_" not in n}

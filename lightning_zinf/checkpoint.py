@@ -545,16 +545,25 @@ def _checkpoint_names(name: str) -> list[str]:
     return [name, name.replace(".base_layer.", ".")] if ".base_layer." in name else [name]
 
 
-def matching_prefix(module: nn.Module, source: os.PathLike | str) -> str:
-    """Where a checkpoint's model sits inside ``module``: the prefix (``""``, or a submodule's
-    qualified name and a dot) under which the most of its keys name a parameter or buffer,
-    counting PEFT-wrapped layers' ``base_layer`` (e.g. ``"model.base_model.model."`` for a
-    LightningModule holding a PEFT model as ``self.model``).
+def checkpoint_keys(source: os.PathLike | str) -> set[str]:
+    """The tensor names a checkpoint holds (as :func:`load_full_state_dict` takes it: a Hugging
+    Face model folder, a ``.safetensors`` or ``torch.save`` file); reads headers only.
 
     Raises:
-        CheckpointError: the checkpoint is unreadable, or no prefix matches any key.
+        CheckpointError: not a checkpoint, or a sharded one's index names absent files.
     """
-    keys = _Source(source).keys()
+    return _Source(source).keys()
+
+
+def matching_prefix(module: nn.Module, keys: set[str]) -> str:
+    """Where a checkpoint's model sits inside ``module``: the prefix (``""``, or a submodule's
+    qualified name and a dot) under which the most of its ``keys`` (:func:`checkpoint_keys`) name
+    a parameter or buffer, counting PEFT-wrapped layers' ``base_layer`` (e.g.
+    ``"model.base_model.model."`` for a LightningModule holding a PEFT model as ``self.model``).
+
+    Raises:
+        CheckpointError: no prefix matches any key.
+    """
     names = [n for n, _ in module.named_parameters(remove_duplicate=False)] + [n for n, _ in module.named_buffers()]
     counts: dict[str, int] = {}
     for prefix in [""] + [f"{n}." for n, _ in module.named_modules() if n]:
@@ -562,15 +571,14 @@ def matching_prefix(module: nn.Module, source: os.PathLike | str) -> str:
         counts[prefix] = len(keys & found)
     best = max(counts, key=lambda p: (counts[p], -len(p)))
     if counts[best] == 0:
-        raise CheckpointError(f"{source}: none of its keys ({sorted(keys)[:5]} ...) names a parameter of "
+        raise CheckpointError(f"None of the checkpoint's keys ({sorted(keys)[:5]} ...) names a parameter of "
                               f"{type(module).__name__} under any prefix.")
     return best
 
 
-def provided_parameters(module: nn.Module, source: os.PathLike | str, prefix: str) -> list[str]:
-    """Qualified names of ``module``'s parameters that ``source`` (a checkpoint, as
-    :func:`load_full_state_dict` takes it) holds under ``prefix``."""
-    keys = _Source(source).keys()
+def provided_parameters(module: nn.Module, keys: set[str], prefix: str) -> list[str]:
+    """Qualified names of ``module``'s parameters that a checkpoint with ``keys``
+    (:func:`checkpoint_keys`) holds under ``prefix``."""
     return [n for n, _ in module.named_parameters(remove_duplicate=False)
             if n.startswith(prefix) and any(k in keys for k in _checkpoint_names(n[len(prefix):]))]
 

@@ -52,9 +52,9 @@ def _select(checkpoint: Path, strip_prefix: str, rename: Callable[[str], Optiona
     return [item for _, item in kept], chosen()
 
 
-def _nbytes(item: _Item, dtype: Optional[torch.dtype]) -> int:
-    names, own, shape = item
-    return len(names) * torch.Size(shape).numel() * torch.empty(0, dtype=dtype or own).element_size()
+def _nbytes(item: _Item) -> int:
+    names, dtype, shape = item
+    return len(names) * torch.Size(shape).numel() * dtype.itemsize
 
 
 def _parse_size(size: int | str) -> int:
@@ -77,7 +77,7 @@ def _write_shards(folder: Path, items: list[_Item], values: Iterator[Iterator[Te
     shards: list[list[_Item]] = [[]]
     size = 0
     for item in items:
-        n = _nbytes(item, None)
+        n = _nbytes(item)
         if shards[-1] and size + n > max_shard_size:
             shards.append([])
             size = 0
@@ -91,7 +91,7 @@ def _write_shards(folder: Path, items: list[_Item], values: Iterator[Iterator[Te
         _write_safetensors(partial, shard, itertools.islice(values, len(shard)))
         partial.rename(folder / name)
         weight_map.update((n, name) for names, _, _ in shard for n in names)
-    return {"metadata": {"total_size": sum(_nbytes(item, None) for item in items)}, "weight_map": weight_map}
+    return {"metadata": {"total_size": sum(_nbytes(item) for item in items)}, "weight_map": weight_map}
 
 
 def export_pretrained(

@@ -39,8 +39,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import (CheckpointError, load_full_state_dict, load_sharded, matching_prefix,
-                                      provided_parameters, save_sharded)
+from lightning_zinf.checkpoint import (CheckpointError, checkpoint_keys, load_full_state_dict, load_sharded,
+                                      matching_prefix, provided_parameters, save_sharded)
 from lightning_zinf.config import (
     MixedPrecisionConfig,
     OffloadConfig,
@@ -247,8 +247,9 @@ class ZeroInfinityStrategy(ParallelStrategy):
         if self._engine is None:
             weights, prefix, preloaded = self.load_full_weights, self.load_prefix, []
             if weights is not None:
-                prefix = prefix if prefix is not None else matching_prefix(self.model, weights)
-                preloaded = provided_parameters(self.model, weights, prefix)
+                keys = checkpoint_keys(weights)  # headers only; the load reads the values
+                prefix = prefix if prefix is not None else matching_prefix(self.model, keys)
+                preloaded = provided_parameters(self.model, keys, prefix)
             self._engine = ZeroEngine(
                 self.model,
                 block_classes=self.block_classes,

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from lightning_zinf import PrefetchConfig, ZeroEngine, load_full_state_dict
-from lightning_zinf.checkpoint import CheckpointError, matching_prefix, provided_parameters
+from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, matching_prefix, provided_parameters
 from lightning_zinf.engine.partition import meta_parameters
 from tests.harness import run_distributed
 
@@ -34,7 +34,7 @@ def _save_llama_bf16(folder: Path) -> None:
 def _load_partitioned(rank: int, world: int, folder: str) -> dict:
     with meta_parameters():
         model = transformers.LlamaForCausalLM(_llama_config())
-    names = provided_parameters(model, folder, "")
+    names = provided_parameters(model, checkpoint_keys(folder), "")
     engine = ZeroEngine(model, block_classes=["LlamaDecoderLayer"], prefetch=PrefetchConfig(persistence_threshold=0),
                         preloaded=names)
     load_full_state_dict(engine, folder)
@@ -103,7 +103,7 @@ def test_bad_folders_and_keys_name_the_problem(tmp_path: Path) -> None:
     (tmp_path / "moved").rename(tmp_path / "llama" / first)
     with pytest.raises(CheckpointError, match=r"under prefix 'nothing.': missing \[\], unexpected \['lm_head.weight'"):
         load_full_state_dict(engine, tmp_path / "llama", prefix="nothing.")
-    assert matching_prefix(model, tmp_path / "llama") == ""
+    assert matching_prefix(model, checkpoint_keys(tmp_path / "llama")) == ""
 
 
 def _lora_from_folder(rank: int, world: int, folder: str) -> dict:
@@ -135,7 +135,7 @@ def _lora_from_folder(rank: int, world: int, folder: str) -> dict:
     loss = trainer.validate(lit, verbose=False)[0]["val_loss"]
     with trainer.strategy.gathered_parameters():
         lora_b = [p.detach().clone() for n, p in lit.named_parameters() if "lora_B" in n]
-    return {"loss": loss, "lora_b": lora_b, "prefix": matching_prefix(lit, folder)}
+    return {"loss": loss, "lora_b": lora_b, "prefix": matching_prefix(lit, checkpoint_keys(folder))}
 
 
 def test_strategy_loads_a_folder_under_a_peft_model_built_in_configure_model(tmp_path: Path) -> None:

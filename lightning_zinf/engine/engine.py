@@ -253,12 +253,11 @@ class ZeroEngine:
         units = []
         try:
             for index, spec in enumerate(specs):
-                # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
-                # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
-                real = {id(p) for _, p in spec.params if not p.is_meta}
                 if on_meta:
                     materialize(spec, names, slots, shapes, parents, built_real, preloaded)
-                groups = [self._flat_group(members, any(id(p) in real for _, p in members))
+                # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
+                # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
+                groups = [self._flat_group(members, any(id(p) in built_real for _, p in members))
                           for members in _split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold
                 units.append(Unit(index, spec.name, groups, persistent))
@@ -604,7 +603,8 @@ class ZeroEngine:
         (``transformers``' ``generate`` does, with ``synced_gpus``, which it turns on for a model
         this engine partitions). When the budget holds every unit, only the first forward gathers,
         so ``generate`` runs without ``synced_gpus`` (no all-reduce per token): a rank whose
-        sequences end first may stop.
+        sequences end first may stop. DeepSpeed's hybrid engine likewise gathers the model once per
+        ``generate`` call; this does so within a memory budget.
 
         Args:
             budget: Most bytes of gathered parameters kept (``0``: release as usual).

@@ -504,7 +504,9 @@ class FlatGroup:
         if to_host:
             # To a host-side gradient shard: on the copy stream, read on the host only after
             # finish_host_grads (the end of backward), so backward is never blocked by a copy.
-            reduced = reduced.float()  # on the device: the copy moves fp32 once, whatever the reduce dtype
+            # Cast on the device so the copy lands straight in the fp32 shard (under a bf16 reduce
+            # dtype that moves twice the bytes a host-side cast would, but needs no landing buffer).
+            reduced = reduced.float()
             if fresh:
                 self._to_host = self.transfers.copy_to_host(self.grad_shard, reduced)
             else:

@@ -52,7 +52,7 @@ def resolve_device(device: "torch.device | str") -> torch.device:
 
 
 class Transfers:
-    """The copy stream of one compute device, and the copies that run on it.
+    """The copy streams of one compute device, and the copies that run on them.
 
     Args:
         device: The compute device. On ``cpu`` copies are synchronous and no stream exists.
@@ -135,10 +135,11 @@ class Transfers:
         so it may change as soon as this returns. Into a host tensor: a plain copy.
 
         Returns:
-            The copy's event: the compute stream must :meth:`wait_on_device` it before reading ``dst``.
+            The copy's event (``None`` for a plain copy). The compute stream must wait for it, or
+            for a later event of the same stream, before reading ``dst`` (:meth:`wait_on_device`).
         """
-        if not self.overlapped or dst.device.type == "cpu" or src.device.type != "cpu":
-            dst.copy_(src)  # nothing crosses to the device, or the source is on the device already
+        if not self.overlapped or dst.device.type == "cpu":
+            dst.copy_(src)
             return None
         staged = self.host_empty(src.numel(), dst.dtype).copy_(src.reshape(-1))
         with self.on_copy_stream():
