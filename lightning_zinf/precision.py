@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
+from lightning.fabric.plugins import precision as fabric_precision
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
@@ -22,7 +23,8 @@ from lightning_zinf.config import MixedPrecisionConfig
 if TYPE_CHECKING:
     from lightning_zinf.engine import ZeroEngine
 
-__all__ = ["ZeroPrecision", "ZeroMixedPrecision", "ZeroHalfPrecision", "to_zero_precision", "policy_for"]
+__all__ = ["ZeroPrecision", "ZeroMixedPrecision", "ZeroHalfPrecision", "to_zero_precision", "to_zero_fabric_precision",
+           "policy_for"]
 
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
@@ -80,17 +82,49 @@ def to_zero_precision(plugin: Precision) -> Precision:
     if type(plugin) is Precision:
         return ZeroPrecision()
     if type(plugin) is MixedPrecision:
-        scaler = None
-        if plugin.scaler is not None:  # same settings, but the found-inf flag is agreed by all ranks
-            scaler = ShardedGradScaler(device=plugin.device)
-            scaler.load_state_dict(plugin.scaler.state_dict())
+        scaler = _sharded(plugin.scaler, plugin.device)
         return ZeroMixedPrecision(plugin.precision, plugin.device, scaler=scaler)  # type: ignore[arg-type]
     if type(plugin) is HalfPrecision:
         return ZeroHalfPrecision(plugin.precision)  # type: ignore[arg-type]
-    raise TypeError(
+    raise _unsupported(plugin)
+
+
+def to_zero_fabric_precision(plugin: fabric_precision.Precision) -> fabric_precision.Precision:
+    """The same translation for one of Fabric's precision plugins: fp16 loss scaling with a
+    ``ShardedGradScaler``. (Fabric clips through the strategy, which clips by the global norm.)
+
+    Args:
+        plugin: The plugin Fabric chose from ``Fabric(precision=...)``.
+
+    Returns:
+        ``plugin``, or for ``"16-mixed"`` a ``MixedPrecision`` with a ``ShardedGradScaler``.
+
+    Raises:
+        TypeError: a plugin for another precision (``"64-true"``, transformer-engine, a custom one).
+    """
+    if type(plugin) in (fabric_precision.Precision, fabric_precision.HalfPrecision):
+        return plugin
+    if type(plugin) is fabric_precision.MixedPrecision:
+        if plugin.scaler is None or isinstance(plugin.scaler, ShardedGradScaler):
+            return plugin
+        scaler = _sharded(plugin.scaler, plugin.device)
+        return fabric_precision.MixedPrecision(plugin.precision, plugin.device, scaler=scaler)
+    raise _unsupported(plugin)
+
+
+def _sharded(scaler: Optional[torch.amp.GradScaler], device: str) -> Optional[ShardedGradScaler]:
+    """The same scaler settings, but the found-inf flag is agreed by all ranks."""
+    if scaler is None:
+        return None
+    sharded = ShardedGradScaler(device=device)
+    sharded.load_state_dict(scaler.state_dict())
+    return sharded
+
+
+def _unsupported(plugin: Any) -> TypeError:
+    return TypeError(
         f"The zero_infinity strategy does not support {type(plugin).__name__} "
-        f"(precision={getattr(plugin, 'precision', '?')!r}). Use Trainer(precision=...) with one of "
-        f"{', '.join(SUPPORTED)}."
+        f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision= with one of {', '.join(SUPPORTED)}."
     )
 
 
@@ -103,12 +137,13 @@ def policy_for(plugin: Precision) -> MixedPrecisionConfig:
     still runs for the ops it exists for. ``"*-true"`` precisions gather the parameters as they are.
 
     Args:
-        plugin: The plugin from :func:`to_zero_precision`.
+        plugin: The plugin from :func:`to_zero_precision` or :func:`to_zero_fabric_precision`.
 
     Returns:
         A :class:`~lightning_zinf.MixedPrecisionConfig`.
     """
-    if isinstance(plugin, MixedPrecision):
-        dtype = torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    mode = getattr(plugin, "precision", "32-true")  # the Trainer's plugins and Fabric's both carry it
+    if mode in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if mode == "bf16-mixed" else torch.float16
         return MixedPrecisionConfig(param_dtype=dtype, reduce_dtype=torch.float32)
     return MixedPrecisionConfig()

@@ -8,9 +8,7 @@ work), and each ``*_step`` starts a trace pass.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import tempfile
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Optional, Sequence
@@ -19,13 +17,7 @@ import torch
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    ReduceOp,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
@@ -33,31 +25,24 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import (CheckpointError, checkpoint_keys, load_full_state_dict, load_sharded,
-                                      matching_prefix, provided_parameters, save_sharded)
-from lightning_zinf.config import (
-    MixedPrecisionConfig,
-    OffloadConfig,
-    PrefetchConfig,
-    TilingConfig,
-    ZeroPPConfig,
-    coerce_config,
-)
+from lightning_zinf.checkpoint import load_sharded, save_sharded
+from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
+from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, init_distributed,
+                                    module_buffers, optimizer_hyperparameters, register_presets,
+                                    restore_hyperparameters)
 from lightning_zinf.precision import policy_for, to_zero_precision
-from lightning_zinf.tiling import tile_views
 
 __all__ = ["ZeroInfinityStrategy"]
 
 
-class ZeroInfinityStrategy(ParallelStrategy):
+class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     """ZeRO stage 3 data parallelism for Lightning: parameters, gradients and optimizer states are
     partitioned across all ranks (Rajbhandari et al., ZeRO, SC'20 §5; ZeRO-Infinity, SC'21 §5-6).
 
@@ -142,45 +127,21 @@ class ZeroInfinityStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if isinstance(block_classes, (str, type)):
-            block_classes = [block_classes]
-        self.block_classes = tuple(block_classes)
-        self.prefetch = coerce_config(PrefetchConfig, prefetch)
-        self.offload = coerce_config(OffloadConfig, offload)
-        self.tiling = None if tiling is None else coerce_config(TilingConfig, tiling)
-        self.zero_pp = coerce_config(ZeroPPConfig, zero_pp)
-        self.mixed_precision = None if mixed_precision is None else coerce_config(MixedPrecisionConfig, mixed_precision)
-        if isinstance(activation_checkpointing, (str, type)):
-            activation_checkpointing = [activation_checkpointing]
-        self.activation_checkpointing = tuple(activation_checkpointing)
+        self.options = ZeroOptions(
+            block_classes=block_classes, prefetch=prefetch, offload=offload, tiling=tiling, zero_pp=zero_pp,
+            mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
+            load_full_weights=load_full_weights, load_prefix=load_prefix,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self.load_full_weights = load_full_weights
-        self.load_prefix = load_prefix
-        self.exclude_frozen_parameters = exclude_frozen_parameters
         self._engine: Optional[ZeroEngine] = None
-        self.num_nodes = 1
 
-    # --- topology ---------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
+    # --- topology --------------------------------------------------------------------------------
     @property
     def is_distributed(self) -> bool:
         """True: Lightning then gives each rank its own slice of the data (``DistributedSampler``)."""
         return True
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def engine(self) -> ZeroEngine:
@@ -215,18 +176,8 @@ class ZeroInfinityStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        init_distributed(self.cluster_environment, self.root_device, self._process_group_backend, self._timeout)
 
     # --- model ------------------------------------------------------------------------------------
     @contextmanager
@@ -245,33 +196,11 @@ class ZeroInfinityStrategy(ParallelStrategy):
         # A model already partitioned (fit then test, or a second Trainer) keeps its engine.
         self._engine = getattr(self.model, "_zinf_engine", None)
         if self._engine is None:
-            weights, prefix, preloaded = self.load_full_weights, self.load_prefix, []
-            if weights is not None:
-                keys = checkpoint_keys(weights)  # headers only; the load reads the values
-                prefix = prefix if prefix is not None else matching_prefix(self.model, keys)
-                preloaded = provided_parameters(self.model, keys, prefix)
-            self._engine = ZeroEngine(
-                self.model,
-                block_classes=self.block_classes,
-                prefetch=self.prefetch,
-                offload=self.offload,
-                device=self.root_device,
-                auto_pass=False,
-                tiling=self.tiling,
-                # Lightning numbers ranks node by node, with this many processes on each.
-                zero_pp=dataclasses.replace(self.zero_pp, ranks_per_node=self.zero_pp.ranks_per_node or self.num_processes),
-                mixed_precision=self.mixed_precision or policy_for(self.precision_plugin),
-                activation_checkpointing=self.activation_checkpointing,
-                timeout=self._timeout,
-                preloaded=preloaded,
-            )
-            if weights is not None:
-                self._load_full_weights(weights, prefix, preloaded)
-        if getattr(self.precision_plugin, "scaler", None) is not None and self.offload.optimizer == "nvme":
-            raise ValueError(
-                "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
-                "gradients are on disk between backward and the optimizer step, so the scaler cannot unscale them "
-                "or check them for inf/NaN. Use precision='bf16-mixed' (no scaler), or optimizer='cpu'."
+            self._engine = build_engine(
+                self.model, self.options, device=self.root_device, ranks_per_node=self.num_processes,
+                precision=policy_for(self.precision_plugin),
+                loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
+                timeout=self._timeout, auto_pass=False,
             )
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
         self.barrier()
@@ -300,30 +229,13 @@ class ZeroInfinityStrategy(ParallelStrategy):
         with self.engine.gathered(write_back=write_back):
             yield
 
-    def _load_full_weights(self, weights: str | os.PathLike, prefix: str, preloaded: list[str]) -> None:
-        unexpected = load_full_state_dict(self._engine, weights, prefix=prefix, strict=False)
-        if unexpected:
-            raise CheckpointError(
-                f"load_full_weights={str(weights)!r}: {len(unexpected)} of its entries match no parameter or buffer "
-                f"of the model under load_prefix={prefix!r}: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}. "
-                "Check that it is this model's checkpoint, and pass load_prefix= where the model sits in the "
-                "LightningModule (e.g. 'model.')."
-            )
-        loaded = set(preloaded)
-        fresh = [n for n, _ in self.model.named_parameters() if n not in loaded]
-        rank_zero_info(
-            f"zero_infinity: loaded {len(loaded)} parameters from {weights} (prefix {prefix!r}); "
-            f"{len(fresh)} are not in it and keep their initialisation"
-            + (f": {fresh[:10]}{' ...' if len(fresh) > 10 else ''}" if fresh else "")
-        )
-
     # --- steps ------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a train trace pass, then run the LightningModule's step (with its saved
         activations in CPU memory under ``OffloadConfig(activations=True)``)."""
         self.engine.begin_pass("train")
-        if not self.offload.activations:
+        if not self.options.offload.activations:
             return super().training_step(*args, **kwargs)
         with self.engine.offload_activations():
             return super().training_step(*args, **kwargs)
@@ -333,14 +245,14 @@ class ZeroInfinityStrategy(ParallelStrategy):
         """Start a validation trace pass, then run the LightningModule's step (units kept gathered
         across its forward passes within ``PrefetchConfig.inference_budget``)."""
         self.engine.begin_pass("validate")
-        with self.engine.keep_gathered(self.prefetch.inference_budget):
+        with self.engine.keep_gathered(self.options.prefetch.inference_budget):
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a test trace pass, then run the LightningModule's step (as validation)."""
         self.engine.begin_pass("test")
-        with self.engine.keep_gathered(self.prefetch.inference_budget):
+        with self.engine.keep_gathered(self.options.prefetch.inference_budget):
             return super().test_step(*args, **kwargs)
 
     @override
@@ -348,7 +260,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         """Start a predict trace pass, then run the LightningModule's step: a ``generate()`` in
         it gathers each unit once while the units fit ``PrefetchConfig.inference_budget``."""
         self.engine.begin_pass("predict")
-        with self.engine.keep_gathered(self.prefetch.inference_budget):
+        with self.engine.keep_gathered(self.options.prefetch.inference_budget):
             return super().predict_step(*args, **kwargs)
 
     @contextmanager
@@ -362,24 +274,17 @@ class ZeroInfinityStrategy(ParallelStrategy):
     # --- collectives ------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            torch.distributed.barrier()
+        barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast(obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Optional[Any] = None, reduce_op: Optional[ReduceOp | str] = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return all_reduce(tensor, group, reduce_op)
 
     # --- checkpoints ------------------------------------------------------------------------------
     @property
@@ -398,15 +303,12 @@ class ZeroInfinityStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's buffers (replicated on every rank); parameters live in the shard files."""
         assert self.lightning_module is not None
-        params = {name for name, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
-        params.update(view.name for view in tile_views(self.lightning_module).values())  # a TiledLinear's "weight"
-        return {k: v for k, v in self.lightning_module.state_dict().items() if k not in params}
+        return module_buffers(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Hyper-parameters per param group; per-element state goes to the shard files."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+        return optimizer_hyperparameters(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -415,7 +317,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
             raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
         with_optimizer = "optimizer_states" in checkpoint
         save_sharded(self.engine, self.optimizers if with_optimizer else [], self.broadcast(filepath), checkpoint,
-                     exclude_frozen=self.exclude_frozen_parameters)
+                     exclude_frozen=self.options.exclude_frozen_parameters)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -427,9 +329,7 @@ class ZeroInfinityStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         meta = load_sharded(self.engine, self.optimizers, self.broadcast(checkpoint_path), load_optimizer=fitting)
-        for optimizer, saved in zip(self.optimizers, meta.get("optimizer_states", []) if fitting else []):
-            for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
-                group.update(hyper)
+        restore_hyperparameters(self.optimizers, meta.get("optimizer_states", []) if fitting else [])
         return meta
 
     @override
@@ -461,40 +361,4 @@ class ZeroInfinityStrategy(ParallelStrategy):
         optimizer state in CPU memory), ``"zero_infinity_nvme"`` (both on NVMe, under
         ``tempfile.gettempdir()``), ``"zero_pp"`` (ZeRO++: hpZ, qwZ, qgZ) and ``"zero_pp_nvme"``
         (ZeRO++ and NVMe); safe to call again (re-importing in a notebook)."""
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="ZeRO-3 partitioning of parameters, gradients and optimizer states (lightning_zinf)",
-            override=True,
-        )
-        strategy_registry.register(
-            "zero_infinity_offload",
-            cls,
-            description="ZeRO-3 with parameters and optimizer state offloaded to CPU memory (lightning_zinf)",
-            override=True,
-            offload=OffloadConfig(param="cpu", optimizer="cpu"),
-        )
-        strategy_registry.register(
-            "zero_infinity_nvme",
-            cls,
-            description="ZeRO-Infinity: parameters and optimizer state on NVMe, in the system's temporary folder "
-            "(lightning_zinf)",
-            override=True,
-            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir()),
-        )
-        strategy_registry.register(
-            "zero_pp",
-            cls,
-            description="ZeRO++: hpZ, qwZ and qgZ on top of ZeRO-3 (lightning_zinf)",
-            override=True,
-            zero_pp=ZeroPPConfig(hpz=True, qwz=True, qgz=True),
-        )
-        strategy_registry.register(
-            "zero_pp_nvme",
-            cls,
-            description="ZeRO++ (hpZ, qwZ, qgZ) with parameters and optimizer state on NVMe, in the system's "
-            "temporary folder (lightning_zinf)",
-            override=True,
-            zero_pp=ZeroPPConfig(hpz=True, qwz=True, qgz=True),
-            offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir()),
-        )
+        register_presets(strategy_registry, cls)

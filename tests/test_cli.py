@@ -34,8 +34,8 @@ class TinyLit(L.LightningModule):
 
     def on_fit_end(self) -> None:
         strategy = self.trainer.strategy
-        TinyLit.seen.update(strategy=type(strategy).__name__, blocks=list(getattr(strategy, "block_classes", [])),
-                            bucket=getattr(getattr(strategy, "prefetch", None), "bucket_size", None),
+        TinyLit.seen.update(strategy=type(strategy).__name__, blocks=list(strategy.options.block_classes),
+                            bucket=strategy.options.prefetch.bucket_size,
                             tiled=strategy.engine.tiled_layers,
                             compute=sorted({str(g.compute_dtype) for g in strategy.engine.groups}),
                             checkpointed=strategy.engine.checkpointed_modules)

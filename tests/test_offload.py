@@ -165,7 +165,7 @@ def _trainer_losses(rank: int, world: int, strategy) -> list[float]:
     lit = LitGPT(GLOBAL_BATCH // world)
     trainer = _trainer(chosen, world)
     trainer.fit(lit)
-    return {"losses": lit.train_losses, "offload": trainer.strategy.offload}
+    return {"losses": lit.train_losses, "offload": trainer.strategy.options.offload}
 
 
 def test_presets_and_activation_offload_under_the_trainer() -> None:

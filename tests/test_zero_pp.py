@@ -196,7 +196,7 @@ def _preset(rank: int, world: int, name: str) -> dict:
     trainer = _trainer(name, world)
     trainer.fit(lit)
     strategy = trainer.strategy
-    return {"losses": lit.train_losses, "zero_pp": strategy.zero_pp, "offload": strategy.offload.param,
+    return {"losses": lit.train_losses, "zero_pp": strategy.options.zero_pp, "offload": strategy.options.offload.param,
             "nodes": strategy.engine.comm.topology.nodes}
 
 

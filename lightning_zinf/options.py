@@ -1,0 +1,304 @@
+"""What the Trainer strategy and the Fabric strategy share: their options, how they build the
+engine from them, the distributed set-up, and the registered presets.
+
+Both adapters are thin: :class:`~lightning_zinf.strategy.ZeroInfinityStrategy` maps the Trainer's
+lifecycle and :class:`~lightning_zinf.fabric.ZeroInfinityFabricStrategy` Fabric's calls onto one
+:class:`~lightning_zinf.engine.ZeroEngine`, built here the same way for both, so a model trained
+with one saves checkpoints the other loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
+from torch import Tensor, nn
+
+from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dict, matching_prefix, \
+    provided_parameters
+from lightning_zinf.config import (
+    MixedPrecisionConfig,
+    OffloadConfig,
+    PrefetchConfig,
+    TilingConfig,
+    ZeroPPConfig,
+    coerce_config,
+)
+from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.tiling import tile_views
+
+__all__ = ["ZeroOptions", "RankLayout", "build_engine", "PRESETS", "register_presets", "module_buffers", "optimizer_hyperparameters",
+           "restore_hyperparameters", "init_distributed", "barrier", "broadcast", "all_reduce"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """The strategy's options, the same for the Trainer and for Fabric (each field is documented on
+    :class:`~lightning_zinf.ZeroInfinityStrategy`'s argument of the same name).
+
+    Mappings are accepted for the config fields (``offload={"optimizer": "cpu"}``) and a single
+    class or name for the class lists.
+
+    Raises:
+        ValueError: an invalid option value (the message names the field and what is allowed).
+    """
+
+    block_classes: Sequence[Union[str, type]] = ()
+    prefetch: PrefetchConfig = PrefetchConfig()
+    offload: OffloadConfig = OffloadConfig()
+    tiling: Optional[TilingConfig] = None
+    zero_pp: ZeroPPConfig = ZeroPPConfig()
+    mixed_precision: Optional[MixedPrecisionConfig] = None
+    activation_checkpointing: Sequence[Union[str, type]] = ()
+    load_full_weights: Optional[Union[str, os.PathLike]] = None
+    load_prefix: Optional[str] = None
+    exclude_frozen_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        def classes(value: Any) -> tuple:
+            return (value,) if isinstance(value, (str, type)) else tuple(value)
+
+        coerced = {
+            "block_classes": classes(self.block_classes),
+            "prefetch": coerce_config(PrefetchConfig, self.prefetch),
+            "offload": coerce_config(OffloadConfig, self.offload),
+            "tiling": None if self.tiling is None else coerce_config(TilingConfig, self.tiling),
+            "zero_pp": coerce_config(ZeroPPConfig, self.zero_pp),
+            "mixed_precision": (None if self.mixed_precision is None
+                                else coerce_config(MixedPrecisionConfig, self.mixed_precision)),
+            "activation_checkpointing": classes(self.activation_checkpointing),
+        }
+        for name, value in coerced.items():
+            object.__setattr__(self, name, value)  # frozen: normalised once, here
+
+
+def build_engine(
+    module: nn.Module,
+    options: ZeroOptions,
+    *,
+    device: torch.device,
+    ranks_per_node: int,
+    precision: MixedPrecisionConfig,
+    loss_scaling: bool,
+    timeout: Optional[timedelta],
+    auto_pass: bool,
+) -> ZeroEngine:
+    """Partition ``module`` with ``options`` (and load ``options.load_full_weights`` into it).
+
+    Args:
+        module: The model (the LightningModule, or the module given to Fabric), on the meta device
+            or real.
+        options: The strategy's options.
+        device: This rank's compute device.
+        ranks_per_node: Processes per node, as the launcher numbers ranks (node by node); used
+            unless ``options.zero_pp.ranks_per_node`` says otherwise.
+        precision: The policy derived from the precision plugin, used unless
+            ``options.mixed_precision`` is given.
+        loss_scaling: The precision plugin scales the loss (fp16): refused with NVMe optimizer offload.
+        timeout: How long the engine's own process groups wait for other ranks.
+        auto_pass: The engine starts a trace pass at each forward of ``module`` (Fabric) rather
+            than at each step the driver marks (the Trainer).
+
+    Returns:
+        The :class:`~lightning_zinf.engine.ZeroEngine` (also ``module._zinf_engine``).
+
+    Raises:
+        ValueError: fp16 loss scaling with NVMe optimizer offload.
+        CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model.
+    """
+    if loss_scaling and options.offload.optimizer == "nvme":
+        raise ValueError(
+            "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
+            "gradients are on disk between backward and the optimizer step, so the scaler cannot unscale them "
+            "or check them for inf/NaN. Use precision='bf16-mixed' (no scaler), or optimizer='cpu'."
+        )
+    weights, prefix, preloaded = options.load_full_weights, options.load_prefix, []
+    if weights is not None:
+        keys = checkpoint_keys(weights)  # headers only; the load reads the values
+        prefix = prefix if prefix is not None else matching_prefix(module, keys)
+        preloaded = provided_parameters(module, keys, prefix)
+    engine = ZeroEngine(
+        module,
+        block_classes=options.block_classes,
+        prefetch=options.prefetch,
+        offload=options.offload,
+        device=device,
+        auto_pass=auto_pass,
+        tiling=options.tiling,
+        zero_pp=dataclasses.replace(options.zero_pp, ranks_per_node=options.zero_pp.ranks_per_node or ranks_per_node),
+        mixed_precision=options.mixed_precision or precision,
+        activation_checkpointing=options.activation_checkpointing,
+        timeout=timeout,
+        preloaded=preloaded,
+    )
+    if weights is not None:
+        _load_full_weights(engine, weights, prefix, preloaded)
+    return engine
+
+
+def _load_full_weights(engine: ZeroEngine, weights: Union[str, os.PathLike], prefix: str, preloaded: list[str]) -> None:
+    unexpected = load_full_state_dict(engine, weights, prefix=prefix, strict=False)
+    if unexpected:
+        raise CheckpointError(
+            f"load_full_weights={str(weights)!r}: {len(unexpected)} of its entries match no parameter or buffer "
+            f"of the model under load_prefix={prefix!r}: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}. "
+            "Check that it is this model's checkpoint, and pass load_prefix= where the model sits in the "
+            "LightningModule (e.g. 'model.')."
+        )
+    loaded = set(preloaded)
+    fresh = [n for n, _ in engine.module.named_parameters() if n not in loaded]
+    rank_zero_info(
+        f"zero_infinity: loaded {len(loaded)} parameters from {weights} (prefix {prefix!r}); "
+        f"{len(fresh)} are not in it and keep their initialisation"
+        + (f": {fresh[:10]}{' ...' if len(fresh) > 10 else ''}" if fresh else "")
+    )
+
+
+# name -> (description, options): registered for the Trainer and for Fabric alike.
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "zero_infinity": ("ZeRO-3 partitioning of parameters, gradients and optimizer states (lightning_zinf)", {}),
+    "zero_infinity_offload": (
+        "ZeRO-3 with parameters and optimizer state offloaded to CPU memory (lightning_zinf)",
+        {"offload": OffloadConfig(param="cpu", optimizer="cpu")},
+    ),
+    "zero_infinity_nvme": (
+        "ZeRO-Infinity: parameters and optimizer state on NVMe, in the system's temporary folder (lightning_zinf)",
+        {"offload": OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir())},
+    ),
+    "zero_pp": (
+        "ZeRO++: hpZ, qwZ and qgZ on top of ZeRO-3 (lightning_zinf)",
+        {"zero_pp": ZeroPPConfig(hpz=True, qwz=True, qgz=True)},
+    ),
+    "zero_pp_nvme": (
+        "ZeRO++ (hpZ, qwZ, qgZ) with parameters and optimizer state on NVMe, in the system's temporary folder "
+        "(lightning_zinf)",
+        {"zero_pp": ZeroPPConfig(hpz=True, qwz=True, qgz=True),
+         "offload": OffloadConfig(param="nvme", optimizer="nvme", nvme_path=tempfile.gettempdir())},
+    ),
+}
+
+
+def register_presets(registry: Any, cls: type) -> None:
+    """Register :data:`PRESETS` for ``cls`` in a Lightning strategy registry (Trainer's or
+    Fabric's); safe to call again (re-importing in a notebook)."""
+    for name, (description, options) in PRESETS.items():
+        registry.register(name, cls, description=description, override=True, **options)
+
+
+# --- the checkpoint entries outside the shard files ---------------------------------------------------
+def module_buffers(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` without its parameters (replicated buffers, extra state): what a
+    checkpoint's ``state_dict`` entry holds, since the parameters are in the shard files."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    params.update(view.name for view in tile_views(module).values())  # a TiledLinear's "weight"
+    return {k: v for k, v in module.state_dict().items() if k not in params}
+
+
+def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer's hyper-parameters per param group (a checkpoint's ``optimizer_states`` entry);
+    its per-element state is in the shard files."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap a LightningOptimizer
+    return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]}
+
+
+def restore_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], saved: Sequence[dict[str, Any]]) -> None:
+    """Put back what :func:`optimizer_hyperparameters` saved (learning rates a scheduler changed...)."""
+    for optimizer, state in zip(optimizers, saved):
+        for group, hyper in zip(optimizer.param_groups, state["param_groups"]):
+            group.update(hyper)
+
+
+# --- the distributed plumbing both adapters need ------------------------------------------------------
+class RankLayout:
+    """One process per device of ``parallel_devices`` on each of ``num_nodes`` nodes, ranks numbered
+    node by node: the topology properties both strategies derive from that (a mixin placed before
+    the Lightning base class, which provides ``parallel_devices``, ``local_rank``, ``node_rank``,
+    ``global_rank`` and ``cluster_environment``)."""
+
+    parallel_devices: Optional[list[torch.device]]
+    cluster_environment: Optional[ClusterEnvironment]
+    local_rank: int
+    node_rank: int
+    global_rank: int
+    _num_nodes: int = 1
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Each rank reads its own slice of the data (``DistributedSampler``)."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this rank's global rank and the world size (the Trainer's
+        and Fabric's connectors call this, under these two names, before launching)."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.global_rank
+
+    _set_world_ranks = set_world_ranks
+
+
+def init_distributed(environment: ClusterEnvironment, device: torch.device, backend: Optional[str],
+                     timeout: timedelta) -> None:
+    """Join the default process group (a no-op when it exists): ``backend`` or the device's default
+    (gloo on CPU, NCCL on CUDA), bound to ``device`` on an accelerator so NCCL connects eagerly."""
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    _init_dist_connection(environment, backend or _get_default_process_group_backend_for_device(device), **kwargs)
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing without ``torch.distributed``)."""
+    if _distributed_is_initialized():
+        torch.distributed.barrier()
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank."""
+    if not _distributed_is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src)
+    return box[0]
+
+
+def all_reduce(tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+    """``tensor`` reduced over ranks (mean by default, as Lightning's ``reduce``); non-tensors as they are."""
+    if isinstance(tensor, Tensor):
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+    return tensor

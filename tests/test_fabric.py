@@ -1,0 +1,311 @@
+"""Lightning Fabric with ``strategy="zero_infinity"`` on CPU/gloo, against Fabric's own DDP.
+
+Each run is a real Fabric loop on two processes: the model built inside ``fabric.init_module()``,
+gradient accumulation under ``fabric.no_backward_sync``, global-norm clipping with
+``fabric.clip_gradients``, AdamW. DDP with the same seed and data is the reference; checkpoints
+written by ``fabric.save`` must resume exactly, and move between Fabric and the Trainer.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning.pytorch as L
+import nbformat
+import pytest
+import torch
+from lightning.fabric import Fabric
+from nbclient import NotebookClient
+
+import lightning_zinf  # noqa: F401  (registers "zero_infinity" for Fabric and the Trainer)
+from lightning_zinf import ZeroInfinityFabricStrategy
+from tests import models
+from tests.harness import run_distributed
+from tests.test_trainer import LitGPT, _tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCUMULATE = 2
+MICRO_BATCH = 2  # per rank
+
+
+class FabricLit(LitGPT):
+    """The Trainer tests' LightningModule, with the forward a Fabric loop calls."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+
+def _exp_avg(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [optimizer.state[p]["exp_avg"].clone() for g in optimizer.param_groups for p in g["params"]
+            if p in optimizer.state]
+
+
+def _fabric(strategy) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _build(fabric: Fabric, separate: bool = False):
+    """The test GPT and AdamW, set up jointly (``fabric.setup``) or one after the other."""
+    torch.manual_seed(0)
+    with fabric.init_module():
+        model = models.GPT()
+    if separate:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    else:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return model, optimizer
+
+
+def _train(fabric: Fabric, model, optimizer, steps: range) -> tuple[list[float], list[float]]:
+    """Accumulate ``ACCUMULATE`` micro-batches per step, clip to a norm the gradients exceed;
+    returns the losses and the gradient norms (both mean over ranks)."""
+    losses, norms = [], []
+    for step in steps:
+        x, y = models.make_batch("gpt", step, 2 * MICRO_BATCH * ACCUMULATE)
+        rank = fabric.global_rank
+        total = 0.0
+        for micro in range(ACCUMULATE):
+            lo = (micro * 2 + rank) * MICRO_BATCH
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                loss = models.loss_fn(model, x[lo:lo + MICRO_BATCH], y[lo:lo + MICRO_BATCH]) / ACCUMULATE
+                fabric.backward(loss)
+            total += loss.detach()
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=0.5).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(total).item())
+    return losses, norms
+
+
+def _full_parameters(fabric: Fabric, model) -> dict[str, torch.Tensor]:
+    module = model.module if hasattr(model, "module") else model
+    strategy = fabric.strategy
+    context = strategy.gathered_parameters() if isinstance(strategy, ZeroInfinityFabricStrategy) else torch.no_grad()
+    with context:
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _fabric_run(rank: int, world: int, strategy: str, separate: bool) -> dict:
+    fabric = _fabric(strategy)
+    model, optimizer = _build(fabric, separate)
+    losses, norms = _train(fabric, model, optimizer, range(4))
+    with torch.no_grad():
+        model.eval()
+        eval_loss = models.loss_fn(model, *models.make_batch("gpt", 99, 4)).item()
+    return {"losses": losses, "norms": norms, "eval": eval_loss, "params": _full_parameters(fabric, model)}
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["setup", "setup_module+setup_optimizers"])
+def test_fabric_loop_matches_fabric_ddp(separate: bool) -> None:
+    zinf = run_distributed(_fabric_run, 2, "zero_infinity", separate, init_pg=False)
+    ddp = run_distributed(_fabric_run, 2, "ddp", False, init_pg=False)
+    assert zinf[0]["norms"][0] > 0.5  # clipping acted
+    assert zinf[0]["losses"] == pytest.approx(ddp[0]["losses"], abs=1e-5)
+    assert zinf[0]["norms"] == pytest.approx(ddp[0]["norms"], rel=1e-5)
+    assert zinf[0]["eval"] == pytest.approx(ddp[0]["eval"], abs=1e-5)
+    assert zinf[0]["losses"][-1] < zinf[0]["losses"][0]
+    for name, value in ddp[0]["params"].items():
+        for rank in zinf:
+            mine = rank["params"][name].clone()
+            if name.endswith("qkv.bias"):
+                # The key bias's exact gradient is zero (softmax ignores a constant added to every
+                # score of a query), so its float gradient is rounding noise, which AdamW turns into
+                # steps of up to lr: compared against that bound, the rest tightly.
+                keys = slice(value.numel() // 3, 2 * value.numel() // 3)
+                assert (mine[keys] - value[keys]).abs().max() <= 4 * 1e-2
+                mine[keys] = value[keys]
+            torch.testing.assert_close(mine, value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _resume_run(rank: int, world: int, folder: str) -> dict:
+    fabric = _fabric("zero_infinity")
+    model, optimizer = _build(fabric)
+    first, _ = _train(fabric, model, optimizer, range(2))
+    fabric.save(folder, {"model": model, "optimizer": optimizer, "step": 2, "note": "kept"})
+    straight, _ = _train(fabric, model, optimizer, range(2, 4))
+
+    # A new model, optimizer and strategy in the same processes: everything comes from the files.
+    fabric = _fabric(ZeroInfinityFabricStrategy())
+    model, optimizer = _build(fabric)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    remainder = fabric.load(folder, state)
+    resumed, _ = _train(fabric, model, optimizer, range(state["step"], 4))
+    return {"first": first, "straight": straight, "resumed": resumed, "remainder": remainder}
+
+
+def test_fabric_save_load_resumes_exactly(tmp_path: Path) -> None:
+    out = run_distributed(_resume_run, 2, str(tmp_path / "ckpt"), init_pg=False)
+    assert out[0]["resumed"] == out[0]["straight"]  # bit for bit: weights, masters and AdamW state
+    assert out[0]["remainder"] == {"note": "kept"}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.pt", "rank_00000.safetensors",
+                                                                     "rank_00001.safetensors"]
+
+
+def _trainer_then_fabric(rank: int, world: int, folder: str) -> dict:
+    """The Trainer trains LitGPT and saves; Fabric loads that checkpoint into a LitGPT of its own."""
+    lit = FabricLit(batch_size=4)
+    trainer = L.Trainer(strategy="zero_infinity", accelerator="cpu", devices=2, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    trainer.fit(lit, torch.utils.data.DataLoader(_tokens(64, 0), batch_size=4))
+    trainer.save_checkpoint(folder)
+    with trainer.strategy.gathered_parameters():
+        saved = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    saved_state = _exp_avg(trainer.optimizers[0])
+
+    fabric = _fabric("zero_infinity")
+    with fabric.init_module():
+        other = FabricLit(batch_size=4)
+        other.configure_model()
+    other, optimizer = fabric.setup(other, torch.optim.AdamW(other.parameters(), lr=0.5))
+    remainder = fabric.load(folder, {"model": other, "optimizer": optimizer})
+    loaded = _full_parameters(fabric, other)
+    loaded_state = _exp_avg(optimizer.optimizer)
+    return {"saved": saved, "loaded": loaded, "saved_state": saved_state, "loaded_state": loaded_state,
+            "lr": optimizer.param_groups[0]["lr"], "global_step": remainder.get("global_step")}
+
+
+def test_trainer_checkpoint_loads_in_fabric(tmp_path: Path) -> None:
+    out = run_distributed(_trainer_then_fabric, 2, str(tmp_path / "trainer.ckpt"), init_pg=False)
+    for rank in out:
+        assert rank["saved"].keys() == rank["loaded"].keys()
+        for name, value in rank["saved"].items():
+            assert torch.equal(rank["loaded"][name], value), name
+        assert len(rank["loaded_state"]) == len(rank["saved_state"]) > 0
+        for a, b in zip(rank["loaded_state"], rank["saved_state"]):
+            assert torch.equal(a, b)
+        assert rank["lr"] == pytest.approx(1e-2)  # LitGPT's own, not the 0.5 Fabric's optimizer was built with
+        assert rank["global_step"] == 3
+
+
+def _fabric_then_trainer(rank: int, world: int, folder: str) -> dict:
+    """Fabric trains a LitGPT and saves; the Trainer validates from that checkpoint."""
+    fabric = _fabric("zero_infinity")
+    torch.manual_seed(0)
+    with fabric.init_module():
+        lit = FabricLit(batch_size=4)
+        lit.configure_model()
+    model, optimizer = fabric.setup(lit, torch.optim.AdamW(lit.parameters(), lr=1e-2))
+    _train(fabric, model, optimizer, range(2))
+    x, y = _tokens(8, 5).tensors
+    with torch.no_grad():
+        model.eval()
+        fabric_loss = models.loss_fn(lit.model, x, y).item()
+    fabric.save(folder, {"model": model, "optimizer": optimizer})
+
+    trainer = L.Trainer(strategy="zero_infinity", accelerator="cpu", devices=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    metrics = trainer.validate(FabricLit(batch_size=4), torch.utils.data.DataLoader(_tokens(8, 5), batch_size=4),
+                               ckpt_path=folder, verbose=False)
+    return {"fabric": fabric_loss, "trainer": metrics[0]["val_loss"]}
+
+
+def test_fabric_checkpoint_loads_in_the_trainer(tmp_path: Path) -> None:
+    out = run_distributed(_fabric_then_trainer, 2, str(tmp_path / "fabric.ckpt"), init_pg=False)
+    assert out[0]["trainer"] == pytest.approx(out[0]["fabric"], abs=1e-5)
+
+
+def _bad_state(rank: int, world: int, folder: str) -> list[str]:
+    fabric = _fabric("zero_infinity")
+    model, optimizer = _build(fabric)
+    errors = []
+    for call in (lambda: fabric.load(folder),
+                 lambda: fabric.save(folder, {"model": model, "other": torch.nn.Linear(2, 2)}),
+                 lambda: fabric.save(folder, {"model": model}, filter={"model": lambda k, v: True})):
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        errors.append(str(info.value))
+    with pytest.raises(ValueError, match="one model"):
+        fabric.setup(torch.nn.Linear(2, 2))
+    return errors
+
+
+def test_fabric_refuses_what_a_sharded_checkpoint_cannot_do(tmp_path: Path) -> None:
+    errors = run_distributed(_bad_state, 2, str(tmp_path / "x"), init_pg=False)[0]
+    assert "consolidate" in errors[0]
+    assert "exactly one model" in errors[1]
+    assert "filter" in errors[2]
+
+
+def test_fabric_example_script_launches_its_own_processes(tmp_path: Path) -> None:
+    """``python -m examples.fabric_pretrain``: Fabric's script launcher starts the second rank."""
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.fabric_pretrain", "--steps", "3", "--d-model", "32", "--layers", "1",
+         "--seq-len", "32", "--accumulate", "2", "--checkpoint", str(tmp_path / "ckpt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Starting with 2 processes" in done.stderr + done.stdout
+    assert "step    3  loss" in done.stdout
+    assert (tmp_path / "ckpt" / "rank_00001.safetensors").exists()
+
+
+def test_fabric_in_a_notebook_forks_its_workers(tmp_path: Path) -> None:
+    """In Jupyter Fabric cannot re-run a script: the strategy forks, as Fabric's notebook strategies do."""
+    code = textwrap.dedent(
+        f"""
+        import sys; sys.path.insert(0, {str(ROOT)!r})
+        import torch, lightning_zinf
+        from lightning.fabric import Fabric
+        from tests import models
+
+        def train(fabric):
+            torch.manual_seed(0)
+            with fabric.init_module():
+                model = models.GPT()
+            model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+            losses = []
+            for step in range(3):
+                x, y = models.make_batch("gpt", step, 4)
+                loss = models.loss_fn(model, x[2 * fabric.global_rank:][:2], y[2 * fabric.global_rank:][:2])
+                fabric.backward(loss)
+                opt.step(); opt.zero_grad()
+                losses.append(fabric.all_reduce(loss.detach()).item())
+            return losses
+
+        fabric = Fabric(accelerator="cpu", devices=2, strategy="zero_infinity")
+        print("losses", fabric.launch(train))
+        """
+    )
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "".join(o.get("text", "") for o in nb.cells[0].outputs if o.get("output_type") == "stream")
+    losses = [float(v) for v in text.split("losses [")[1].split("]")[0].split(",")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_fabric_fp16_loss_scaling_uses_a_scaler_every_rank_agrees_with() -> None:
+    """Fabric's fp16 plugin gets a ``ShardedGradScaler`` (its found-inf flag is all-reduced, so one
+    rank's overflow in its own shard makes every rank skip the step), with the user's settings."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256, growth_interval=7))
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="zero_infinity", plugins=[plugin])
+    scaler = fabric.strategy.precision.scaler
+    assert type(scaler) is ShardedGradScaler
+    assert scaler.get_scale() == 256 and scaler.get_growth_interval() == 7
+    with pytest.raises(TypeError, match="64-true"):
+        Fabric(accelerator="cpu", devices=1, strategy="zero_infinity", precision="64-true")
+
+
+def _load_raw(rank: int, world: int, file: str) -> dict:
+    fabric = _fabric("zero_infinity")
+    model, _ = _build(fabric)
+    fabric.load_raw(file, model)
+    return _full_parameters(fabric, model)
+
+
+def test_fabric_load_raw_reads_a_full_state_dict_into_the_shards(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    reference = models.GPT()
+    torch.save(reference.state_dict(), tmp_path / "full.pt")
+    for rank in run_distributed(_load_raw, 2, str(tmp_path / "full.pt"), init_pg=False):
+        for name, value in reference.named_parameters():
+            assert torch.equal(rank[name], value.detach()), name
