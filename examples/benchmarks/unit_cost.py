@@ -1,0 +1,156 @@
+"""The cost of a unit: engine time per unit per step, against FSDP2 with ``fully_shard`` per layer.
+
+A model of many small units, where the per-unit bookkeeping (hooks, gathers, releases,
+reduce-scatters, the trace) dominates: ``--layers`` Linear(100, 100) layers (10,100 parameters
+each) with a tanh between them, a micro-batch of 8 x 100, SGD, 2 ranks on CPU with gloo, each
+contender a ``torchrun`` job of its own, in plain PyTorch (no Lightning loop) so only the sharding
+differs:
+
+  zinf   ZeroEngine, one unit per Linear (the default), persistence threshold 0 so every unit is
+         gathered and released each step
+  fsdp2  fully_shard on every Linear and on the root (reshard_after_forward=True)
+  ddp    DistributedDataParallel (no sharding: the compute and the gradient all-reduce)
+
+Per contender: s/step (mean over the steps after the first 3, rank 0), and the overhead per unit
+per step, in microseconds: (s/step - DDP's s/step) / layers. The ratio column is zinf's overhead
+per unit over FSDP2's (below 1: zinf's units are cheaper).
+
+    python examples/benchmarks/unit_cost.py [--layers 500] [--steps 20] [--only zinf,fsdp2,ddp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+CONTENDERS = ("zinf", "fsdp2", "ddp")
+WARMUP = 3
+WIDTH, BATCH = 100, 8
+
+
+def _model(layers: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods)
+
+
+def run_rank(contender: str, layers: int, steps: int, out: Path) -> None:
+    """One rank of one contender (under torchrun): train, time each step, write rank 0's times."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = _model(layers)
+    if contender == "zinf":
+        from lightning_zinf import PrefetchConfig, ZeroEngine
+
+        ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+    elif contender == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    times, losses = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    if rank == 0:
+        out.write_text(json.dumps({"step_times_s": times, "losses": losses}))
+    dist.destroy_process_group()
+
+
+def drive(args: argparse.Namespace) -> None:
+    results: dict[str, dict] = {}
+    for name in args.only:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rank0.json"
+            env = dict(os.environ, OMP_NUM_THREADS="1",
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+                   "--rank-of", name, "--layers", str(args.layers), "--steps", str(args.steps), "--result", str(out)]
+            print(f"[unit_cost] running {name} ...", flush=True)
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            if done.returncode or not out.exists():
+                results[name] = {"status": "failed", "error": done.stderr[-2000:]}
+                print(results[name]["error"])
+                continue
+            data = json.loads(out.read_text())
+        timed = data["step_times_s"][WARMUP:]
+        results[name] = {"status": "ok", "mean_step_s": sum(timed) / len(timed), **data}
+    ddp = results.get("ddp", {}).get("mean_step_s")
+    for res in results.values():
+        if res["status"] == "ok" and ddp is not None:
+            res["overhead_us_per_unit"] = (res["mean_step_s"] - ddp) / args.layers * 1e6
+    ours, peer = results.get("zinf", {}), results.get("fsdp2", {})
+    ratio = (ours["overhead_us_per_unit"] / peer["overhead_us_per_unit"]
+             if "overhead_us_per_unit" in ours and "overhead_us_per_unit" in peer else None)
+    print(f"\n{args.layers} units of {WIDTH * WIDTH + WIDTH:,} parameters, 2 ranks, gloo\n")
+    print(f"{'contender':<10} {'s/step':>8} {'us/unit/step over DDP':>22}")
+    for name, res in results.items():
+        if res["status"] != "ok":
+            print(f"{name:<10} FAILED")
+            continue
+        extra = res.get("overhead_us_per_unit")
+        print(f"{name:<10} {res['mean_step_s']:>8.4f} {'-' if extra is None else f'{extra:.1f}':>22}")
+    if ratio is not None:
+        print(f"\nzinf / fsdp2 overhead per unit: {ratio:.2f}")
+    record = {"command": " ".join([sys.executable, *sys.argv]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+              "layers": args.layers, "steps": args.steps, "warmup": WARMUP, "results": results,
+              "zinf_over_fsdp2": ratio}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2))
+    print(f"results: {args.out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--only", default=",".join(CONTENDERS))
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "unit_cost.json")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--rank-of", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_of:
+        run_rank(args.rank_of, args.layers, args.steps, args.result)
+        return
+    args.only = [n.strip() for n in args.only.split(",") if n.strip()]
+    if not args.only or set(args.only) - set(CONTENDERS):
+        parser.error(f"--only must name some of {CONTENDERS}")
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    drive(args)
+
+
+if __name__ == "__main__":
+    main()
