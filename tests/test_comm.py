@@ -50,3 +50,29 @@ def test_control_plane_runs_where_the_world_group_refuses_host_tensors() -> None
         assert got["objects"] == [{"rank": r} for r in range(world)]
         assert got["sum"] == sum(range(1, world + 1))
         assert torch.equal(got["rng"], results[0]["rng"]) and got["rng"].any()
+
+
+def _data_plane(rank: int, world: int, n: int, dtype: torch.dtype) -> dict:
+    comm = Collectives(timeout=timedelta(seconds=60))
+    shard = torch.arange(n, dtype=torch.float64).mul_(world).add_(rank).to(dtype)  # rank r: r, r+W, ...
+    gathered = torch.full((world * n,), -1.0, dtype=dtype)
+    comm.all_gather(gathered, shard, async_op=True).wait()
+    full = torch.linspace(-1, 1, world * n, dtype=torch.float64).mul_(rank + 1).to(dtype)
+    mine = torch.empty(n, dtype=dtype)
+    comm.reduce_scatter_mean(mine, full.clone(), async_op=True).wait()
+    return {"gathered": gathered, "mine": mine}
+
+
+@pytest.mark.parametrize("world, n, dtype", [(2, 300_000, torch.float32), (3, 400_000, torch.bfloat16),
+                                             (3, 1000, torch.float32)], ids=["large-2", "large-3-bf16", "small-3"])
+def test_gather_and_reduce_scatter_on_gloo_against_the_definition(world: int, n: int, dtype: torch.dtype) -> None:
+    """Above 1 MiB gloo gathers by in-place broadcasts and reduce-scatters by in-place reduces;
+    below, with its flat collectives: both must give what the definitions say, rank by rank."""
+    out = run_distributed(_data_plane, world, n, dtype)
+    expected_gather = torch.cat([torch.arange(n, dtype=torch.float64).mul_(world).add_(r) for r in range(world)])
+    full = torch.linspace(-1, 1, world * n, dtype=torch.float64)
+    mean = sum(full.mul(r + 1).to(dtype).double() for r in range(world)) / world
+    for rank, result in enumerate(out):
+        assert torch.equal(result["gathered"].double(), expected_gather.to(dtype).double())
+        torch.testing.assert_close(result["mine"].double(), mean[rank * n:(rank + 1) * n],
+                                   rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
