@@ -91,3 +91,38 @@ def run_killable(cmd: list[str], env: dict[str, str], log_path: Path, timeout: f
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             return proc.wait()
+
+
+def self_launched_rank(script: str, contender: str, script_args: list[str], timeout: float) -> tuple[dict | None, str]:
+    """Driver side of a benchmark script that is also its own rank program: run
+    ``torchrun --nproc_per_node 2 script --rank-of contender *script_args --result FILE`` with one
+    thread per rank and this checkout on ``PYTHONPATH``; returns what rank 0 wrote to FILE (JSON),
+    or ``None`` and the tail of the job's stderr when it failed."""
+    import sys
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rank0.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+               "--rank-of", contender, *script_args, "--result", str(out)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if done.returncode or not out.exists():
+            return None, done.stderr[-3000:]
+        return json.loads(out.read_text()), ""
+
+
+def run_record(**fields) -> dict:
+    """What was run, where and when (command, UTC date, machine), with ``fields``, for a results file."""
+    import datetime
+    import platform
+    import sys
+
+    import torch
+
+    return {"command": " ".join([sys.executable, *sys.argv]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+            **fields}

@@ -21,20 +21,16 @@ per unit over FSDP2's (below 1: zinf's units are cheaper).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+from measure import run_record, self_launched_rank  # noqa: E402
 CONTENDERS = ("zinf", "fsdp2", "ddp")
 WARMUP = 3
 WIDTH, BATCH = 100, 8
@@ -89,19 +85,13 @@ def run_rank(contender: str, layers: int, steps: int, out: Path) -> None:
 def drive(args: argparse.Namespace) -> None:
     results: dict[str, dict] = {}
     for name in args.only:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rank0.json"
-            env = dict(os.environ, OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-                   "--rank-of", name, "--layers", str(args.layers), "--steps", str(args.steps), "--result", str(out)]
-            print(f"[unit_cost] running {name} ...", flush=True)
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            if done.returncode or not out.exists():
-                results[name] = {"status": "failed", "error": done.stderr[-2000:]}
-                print(results[name]["error"])
-                continue
-            data = json.loads(out.read_text())
+        print(f"[unit_cost] running {name} ...", flush=True)
+        data, error = self_launched_rank(__file__, name, ["--layers", str(args.layers), "--steps", str(args.steps)],
+                                         args.timeout)
+        if data is None:
+            results[name] = {"status": "failed", "error": error}
+            print(error)
+            continue
         timed = data["step_times_s"][WARMUP:]
         results[name] = {"status": "ok", "mean_step_s": sum(timed) / len(timed), **data}
     ddp = results.get("ddp", {}).get("mean_step_s")
@@ -121,11 +111,7 @@ def drive(args: argparse.Namespace) -> None:
         print(f"{name:<10} {res['mean_step_s']:>8.4f} {'-' if extra is None else f'{extra:.1f}':>22}")
     if ratio is not None:
         print(f"\nzinf / fsdp2 overhead per unit: {ratio:.2f}")
-    record = {"command": " ".join([sys.executable, *sys.argv]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-              "layers": args.layers, "steps": args.steps, "warmup": WARMUP, "results": results,
-              "zinf_over_fsdp2": ratio}
+    record = run_record(layers=args.layers, steps=args.steps, warmup=WARMUP, results=results, zinf_over_fsdp2=ratio)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(f"results: {args.out}")
