@@ -12,6 +12,11 @@ A checkpoint is a directory::
                               like the shard); per-parameter scalar state (Adam's ``step``) as
                               ``g.opt<o>.<key>.scalar``, one value per parameter
 
+``meta.pt`` is a pickle, so reading it could run code the file names. It is read with torch's
+weights-only unpickler, which builds tensors, containers and primitives only, plus the few classes
+Lightning's checkpoint state holds (:data:`CHECKPOINT_GLOBALS`); anything else is refused unless the
+caller passes ``weights_only=False`` for a file they trust.
+
 Because every per-element tensor is stored in the flat layout of its group, a rank of any new world
 size computes which elements it owns and reads just those byte ranges of the old files
 (safetensors reads slices without loading whole tensors). Writes go to a temporary directory
@@ -21,22 +26,29 @@ save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import copyreg
 import hashlib
 import json
 import os
+import pathlib
+import pickle
+import types
 import shutil
 import struct
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict as FabricAttributeDict
+from lightning.pytorch.utilities.parsing import AttributeDict
 from torch import Tensor, nn
 
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.tiling import tile_views, view_segments
 
-__all__ = ["save_sharded", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "CheckpointError", "META_FILE"]
+__all__ = ["save_sharded", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "read_meta",
+           "CheckpointError", "CHECKPOINT_GLOBALS", "META_FILE"]
 
 META_FILE = "meta.pt"
 FORMAT = "lightning_zinf.sharded"
@@ -45,8 +57,35 @@ FORMAT = "lightning_zinf.sharded"
 VERSION = 2
 
 
+#: The globals beyond torch's weights-only set that ``meta.pt`` may name: what Lightning's checkpoint
+#: state holds. Found by saving Trainer checkpoints (ModelCheckpoint and EarlyStopping state, LR
+#: schedulers of every kind, loops, 16-mixed and bf16 precision, model and datamodule
+#: ``save_hyperparameters()``) and reading them back with ``weights_only=True``: a ``pathlib`` path
+#: (``PosixPath`` saved on Linux, ``WindowsPath`` on Windows), and an ``AttributeDict`` nested in the
+#: hyper-parameters (Lightning saves the outer one as a dict; Fabric's class is its base). Building
+#: any of them runs nothing but the class's own constructor.
+CHECKPOINT_GLOBALS = (AttributeDict, FabricAttributeDict, pathlib.PosixPath, pathlib.WindowsPath)
+
+
+def _as_call(mapping: dict) -> tuple:
+    return type(mapping), (dict(mapping),)
+
+
+class _MetaPickler(pickle.Pickler):
+    """Pickles an ``AttributeDict`` as a call of its class on a plain dict. Pickle's own form for a
+    dict subclass (an empty instance, then its items set one by one) is one torch's weights-only
+    unpickler refuses whatever the allow-list: it sets items on plain dicts only."""
+
+    dispatch_table = {**copyreg.dispatch_table, AttributeDict: _as_call, FabricAttributeDict: _as_call}
+
+
+_META_PICKLE = types.ModuleType("lightning_zinf_meta_pickle")
+_META_PICKLE.Pickler = _MetaPickler  # type: ignore[attr-defined]  # what torch.save takes from a pickle module
+
+
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, corrupt, or of a different model."""
+    """A checkpoint that cannot be loaded: missing, corrupt, of a different model, or naming code
+    that the safe (weights-only) unpickler refuses to run."""
 
 
 def _sha256(file: Path, chunk: int = 1 << 23) -> str:
@@ -71,6 +110,68 @@ def check_version(zinf: dict[str, Any], path: Path) -> int:
             f"reads versions up to {VERSION}: upgrade lightning_zinf to load it."
         )
     return version
+
+
+def read_meta(path: os.PathLike, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """The dict saved in ``path``'s ``meta.pt`` (on the CPU), read without running code from the file
+    unless ``weights_only=False``.
+
+    Args:
+        path: A checkpoint directory (:func:`is_sharded_checkpoint`).
+        weights_only: ``None`` (Lightning's default) or ``True``: torch's weights-only unpickler,
+            which allows tensors, containers and primitives, :data:`CHECKPOINT_GLOBALS` (for this
+            call only) and whatever the user allowed with ``torch.serialization.add_safe_globals``.
+            ``False``: the full unpickler, for a file the user trusts; it runs whatever code the file
+            names. (torch >= 2.6 also reads ``None`` as ``True``; here it is so on every version.)
+
+    Raises:
+        CheckpointError: the file names a global the safe load refuses (the message names it, the
+            file and both fixes), or it cannot be read at all (corrupt).
+    """
+    file = Path(path) / META_FILE
+    if weights_only is False:
+        loaded = _load_meta(file, weights_only=False)
+    else:
+        with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
+            try:
+                loaded = _load_meta(file, weights_only=True)
+            except CheckpointError as error:
+                refused = _refused_globals(file)
+                if not refused:
+                    raise CheckpointError(
+                        f"{file} cannot be read with the safe (weights-only) load ({error.__cause__}). Either it "
+                        "is corrupt, or it holds an object that load cannot build (a checkpoint written by "
+                        "lightning_zinf before it read meta.pt safely, with an AttributeDict in its "
+                        "hyper-parameters): if you trust the file, load it with weights_only=False, as "
+                        "trainer.fit(model, ckpt_path=..., weights_only=False) or zinf-consolidate --no-weights-only."
+                    ) from error.__cause__
+                raise CheckpointError(
+                    f"{file} names {', '.join(refused)}, which the safe (weights-only) load refuses to import: "
+                    "unpickling it could run code from the file. If it is a class you know to be harmless, allow "
+                    f"it with torch.serialization.add_safe_globals([{refused[0]}]) before loading. If you trust "
+                    "the file, load it with weights_only=False: trainer.fit(model, ckpt_path=..., "
+                    "weights_only=False) (likewise validate/test/predict), load_sharded(..., weights_only=False), "
+                    "consolidate(..., weights_only=False) or zinf-consolidate --no-weights-only."
+                ) from error.__cause__
+    if not isinstance(loaded, dict):
+        raise CheckpointError(f"{file} holds a {type(loaded).__name__}, not a checkpoint's metadata dict.")
+    return loaded
+
+
+def _load_meta(file: Path, weights_only: bool) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as error:  # the full unpickler can fail with anything the file's code raises
+        raise CheckpointError(f"{file} cannot be read ({error}); the checkpoint is corrupt.") from error
+
+
+def _refused_globals(file: Path) -> list[str]:
+    """The globals ``file``'s pickle names that the weights-only unpickler (with the allow-list in
+    force) refuses; empty if there are none or the file cannot be parsed."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # a corrupt file: reported as such by the caller
+        return []
 
 
 def shard_file(rank: int) -> str:
@@ -222,7 +323,7 @@ def save_sharded(
         groups = [{**layout, "excluded": exclude_frozen and not layout["trainable"]} for layout in _layout(engine)]
         zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
                 "groups": groups, "sha256": checksums}
-        torch.save({**meta, "zinf": zinf}, staging / META_FILE)
+        torch.save({**meta, "zinf": zinf}, staging / META_FILE, pickle_module=_META_PICKLE)
         old = path.parent / f".{path.name}.zinf-old"
         if path.exists():
             path.rename(old)
@@ -390,7 +491,8 @@ class ShardReader:
 
 
 def load_sharded(
-    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, load_optimizer: bool = True
+    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, load_optimizer: bool = True,
+    *, weights_only: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_sharded`, at this or any other world size.
 
@@ -402,13 +504,15 @@ def load_sharded(
         optimizers: The engine's sharded optimizers, in the order they were saved.
         path: The checkpoint directory.
         load_optimizer: Restore optimizer state (and fp32 masters); ``False`` loads weights only.
+        weights_only: How ``meta.pt`` is unpickled (:func:`read_meta`): ``None``/``True`` runs no
+            code from the file; ``False`` trusts it.
 
     Returns:
         The ``meta`` dict that was saved (with the ``"zinf"`` layout entry).
 
     Raises:
-        CheckpointError: ``path`` is not a checkpoint, a shard file is missing or corrupt, or the
-            checkpoint was saved from a different model.
+        CheckpointError: ``path`` is not a checkpoint, a shard file is missing or corrupt, the
+            checkpoint was saved from a different model, or ``meta.pt`` names code the safe load refuses.
 
     Frozen groups saved with ``exclude_frozen`` keep the values they have now.
     """
@@ -418,10 +522,7 @@ def load_sharded(
             f"{path} is not a lightning_zinf checkpoint (expected a directory with {META_FILE} and one "
             "rank_*.safetensors file per rank)."
         )
-    try:
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise CheckpointError(f"{path / META_FILE} cannot be read ({error}); the checkpoint is corrupt.") from error
+    meta = read_meta(path, weights_only)
     zinf = meta.get("zinf", {})
     if zinf.get("format") != FORMAT:
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")

@@ -1,7 +1,7 @@
 """Consolidate a sharded checkpoint into one full state dict, streaming one tensor at a time.
 
     python -m lightning_zinf.consolidate CKPT_DIR OUT.safetensors [--strip-prefix model.]
-    zinf-consolidate CKPT_DIR OUT.pt
+    zinf-consolidate CKPT_DIR OUT.pt [--no-weights-only]
 
 The output loads with ``load_state_dict`` on the plain (unpartitioned) model. A tied parameter is
 written under every name the model's ``state_dict()`` has. Either format is laid out first (the
@@ -10,6 +10,9 @@ assembled from the rank files and written before the next is read, so peak memor
 largest tensor, not the model. The tiles of a :class:`~lightning_zinf.TiledLinear` are written as the
 untiled layer's ``weight`` and ``bias`` (so the file loads into a tiled or an untiled model), one row
 of tiles at a time: a tiled layer never has to fit in memory whole.
+
+The checkpoint's ``meta.pt`` is read without running code from it; ``--no-weights-only``
+(``weights_only=False``) unpickles it fully, for a file you trust.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from lightning_zinf.checkpoint import (
     ShardReader,
     check_version,
     is_sharded_checkpoint,
+    read_meta,
 )
 
 __all__ = ["consolidate", "main"]
@@ -42,15 +46,15 @@ _Item = tuple[list[str], torch.dtype, list[int]]  # every name of one tensor, it
 _Piece = tuple[int, int, list[int], list[int]]
 
 
-def _items(path: Path, strip_prefix: str, skip_excluded: bool = False
+def _items(path: Path, strip_prefix: str, skip_excluded: bool = False, weights_only: Optional[bool] = None
            ) -> tuple[list[_Item], list[list[_Piece]], dict[str, Any], dict[str, Tensor]]:
     """Every output tensor (with all its names: a tied parameter has several) and its pieces, in
     file order. A TiledLinear's tiles make one ``weight`` (and one ``bias``), as the untiled layer has.
     Groups saved without their values (``exclude_frozen``) are left out with ``skip_excluded``, else
-    they are an error."""
+    they are an error. ``weights_only`` as in :func:`~lightning_zinf.checkpoint.read_meta`."""
     if not is_sharded_checkpoint(path):
         raise CheckpointError(f"{path} is not a lightning_zinf checkpoint (no {META_FILE}).")
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    meta = read_meta(path, weights_only)
     zinf = meta["zinf"]
     check_version(zinf, path)
 
@@ -134,7 +138,8 @@ def _tensors(path: Path, zinf: dict[str, Any], items: list[_Item], pieces: list[
         yield iter([value])
 
 
-def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str = "") -> Path:
+def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str = "",
+                weights_only: Optional[bool] = None) -> Path:
     """Write the full state dict of a sharded checkpoint to ``output`` (``.safetensors`` or ``.pt``),
     one tensor at a time: peak memory is about the largest tensor (twice it), not the model.
 
@@ -143,18 +148,21 @@ def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str
         output: Target file; its suffix picks the format.
         strip_prefix: Removed from names that start with it (``"model."`` turns a LightningModule's
             ``model.wte.weight`` into the plain model's ``wte.weight``).
+        weights_only: ``None``/``True``: read ``meta.pt`` without running code from it; ``False``:
+            unpickle it fully (a file you trust). As ``torch.load``'s argument of that name.
 
     Returns:
         ``output`` as a ``Path``.
 
     Raises:
-        CheckpointError: not a checkpoint, or a missing or corrupt shard file.
+        CheckpointError: not a checkpoint, a missing or corrupt shard file, or a ``meta.pt`` naming
+            code the safe load refuses (nothing is written then).
         ValueError: ``output`` has another suffix.
     """
     checkpoint, output = Path(checkpoint), Path(output)
     if output.suffix not in (".safetensors", ".pt"):
         raise ValueError(f"Output {output} must end in .safetensors or .pt.")
-    items, pieces, zinf, buffers = _items(checkpoint, strip_prefix)
+    items, pieces, zinf, buffers = _items(checkpoint, strip_prefix, weights_only=weights_only)
     tensors = _tensors(checkpoint, zinf, items, pieces, buffers)
     partial = output.with_name(output.name + ".partial")
     try:
@@ -222,13 +230,16 @@ def _write_pt(path: Path, items: list[_Item], tensors: Iterator[Iterator[Tensor]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Command line: ``python -m lightning_zinf.consolidate CKPT_DIR OUT [--strip-prefix P]``."""
+    """Command line: ``python -m lightning_zinf.consolidate CKPT_DIR OUT [--strip-prefix P] [--no-weights-only]``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
     parser.add_argument("output", type=Path, help="output file, .safetensors or .pt")
     parser.add_argument("--strip-prefix", default="", help="remove this prefix from names (e.g. 'model.')")
+    parser.add_argument("--weights-only", action=argparse.BooleanOptionalAction, default=True,
+                        help="read meta.pt with torch's weights-only unpickler (default); --no-weights-only "
+                             "unpickles it fully, which runs any code it names: only for a file you trust")
     args = parser.parse_args(argv)
-    print(consolidate(args.checkpoint, args.output, strip_prefix=args.strip_prefix))
+    print(consolidate(args.checkpoint, args.output, strip_prefix=args.strip_prefix, weights_only=args.weights_only))
 
 
 if __name__ == "__main__":

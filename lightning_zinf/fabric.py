@@ -321,6 +321,9 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         the Trainer's strategy (at this or another world size), in place, and return the entries
         not restored (``epoch``, ``global_step``... of a Trainer checkpoint).
 
+        ``weights_only``: ``None`` (the default) or ``True`` reads ``meta.pt`` without running code
+        from it (:func:`~lightning_zinf.checkpoint.read_meta`); ``False`` trusts the file.
+
         ``state`` may also be the model alone (``fabric.load_raw``): from a sharded checkpoint its
         weights are loaded; from a full state-dict file (``torch.save``, safetensors, a Hugging Face
         folder) each rank reads its shards' part (:func:`~lightning_zinf.load_full_state_dict`).
@@ -329,7 +332,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             ValueError: no ``state`` (a sharded checkpoint cannot be returned whole: consolidate it
                 with ``zinf-consolidate``), or ``state`` without this strategy's model.
             KeyError: ``strict`` and an entry of ``state`` is not in the checkpoint.
-            CheckpointError: not a checkpoint, a missing or corrupt shard file, or another model's.
+            CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, or a
+                ``meta.pt`` naming code the safe load refuses.
         """
         if not state:
             raise ValueError(
@@ -341,7 +345,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         if isinstance(state, nn.Module):
             self._split_state({"model": state})
             if not is_sharded_checkpoint(path):
-                load_full_state_dict(self.engine, path, strict=strict)
+                load_full_state_dict(self.engine, path, strict=strict)  # safetensors, or torch.load(weights_only=True)
                 return {}
             state = {"model": state}
         if isinstance(state, Optimizer):
@@ -349,7 +353,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                             "fabric.load(path, {'model': model, 'optimizer': optimizer}).")
         module_key, optimizer_keys = self._split_state(state)
         optimizers = [state[k] for k in optimizer_keys]
-        meta = load_sharded(self.engine, optimizers, path, load_optimizer=bool(optimizers))
+        meta = load_sharded(self.engine, optimizers, path, load_optimizer=bool(optimizers), weights_only=weights_only)
         state[module_key].load_state_dict(meta.pop("state_dict", {}), strict=False)  # buffers
         restore_hyperparameters(optimizers, meta.pop("optimizer_states", []))
         meta.pop("zinf")

@@ -9,6 +9,7 @@ work), and each ``*_step`` starts a trace pass.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Optional, Sequence
@@ -40,6 +41,20 @@ from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier
 from lightning_zinf.precision import policy_for, to_zero_precision
 
 __all__ = ["ZeroInfinityStrategy"]
+
+
+def _weights_only_passed_to_trainer() -> Optional[bool]:
+    """The ``weights_only`` given to the ``trainer.fit``/``validate``/``test``/``predict`` call under
+    way, or ``None``. Lightning (2.6) passes it to ``Strategy.load_checkpoint`` only for strategies
+    that restore before setup; for one that restores after (this one, like DeepSpeed's)
+    ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so it is read
+    from that call's frame. Not found (another Lightning), it stays ``None``: the safe load."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is pl.Trainer._run.__code__:
+            return frame.f_locals.get("weights_only")
+        frame = frame.f_back
+    return None
 
 
 class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
@@ -323,12 +338,21 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load shards (at this or another world size) and return Lightning's state for its loops.
 
+        ``weights_only`` is what ``trainer.fit(ckpt_path=..., weights_only=...)`` passes: ``None``
+        (the default) or ``True`` reads ``meta.pt`` without running code from it (torch's
+        weights-only unpickler and :data:`~lightning_zinf.checkpoint.CHECKPOINT_GLOBALS`), ``False``
+        unpickles it fully, for a file the user trusts.
+
         Raises:
-            CheckpointError: not a checkpoint, a missing or corrupt shard file, or another model's.
+            CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, or a
+                ``meta.pt`` naming code the safe load refuses (on every rank: each reads it).
         """
         assert self.lightning_module is not None
+        if weights_only is None:
+            weights_only = _weights_only_passed_to_trainer()
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        meta = load_sharded(self.engine, self.optimizers, self.broadcast(checkpoint_path), load_optimizer=fitting)
+        meta = load_sharded(self.engine, self.optimizers, self.broadcast(checkpoint_path), load_optimizer=fitting,
+                            weights_only=weights_only)
         restore_hyperparameters(self.optimizers, meta.get("optimizer_states", []) if fitting else [])
         return meta
 

@@ -3,18 +3,26 @@
 Each uninterrupted run trains 2 epochs of 5 steps and keeps its ModelCheckpoint directories; a
 resumed run starts from the step-5 checkpoint (of a run at the same or another world size) and must
 reproduce steps 6-10 of the uninterrupted run: bit for bit at the same world size, within fp32
-tolerance at another (the reduce-scatter sums in another order).
+tolerance at another (the reduce-scatter sums in another order). The checkpoints hold what Lightning
+checkpoints usually hold (model and datamodule hyper-parameters with a path and a nested
+AttributeDict, ModelCheckpoint and EarlyStopping state, an LR scheduler), so resuming also shows that
+the safe (weights-only) read of ``meta.pt`` accepts all of it.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
+import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities.parsing import AttributeDict
 
+from lightning_zinf import checkpoint
 from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_zinf import ZeroEngine
 from tests import models
@@ -25,21 +33,50 @@ EPOCH_STEPS = 5
 
 
 class LitEpochs(LitGPT):
+    """LitGPT over epochs of 5 steps, with saved hyper-parameters (a nested ``AttributeDict`` and a
+    path among them) and a logged ``train_loss`` for EarlyStopping."""
+
+    def __init__(self, batch_size: int, schedule: AttributeDict | None = None, log_dir: Path = Path("logs")) -> None:
+        super().__init__(batch_size)
+        self.save_hyperparameters({"batch_size": batch_size, "log_dir": log_dir,
+                                   "schedule": schedule or AttributeDict(step_size=2, decay=AttributeDict(gamma=0.5))})
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss.detach(), sync_dist=True)
+        return loss
+
     def train_dataloader(self):
         return self._loader(_tokens(GLOBAL_BATCH * EPOCH_STEPS, 1))
 
 
-def _fit(rank: int, world: int, root: str, ckpt: str | None, manual: str | None) -> dict:
+class EpochData(L.LightningDataModule):
+    """LitEpochs' training data as a datamodule, so that the checkpoint holds datamodule
+    hyper-parameters too (a path among them)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return self.trainer.lightning_module.train_dataloader()
+
+
+def _fit(rank: int, world: int, root: str, ckpt: str | None, manual: str | None,
+         weights_only: bool | None = None) -> dict:
     lit = LitEpochs(GLOBAL_BATCH // world)
     callback = ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)
+    # mode="max" on a falling loss: epoch 0 stays the best, so a resumed run knows its score (and
+    # counts epoch 1 as not improving) only from the checkpoint's callback state.
+    stopping = EarlyStopping("train_loss", mode="max", patience=100, check_on_train_epoch_end=True)
     trainer = _trainer("zero_infinity", world, max_steps=-1, max_epochs=2, limit_val_batches=0,
-                       enable_checkpointing=True, callbacks=[callback], default_root_dir=root)
-    trainer.fit(lit, ckpt_path=ckpt)
+                       enable_checkpointing=True, callbacks=[callback, stopping], default_root_dir=root)
+    trainer.fit(lit, datamodule=EpochData(Path(root) / "data"), ckpt_path=ckpt, weights_only=weights_only)
     if manual:
         trainer.save_checkpoint(manual)
     with trainer.strategy.gathered_parameters():
         weights = {n: p.detach().clone() for n, p in lit.named_parameters()}
-    return {"losses": lit.train_losses, "weights": weights}
+    return {"losses": lit.train_losses, "weights": weights, "stopping": stopping.state_dict()}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +100,8 @@ def test_resume_is_bit_exact(full_runs, tmp_path: Path, world: int) -> None:
     assert resumed["losses"] == full["losses"][EPOCH_STEPS:]
     for name, value in full["weights"].items():
         assert torch.equal(resumed["weights"][name], value), name
+    assert resumed["stopping"]["wait_count"] == full["stopping"]["wait_count"] == 1
+    assert torch.equal(resumed["stopping"]["best_score"], full["stopping"]["best_score"])
 
 
 @pytest.mark.parametrize("saved, resumed", [(4, 2), (2, 4), (2, 1)])
@@ -82,6 +121,69 @@ def test_manual_save_checkpoint_resumes(full_runs, tmp_path: Path) -> None:
     assert out["losses"] == []
     for name, value in full["weights"].items():
         assert torch.equal(out["weights"][name], value), name
+
+
+# --- meta.pt is read without running code from it ----------------------------------------------------
+def _touch(path: str) -> None:
+    """What the crafted checkpoint makes the unpickler call: creates ``path`` (a harmless stand-in
+    for any code an attacker would run)."""
+    Path(path).touch()
+
+
+class _RunsCode:
+    """Unpickles by calling :func:`_touch` on ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (_touch, (self.marker,))
+
+
+def _craft(source: Path, target: Path, marker: Path) -> Path:
+    """A copy of the real checkpoint ``source`` whose ``meta.pt`` also holds a :class:`_RunsCode`."""
+    shutil.copytree(source, target)
+    meta = torch.load(target / "meta.pt", weights_only=False)  # written by the strategy above
+    meta["payload"] = _RunsCode(marker)
+    torch.save(meta, target / "meta.pt", pickle_module=checkpoint._META_PICKLE)  # as the strategy saves it
+    return target
+
+
+def _resume_refused(rank: int, world: int, root: str, ckpt: str, weights_only: bool | None) -> str:
+    with pytest.raises(CheckpointError) as refused:
+        _fit(rank, world, root, ckpt, None, weights_only)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("weights_only", [None, True])
+def test_crafted_meta_runs_no_code_unless_trusted(full_runs, tmp_path: Path, weights_only: bool | None) -> None:
+    """A checkpoint whose meta.pt would run code when unpickled: resuming through the Trainer (with
+    Lightning's default ``weights_only=None``, and ``True``) and consolidating both refuse on every
+    rank, naming the global, the file and the two fixes, and the code never runs. Trusted
+    (``weights_only=False``, ``--no-weights-only``), it is unpickled fully and the run resumes exactly."""
+    from lightning_zinf.consolidate import main
+
+    root, full = full_runs[2]
+    marker = tmp_path / "code-ran"
+    crafted = _craft(root / "epoch=0-step=5.ckpt", tmp_path / "crafted.ckpt", marker)
+    refusal = (r"crafted.ckpt/meta.pt names tests.test_checkpoint._touch, which the safe \(weights-only\) load "
+               r"refuses.*add_safe_globals\(\[tests.test_checkpoint._touch\]\).*trainer.fit\(model, ckpt_path=..., "
+               r"weights_only=False\).*zinf-consolidate --no-weights-only")
+    for message in run_distributed(_resume_refused, 2, str(tmp_path / "resumed"), str(crafted), weights_only):
+        assert re.search(refusal, message), message
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(CheckpointError, match=refusal):
+        main([str(crafted), str(out)])
+    assert not marker.exists() and not out.exists()
+    if weights_only is not None:
+        return  # the trusted runs below are the same for both
+
+    main([str(crafted), str(out), "--no-weights-only"])
+    assert marker.exists() and out.exists()
+    marker.unlink()
+    resumed = run_distributed(_fit, 2, str(tmp_path / "trusted"), str(crafted), None, False)[0]
+    assert marker.exists()
+    assert resumed["losses"] == full["losses"][EPOCH_STEPS:]
 
 
 # --- bad input, engine level (one process) -----------------------------------------------------------

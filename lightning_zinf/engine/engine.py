@@ -43,7 +43,7 @@ from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.buffers import BufferPool
-from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.partition import (UnitSpec, init_rng_state, materialize, parameter_slots, parent_modules,
@@ -53,6 +53,7 @@ from lightning_zinf.engine.transfer import HeldUntilWait, Transfers, resolve_dev
 from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.preflight import ensure_space
 from lightning_zinf.offload.stale import reclaim_stale_folders, swap_folder_name
 from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapped import SwapSpace
@@ -150,6 +151,10 @@ class ZeroEngine:
         ValueError: the model has no parameters; a module built on the meta device has no
             ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
             malformed, or an ``activation_checkpointing`` entry matches no module.
+        SwapError: with ``param="nvme"``, the parameter shards' swap files would not fit in the
+            free space at ``nvme_path`` (checked on every rank before anything is materialised or
+            written: :func:`~lightning_zinf.offload.preflight.ensure_space`), or the swap folder
+            cannot be made.
     """
 
     def __init__(
@@ -196,14 +201,16 @@ class ZeroEngine:
         self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
         self.offload_config = offload
-        self.space = _make_swap_space(offload, self.comm, self.device)
-        self.swapper = self.space.swapper if self.space is not None else None
-        self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
         self._created_groups = 0
         self._shard_device = torch.device("cpu") if offload.param != "none" else self.device
         self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         specs, uses = plan_units(module, block_classes)
+        # Before any shard exists: the preflight counts the swap files the partitioning will write.
+        swapped = ParamOffload.planned_bytes(self._swapped_shards(specs)) if offload.param == "nvme" else 0
+        self.space = _make_swap_space(offload, self.comm, self.device, swapped)
+        self.swapper = self.space.swapper if self.space is not None else None
+        self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
         self.units = self._partition(specs)
         self._uses = {m: [self.units[i] for i in ids] for m, ids in uses.items()}
         self._ahead: dict[int, Unit] = {}
@@ -266,6 +273,22 @@ class ZeroEngine:
                 torch.set_rng_state(own_rng)
         return units
 
+    def _stored_quantized(self, trainable: bool) -> bool:
+        # Codes are a fraction of the shard: they stay in memory, not in a swap file.
+        return self.zero_pp.frozen_bits is not None and not trainable
+
+    def _swapped_shards(self, specs: list[UnitSpec]) -> list[tuple[torch.dtype, int]]:
+        """``(storage dtype, shard elements)`` of each flat group that :meth:`_flat_group` will put in
+        a swap file, from the plan alone (the parameters may still be on the meta device)."""
+        shards = []
+        for spec in specs:
+            for members in _split_by_kind(spec.params):
+                first = members[0][1]
+                if not self._stored_quantized(first.requires_grad):
+                    shards.append((self.mixed_precision.storage_dtype(first.dtype, first.requires_grad),
+                                   shard_numel(sum(p.numel() for _, p in members), self.comm.world_size)))
+        return shards
+
     def _flat_group(self, members: list[tuple[str, nn.Parameter]], from_rank0: bool) -> FlatGroup:
         params = [p for _, p in members]
         source = torch.cat([p.detach().reshape(-1) for p in params]).to(self.device)
@@ -276,8 +299,7 @@ class ZeroEngine:
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
                           transfers=self.transfers, pin_shard=self.param_offload is None)
-        if self.zero_pp.frozen_bits is not None and not group.trainable:
-            # Codes are a fraction of the shard: they stay in memory, not in a swap file.
+        if self._stored_quantized(group.trainable):
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
         elif self.param_offload is not None:
             self.param_offload.add(group, f"p{self._created_groups}")
@@ -358,7 +380,11 @@ class ZeroEngine:
         """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
         run :meth:`after_step` after each of its steps (a step post-hook).
 
-        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors.
+        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
+        ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
+        masters, gradient shards, its per-element states) fit in ``nvme_path``
+        (:func:`~lightning_zinf.offload.preflight.ensure_space`; collective), and raises
+        :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
         """
         # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
         def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
@@ -366,6 +392,10 @@ class ZeroEngine:
                 return contextlib.nullcontext()
             return self.param_offload.resident([group], write_back=False)
 
+        if self.offload is not None and self.offload.nvme:
+            self.swapper.planned_bytes = ensure_space(
+                self.comm, self.offload_config.nvme_path, self.offload.planned_bytes(optimizer),
+                "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
         if self.offload is not None:
             self.offload.place_masters(shard_resident)
         elif self.offload_config.param != "none":
@@ -381,6 +411,10 @@ class ZeroEngine:
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
         optimizer.register_step_post_hook(lambda *_: self.after_step())
         return optimizer
+
+    def _swap_file_bytes(self) -> int:
+        """Bytes of this rank's swap files now (records written, in memory or not)."""
+        return sum(n for part in (self.param_offload, self.offload) if part is not None for n in part.tier_bytes().values())
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
@@ -1052,15 +1086,19 @@ def _split_by_kind(params: list[tuple[str, nn.Parameter]]) -> list[list[tuple[st
     return list(kinds.values())
 
 
-def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.device) -> Optional[SwapSpace]:
+def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.device,
+                     planned: int) -> Optional[SwapSpace]:
     """The rank's NVMe swapper, in a folder of its own under ``config.nvme_path``, and its staging
     pool (``nvme`` only). The folder and its files are removed when the swapper is closed or the
     process exits cleanly; folders that killed processes of this host left in ``nvme_path`` are
-    removed first (:func:`reclaim_stale_folders`).
+    removed first (:func:`reclaim_stale_folders`). Then, before the folder is made, the preflight
+    checks that ``planned`` bytes per rank (the parameter shards' swap files) fit there
+    (:func:`ensure_space`; collective).
 
     Raises:
         ValueError: ``pin_memory=True`` with a CPU compute device.
-        SwapError: the folder cannot be created (see :class:`NvmeSwapper`).
+        SwapError: ``planned`` does not fit in the free space (on every rank), or the folder cannot
+            be created (see :class:`NvmeSwapper`).
     """
     if "nvme" not in (config.param, config.optimizer):
         return None
@@ -1075,8 +1113,10 @@ def _make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.dev
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))
         cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (8 * max(ranks_here, 1))
     reclaim_stale_folders(config.nvme_path)  # what killed runs left behind, before we need the space
+    total = ensure_space(comm, config.nvme_path, planned, "parameter shards")
     folder = os.path.join(config.nvme_path, swap_folder_name(comm.rank))
     swapper = NvmeSwapper(folder, config.aio)
+    swapper.planned_bytes = total
     # At a clean exit: multiprocessing's exit hook covers worker processes (which leave through
     # os._exit, skipping atexit), and it is itself registered with atexit in a main process.
     multiprocessing.util.Finalize(swapper, swapper.close, exitpriority=10)

@@ -33,7 +33,7 @@ from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.transfer import Transfers
 from triton_kernels import dequantize, quantize
 
-__all__ = ["FlatGroup", "SHARD_ALIGN"]
+__all__ = ["FlatGroup", "SHARD_ALIGN", "shard_numel"]
 
 #: Shards are whole runs of this many elements, so every shard starts 32-byte aligned (bf16) in
 #: the gather buffer and the quantization kernels see 16-divisible sizes: on a GPU both the
@@ -41,6 +41,12 @@ __all__ = ["FlatGroup", "SHARD_ALIGN"]
 #: the kernels fall back to 2-byte accesses and up to 3x the registers otherwise). Costs at most
 #: ``W * 15`` elements per group.
 SHARD_ALIGN = 16
+
+
+def shard_numel(numel: int, world: int) -> int:
+    """Elements of each rank's shard of a flat buffer of ``numel`` elements over ``world`` ranks:
+    ``ceil(numel / world)`` rounded up to a multiple of :data:`SHARD_ALIGN`."""
+    return -(-numel // (world * SHARD_ALIGN)) * SHARD_ALIGN
 
 
 class FlatGroup:
@@ -115,7 +121,7 @@ class FlatGroup:
         self.device = device
         self.transfers = transfers or Transfers(device)
         world = comm.world_size
-        self.shard_numel = -(-self.numel // (world * SHARD_ALIGN)) * SHARD_ALIGN
+        self.shard_numel = shard_numel(self.numel, world)
         self.padded_numel = self.shard_numel * world
         self.shard_start = comm.rank * self.shard_numel
         self._ranges = self._compute_owned_ranges()

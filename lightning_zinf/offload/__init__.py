@@ -3,6 +3,8 @@
 - :class:`NvmeSwapper`: asynchronous swap out/in of CPU tensors to files on a local disk
   (DeepNVMe, §6.3), with ``O_DIRECT``, aligned buffers and many requests in flight.
 - :func:`aligned_empty`: page-aligned CPU tensors that the swapper moves without a copy.
+- :func:`~lightning_zinf.offload.preflight.ensure_space`: the free-space check made before the
+  engine writes its swap files.
 """
 
 from lightning_zinf.offload.swapper import AioConfig, IoHandle, NvmeSwapper, SwapError, aligned_empty

@@ -10,7 +10,7 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["SwapError", "describe_os_error", "free_bytes"]
+__all__ = ["SwapError", "describe_os_error", "free_bytes", "gigabytes"]
 
 
 class SwapError(RuntimeError):
@@ -23,6 +23,11 @@ class SwapError(RuntimeError):
     """
 
 
+def gigabytes(nbytes: int) -> str:
+    """``nbytes`` as messages give it: GB (10^9 bytes) and the exact count, ``"4.20 GB (4,200,000,000 bytes)"``."""
+    return f"{nbytes / 1e9:,.2f} GB ({nbytes:,} bytes)"
+
+
 def free_bytes(path: str | os.PathLike) -> int | None:
     """Bytes available to this process on the filesystem holding ``path``; ``None`` if unknown."""
     try:
@@ -32,7 +37,7 @@ def free_bytes(path: str | os.PathLike) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def describe_os_error(err: OSError, *, op: str, path: Path, nvme_path: Path, needed: int = 0) -> str:
+def describe_os_error(err: OSError, *, op: str, path: Path, nvme_path: Path, needed: int = 0, planned: int = 0) -> str:
     """One-paragraph message for ``err``, raised while doing ``op`` ("write", "read"...) on ``path``.
 
     Args:
@@ -41,6 +46,8 @@ def describe_os_error(err: OSError, *, op: str, path: Path, nvme_path: Path, nee
         path: The file (or folder) operated on.
         nvme_path: The user's ``nvme_path`` (the parent of the swapper's folder), named in the fix.
         needed: Bytes the operation still had to allocate, for the full-disk message.
+        planned: Bytes the whole run writes under ``nvme_path`` (every rank sharing its filesystem,
+            as the NVMe preflight counted them; 0 if unknown): what a full disk must have room for.
     """
     code = err.errno
     what = f"{op} {path} failed: {err.strerror or err}"
@@ -48,6 +55,14 @@ def describe_os_error(err: OSError, *, op: str, path: Path, nvme_path: Path, nee
         free = free_bytes(nvme_path)
         free_txt = "an unknown number of bytes" if free is None else f"{free} bytes"
         quota = " (disk quota exceeded)" if code == errno.EDQUOT else ""
+        if planned:
+            free_gb = "an unknown amount" if free is None else gigabytes(free)
+            return (
+                f"nvme_path {nvme_path} is full{quota}: this run needs {gigabytes(planned)} there in all "
+                f"(every rank's swap files; {free_gb} free now: something else took the room the check at "
+                f"setup found) ({what}). Free space, point OffloadConfig(nvme_path=...) at a disk with "
+                "that much room, or put less on NVMe (OffloadConfig(param='cpu') or optimizer='cpu')."
+            )
         return (
             f"nvme_path {nvme_path} is full{quota}: {free_txt} free, {needed} more needed "
             f"({what}); free space or point nvme_path elsewhere."

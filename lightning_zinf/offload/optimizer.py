@@ -20,6 +20,9 @@ background (the swapper's threads release the GIL).
 
 from __future__ import annotations
 
+import collections
+import copy
+import logging
 from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator, Optional
 
@@ -29,9 +32,11 @@ from torch import Tensor
 from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.offload.params import ParamOffload
-from lightning_zinf.offload.swapped import SwapRecord, SwapSpace
+from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
 
 __all__ = ["OptimizerOffload"]
+
+log = logging.getLogger(__name__)
 
 
 class OptimizerOffload:
@@ -92,7 +97,7 @@ class OptimizerOffload:
         if not self.nvme:
             return
         group.swapped_optimizer = True
-        if self.params is not None and group.dtype == torch.float32:
+        if self._shares_master(group):
             # An fp32 shard holds exactly the master's values: one record serves both, which
             # saves writing the shard after every step (ZeRO-Infinity keeps one fp32 copy too).
             record = self.params.record(group)  # in memory: inside shard_resident
@@ -104,6 +109,37 @@ class OptimizerOffload:
             record.swap_out()
             record.settle()  # written now: placing every master must not fill memory with writes
         self._masters[i] = record
+
+    def _shares_master(self, group: FlatGroup) -> bool:
+        return self.params is not None and group.dtype == torch.float32
+
+    def planned_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """(``nvme``) Bytes of the swap files that attaching ``optimizer`` (not yet sharded: its
+        param groups hold the model's parameters) adds: each trainable group's fp32 master (unless
+        it shares the parameter shard's record) and gradient shard, placed once, and one record per
+        group of the per-element states ``optimizer`` keeps (:func:`_per_element_states`), laid
+        out as :meth:`_collect_states` lays them out.
+        """
+        total = 0
+        for i in self.trainable:
+            group = self.groups[i]
+            if group.master is None:  # placed by the first optimizer attached, with the gradient record
+                total += 0 if self._shares_master(group) else record_layout(_fp32_regions("master", group))[1]
+                total += record_layout(_fp32_regions("grad", group))[1]
+        states = _per_element_states(optimizer)
+        if states is None:
+            return total
+        index_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        for i in self.trainable:
+            group = self.groups[i]
+            regions: dict[str, torch.dtype] = {}
+            for p, (lo, hi) in zip(group.params, group.owned_ranges()):
+                if id(p) in index_of and hi > lo:  # an empty fragment keeps no state in the record
+                    for name, dtype in states[index_of[id(p)]]:
+                        regions.setdefault(f"{name}.{dtype}", dtype)
+            if regions:
+                total += record_layout([(key, dtype, group.shard_numel) for key, dtype in regions.items()])[1]
+        return total
 
     # --- gradients during backward ----------------------------------------------------------------
     def before_accumulate(self, index: int) -> None:
@@ -233,7 +269,7 @@ class OptimizerOffload:
 
     def _record(self, key: str, group: FlatGroup, which: str) -> SwapRecord:
         """A record holding ``group``'s master or gradient shard, its fragments bound into it."""
-        record = SwapRecord(self.space, key, [(which, torch.float32, group.shard_numel)])
+        record = SwapRecord(self.space, key, _fp32_regions(which, group))
         for tensor, offset in group.layout(which):
             record.bind(tensor, which, offset)
         record.adopt()
@@ -373,6 +409,37 @@ class OptimizerOffload:
                 else:
                     nvme += record.nbytes
         return {"cpu": cpu, "nvme": nvme}
+
+
+def _fp32_regions(which: str, group: FlatGroup) -> list[tuple[str, torch.dtype, int]]:
+    """The one region of ``group``'s master or gradient record."""
+    return [(which, torch.float32, group.shard_numel)]
+
+
+def _per_element_states(optimizer: torch.optim.Optimizer) -> Optional[list[list[tuple[str, torch.dtype]]]]:
+    """Per param group of ``optimizer``, the ``(name, dtype)`` of each state tensor its step keeps
+    per element (what :meth:`OptimizerOffload._collect_states` swaps: Adam's ``exp_avg`` and
+    ``exp_avg_sq``, SGD's ``momentum_buffer``...), found without touching ``optimizer``: a shallow
+    copy of it with its own empty state and the same param group options steps (its own step
+    function, no hooks) a 16-element fp32 parameter per group with zero gradients, the kind of
+    fragment the engine gives it. ``None``, with a log line, when that step fails: the optimizer's
+    states then go uncounted by the preflight.
+    """
+    probes = [torch.zeros(16, requires_grad=True) for _ in optimizer.param_groups]
+    twin = copy.copy(optimizer)  # the same class and attributes; its own state and param groups below
+    twin.state = collections.defaultdict(dict)
+    twin.param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [p]}
+                         for g, p in zip(optimizer.param_groups, probes)]
+    try:
+        for p in probes:
+            p.grad = torch.zeros_like(p)
+        getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)(twin)  # without its hooks
+    except Exception as err:  # any step of a user's optimizer class
+        log.warning("NVMe preflight: could not step a copy of %s to see which states it keeps (%r); its "
+                    "optimizer states are not counted in the free-space check.", type(optimizer).__name__, err)
+        return None
+    return [[(name, value.dtype) for name, value in twin.state.get(p, {}).items()
+             if isinstance(value, Tensor) and value.shape == p.shape] for p in probes]
 
 
 def _step_restricted(optimizer: torch.optim.Optimizer, raw_step, fragments: dict[int, Tensor]) -> None:

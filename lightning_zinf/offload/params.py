@@ -15,8 +15,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
+import torch
+
 from lightning_zinf.engine.flat import FlatGroup
-from lightning_zinf.offload.swapped import SwapRecord, SwapSpace
+from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
 
 __all__ = ["ParamOffload"]
 
@@ -33,10 +35,16 @@ class ParamOffload:
         self.space = space
         self._shards: dict[int, SwapRecord] = {}
 
+    @staticmethod
+    def planned_bytes(shards: Iterable[tuple[torch.dtype, int]]) -> int:
+        """Bytes the swap files of these shards take, each given as ``(dtype, shard elements)``
+        (as :meth:`add` writes them: one record per shard, padded to whole 4096-byte blocks)."""
+        return sum(record_layout(_shard_regions(dtype, numel))[1] for dtype, numel in shards)
+
     def add(self, group: FlatGroup, key: str) -> None:
         """Take over ``group``'s shard: write it out and free its memory (at construction, so the
         model never has all of its shards in memory)."""
-        record = self._shards[id(group)] = SwapRecord(self.space, key, [("shard", group.dtype, group.shard_numel)])
+        record = self._shards[id(group)] = SwapRecord(self.space, key, _shard_regions(group.dtype, group.shard_numel))
         record.bind(group.shard, "shard")
         record.adopt()
         record.swap_out()
@@ -105,3 +113,7 @@ class ParamOffload:
         """Bytes of parameter shards in CPU memory now and in swap files."""
         cpu = sum(s.nbytes for s in self._shards.values() if s.resident)  # staged, O_DIRECT-padded
         return {"cpu": cpu, "nvme": sum(s.nbytes for s in self._shards.values()) - cpu}
+
+
+def _shard_regions(dtype: torch.dtype, numel: int) -> list[tuple[str, torch.dtype, int]]:
+    return [("shard", dtype, numel)]

@@ -27,9 +27,28 @@ from lightning_zinf.offload.errors import SwapError
 from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapper import NvmeSwapper
 
-__all__ = ["SwapRecord", "SwapSpace"]
+__all__ = ["SwapRecord", "SwapSpace", "record_layout"]
 
 _REGION_ALIGN = 64  # bytes: every region starts on a cache line (vectorised CPU kernels)
+
+
+def record_layout(regions: list[tuple[str, torch.dtype, int]]) -> tuple[dict[str, int], int]:
+    """Where each region of a swap record starts and the record's size on disk, in bytes.
+
+    Args:
+        regions: ``(name, dtype, numel)`` per region, in file order.
+
+    Returns:
+        The byte offset of each region (each on a 64-byte boundary) and the file's size: the
+        regions back to back, rounded up to whole 4096-byte ``O_DIRECT`` blocks (at least one).
+        What :class:`SwapRecord` writes, and what the NVMe preflight counts.
+    """
+    offsets: dict[str, int] = {}
+    end = 0
+    for name, dtype, numel in regions:
+        offsets[name] = end
+        end = round_up(end + numel * dtype.itemsize, _REGION_ALIGN)
+    return offsets, round_up(max(end, 1))
 
 
 class SwapSpace:
@@ -125,12 +144,8 @@ class SwapRecord:
 
     def __init__(self, space: SwapSpace, key: str, regions: list[tuple[str, torch.dtype, int]]) -> None:
         self.space, self.key = space, key
-        self._regions: dict[str, tuple[int, torch.dtype, int]] = {}
-        offset = 0
-        for name, dtype, numel in regions:
-            self._regions[name] = (offset, dtype, numel)
-            offset = round_up(offset + numel * dtype.itemsize, _REGION_ALIGN)
-        self.nbytes = round_up(max(offset, 1))  # whole O_DIRECT blocks: no bounced tail
+        offsets, self.nbytes = record_layout(regions)  # whole O_DIRECT blocks: no bounced tail
+        self._regions = {name: (offsets[name], dtype, numel) for name, dtype, numel in regions}
         self._bindings: list[tuple[Tensor, str, int, torch.Size]] = []
         self._buffer: Optional[Tensor] = None
         self._write = None

@@ -99,6 +99,9 @@ class NvmeSwapper:
         bytes_read, bytes_written: Logical bytes of the requests completed successfully.
         read_seconds, write_seconds: Wall time during which at least one read (write) ran; bytes
             divided by these is the achieved bandwidth.
+        planned_bytes: What the whole run writes under the folder's parent, over every rank sharing
+            its filesystem (set by the NVMe preflight, :func:`~lightning_zinf.offload.preflight.ensure_space`;
+            0: unknown): a full disk is reported with this total, not one request's size.
 
     Raises:
         SwapError: ``folder`` exists, its parent is missing, not a directory or not writable, or
@@ -140,6 +143,7 @@ class NvmeSwapper:
         self.bytes_written = 0
         self.read_seconds = 0.0
         self.write_seconds = 0.0
+        self.planned_bytes = 0
         self._active = {"read": 0, "write": 0}
         self._active_since = {"read": 0.0, "write": 0.0}
 
@@ -556,7 +560,8 @@ class NvmeSwapper:
             req.fail(err)
         except OSError as err:
             message = describe_os_error(err, op=f"swap {req.handle.op} of key {req.handle.key!r}: {op}",
-                                        path=req.path, nvme_path=self._nvme_path, needed=needed)
+                                        path=req.path, nvme_path=self._nvme_path, needed=needed,
+                                        planned=self.planned_bytes)
             error = SwapError(message)
             error.__cause__ = err
             req.fail(error)
