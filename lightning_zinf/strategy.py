@@ -158,6 +158,27 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """True: Lightning then gives each rank its own slice of the data (``DistributedSampler``)."""
         return True
 
+    # --- compiled LightningModule -----------------------------------------------------------------
+    @property
+    def _lightning_module(self) -> Optional["pl.LightningModule"]:
+        return self._zinf_lightning_module
+
+    @_lightning_module.setter
+    def _lightning_module(self, module: Optional["pl.LightningModule"]) -> None:
+        """Accept ``torch.compile(lit_module)`` (Lightning's documented pattern), as DDP does.
+
+        ``Trainer.fit``/``validate``/``test``/``predict`` unwrap the compiled module (its
+        ``forward`` and ``*_step`` methods stay compiled), assign it here, then refuse it unless the
+        strategy is one of Lightning's own, named in a fixed list. The engine's hooks are opaque to
+        Dynamo, so the compiled steps run here as under DDP: the module is taken with Lightning's
+        record of the compilation cleared, which that check reads (``to_uncompiled`` then no longer
+        applies to it). Compiled steps break their graphs at each unit's module, where the engine
+        gathers; compiling the blocks in ``configure_model`` keeps whole graphs (see the README).
+        """
+        if getattr(module, "_compiler_ctx", None) is not None:
+            module._compiler_ctx = None  # type: ignore[union-attr]
+        self._zinf_lightning_module = module
+
     @property
     def engine(self) -> ZeroEngine:
         """The engine partitioning the LightningModule (available after setup)."""

@@ -2,11 +2,15 @@
 
     torchrun --nproc_per_node 2 run_lightning.py {zinf,fsdp2,ddp} --steps N --result-dir DIR
     torchrun --nproc_per_node 2 run_lightning.py zinf_nvme --nvme DIR --steps N --result-dir DIR
+    torchrun --nproc_per_node 2 run_lightning.py {zinf,ddp} --compile {blocks,model} --steps N --result-dir DIR
 
 ``zinf_nvme`` is ``zinf`` with parameters and optimizer state (fp32 masters, gradients, AdamW
 state) on NVMe: ``OffloadConfig(param="nvme", optimizer="nvme", nvme_path=DIR)``, everything else
 at the strategy's defaults, and torch's fused CPU AdamW (the offloaded step runs on the CPU; DeepSpeed
 steps with its own vectorised CPU Adam). It also snapshots the swapper's byte counters every step.
+
+``--compile blocks`` compiles each transformer block (``block.compile()``) in ``configure_model``,
+``--compile model`` the whole GPT (``model.compile()``); compile.py runs them.
 
 A step is timed from ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward and the
 optimizer step, plus Lightning's per-batch overhead, which every Lightning contender pays alike.
@@ -25,10 +29,11 @@ from measure import LR, MICRO_BATCH, SEED, StepClock, write_rank_result
 
 
 class GPTModule(L.LightningModule):
-    def __init__(self, mode: str, num_samples: int) -> None:
+    def __init__(self, mode: str, num_samples: int, compiled: str = "none") -> None:
         super().__init__()
         self.mode = mode
         self.num_samples = num_samples
+        self.compiled = compiled
         self.model: GPT | None = None
 
     def configure_model(self) -> None:
@@ -39,6 +44,8 @@ class GPTModule(L.LightningModule):
         self.model = GPT()
         if self.mode == "fsdp2":
             shard_fsdp2(self.model, self.device_mesh["data_parallel"])
+        for module in {"blocks": self.model.blocks, "model": [self.model]}.get(self.compiled, []):
+            module.compile()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -97,6 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["zinf", "zinf_nvme", "fsdp2", "ddp"])
     parser.add_argument("--nvme", help="folder for the swap files (zinf_nvme)")
+    parser.add_argument("--compile", choices=["none", "blocks", "model"], default="none",
+                        help="what configure_model compiles: each block, the whole GPT, or nothing")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
@@ -119,7 +128,7 @@ def main() -> None:
     )
     if args.mode == "zinf_nvme":
         clock.extra_counters = lambda: swapper_counters(trainer.strategy.engine.swapper)
-    trainer.fit(GPTModule(args.mode, num_samples=args.steps * world_size * MICRO_BATCH))
+    trainer.fit(GPTModule(args.mode, num_samples=args.steps * world_size * MICRO_BATCH, compiled=args.compile))
     write_rank_result(args.result_dir, trainer.global_rank, clock)
 
 

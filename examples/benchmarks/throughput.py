@@ -91,7 +91,8 @@ def launch_command(
     """The torchrun command line and environment of one contender.
 
     A contender whose name starts with ``deepspeed`` runs run_deepspeed.py in the DeepSpeed venv;
-    any other runs run_lightning.py with its name as the mode. ``script_args`` go to the script.
+    any other runs run_lightning.py with its name as the mode (up to a ``+``: ``zinf+blocks`` is a
+    variant of ``zinf`` that its ``script_args`` set). ``script_args`` go to the script.
     """
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # lightning_zinf is imported from this checkout whether or not it is installed.
@@ -106,7 +107,7 @@ def launch_command(
         # torch deprecation warnings from DeepSpeed's collectives flood the log on every step.
         env["PYTHONWARNINGS"] = "ignore::FutureWarning"
     else:
-        python, script, mode = sys.executable, "run_lightning.py", [name]
+        python, script, mode = sys.executable, "run_lightning.py", [name.partition("+")[0]]
     torchrun = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}"]
     rest = ["--steps", str(args.steps), "--result-dir", result_dir, *script_args]
     return [*torchrun, str(HERE / script), *mode, *rest], env

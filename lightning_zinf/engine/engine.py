@@ -62,6 +62,12 @@ from lightning_zinf.tiling import tile_linear_layers
 
 __all__ = ["ZeroEngine", "Unit"]
 
+#: Decorates the engine's hook entry points so that a compiled module runs them as ordinary Python
+#: calls: Dynamo would otherwise trace them, break its graph at their collectives and storage
+#: pointers, and recompile them as the engine's state changes from call to call (FSDP2 disables
+#: its hooks the same way). Recursive: nothing they call is traced either.
+_eager = torch.compiler.disable(recursive=True, reason="lightning_zinf's hooks gather, release and reduce eagerly")
+
 _RELEASED, _INFLIGHT, _GATHERED = "released", "inflight", "gathered"
 # Ledger categories the engine allocates and frees during a step; all on the compute device.
 _MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled")
@@ -789,8 +795,12 @@ class ZeroEngine:
     def _mark_partitioned(self, on: bool) -> None:
         # transformers' generate() reads FSDP2's marker to keep all ranks stepping until every
         # rank's sequences are done (synced_gpus): forward passes gather collectively here too.
+        # Dynamo reads the pair FSDP2 sets: parameters keep their identity while their storage comes
+        # and goes, so it takes them as graph inputs and guards nothing on them (with the marker
+        # alone it refuses the module and runs it uncompiled).
         for submodule in self.module.modules():
             submodule._is_fsdp_managed_module = on  # type: ignore[assignment]
+            submodule._fsdp_use_orig_params = on  # type: ignore[assignment]
 
     def _kept_bytes(self) -> int:
         return sum(g.gathered_nbytes for u in self._live.values() if u.kept for g in u.groups)
@@ -818,9 +828,11 @@ class ZeroEngine:
             self.param_offload.settle_all()
 
     # --- hooks ------------------------------------------------------------------------------------
+    @_eager
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self.begin_pass((module.training, torch.is_grad_enabled()))
 
+    @_eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         units = self._uses[module]
         for unit in units:
@@ -852,6 +864,7 @@ class ZeroEngine:
         self._calls.setdefault(module, []).append(use)
         return args, kwargs
 
+    @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         units = self._uses[module]
         use = self._calls[module].pop()
@@ -874,6 +887,7 @@ class ZeroEngine:
             self._maybe_release(unit)
         return output
 
+    @_eager
     def _pre_backward(self, units: list[Unit], use: Optional[_Use], grad: Any) -> None:
         self._queue_backward_end()
         if use is not None and not use.counted:
@@ -888,6 +902,7 @@ class ZeroEngine:
                 if group.trainable:
                     group.prepare_grads(self.pool)
 
+    @_eager
     def _post_backward(self, use: _Use) -> None:
         """Autograd has run the backward of one forward use (the identity node on the module's
         inputs has their gradients)."""
@@ -898,6 +913,7 @@ class ZeroEngine:
             unit.pending_backward -= 1
             self._release_after_backward(unit)
 
+    @_eager
     def _on_grad(self, unit: Unit, group: FlatGroup, index: int, param: Tensor) -> None:
         self._queue_backward_end()
         if not group.mark_ready(index):
@@ -922,6 +938,7 @@ class ZeroEngine:
             self._backward_end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
+    @_eager
     def _backward_end(self) -> None:
         """Flush partially complete gradients, finish the reduce-scatters, release held units."""
         self._backward_end_queued = False
