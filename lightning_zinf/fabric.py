@@ -32,11 +32,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import is_sharded_checkpoint, load_full_state_dict, load_sharded, save_sharded
+from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, init_distributed,
                                     module_buffers, optimizer_hyperparameters, register_presets,
-                                    restore_hyperparameters)
+                                    restore_hyperparameters, start_watch)
 from lightning_zinf.precision import policy_for, to_zero_fabric_precision
 
 __all__ = ["ZeroInfinityFabricStrategy"]
@@ -95,6 +96,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
+        self._watch: Optional[RankWatch] = None
         self._backward_sync_control = _EveryMicroBatch()
 
     # --- topology and set-up ----------------------------------------------------------------------
@@ -133,6 +135,9 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self._set_world_ranks()
         assert self.cluster_environment is not None
         init_distributed(self.cluster_environment, self.root_device, self._process_group_backend, self._timeout)
+        # Fabric has no exception hook: the watch reports the script's uncaught exceptions itself.
+        if self._watch is None:
+            self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engine)
 
     # --- model and optimizers ---------------------------------------------------------------------
     @override
@@ -188,6 +193,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             )
             if self.options.offload.activations:
                 _offload_activations_in_training_forwards(module, engine)
+            if self._watch is not None:
+                engine.on_departure = self._watch.note_departure
         self._engine = engine
         return module
 
@@ -389,6 +396,9 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.release_all()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         super().teardown()
 
     @classmethod

@@ -14,7 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dict, matching_prefix, \
     provided_parameters
+from lightning_zinf.comm.watch import RankFailedError, RankWatch
 from lightning_zinf.config import (
     MixedPrecisionConfig,
     OffloadConfig,
@@ -42,7 +43,7 @@ from lightning_zinf.config import (
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.tiling import tile_views
 
-__all__ = ["ZeroOptions", "RankLayout", "build_engine", "PRESETS", "register_presets", "module_buffers", "optimizer_hyperparameters",
+__all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "raise_if_another_rank_failed", "PRESETS", "register_presets", "module_buffers", "optimizer_hyperparameters",
            "restore_hyperparameters", "init_distributed", "barrier", "broadcast", "all_reduce"]
 
 
@@ -221,6 +222,43 @@ def restore_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], saved: 
     for optimizer, state in zip(optimizers, saved):
         for group, hyper in zip(optimizer.param_groups, state["param_groups"]):
             group.update(hyper)
+
+
+# --- failures that reach every rank -------------------------------------------------------------------
+def start_watch(rank: int, world_size: int, timeout: timedelta,
+                engine: Callable[[], Optional[ZeroEngine]]) -> Optional[RankWatch]:
+    """Start this rank's :class:`~lightning_zinf.comm.watch.RankWatch` (nothing on one rank, or
+    without a rendezvous store in the environment). A rank is declared dead, and an unmatched
+    departure from the agreed trace a divergence, after half the collectives' ``timeout`` (at most
+    a minute), so both end the run before the backend would; ``engine()`` supplies the progress
+    quoted in messages, and is told of departures once built."""
+    if world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+
+    def progress() -> str:
+        current = engine()
+        return current.progress() if current is not None else ""
+
+    watch = RankWatch(rank, world_size, stale=min(timeout.total_seconds() / 2, 60.0), progress=progress)
+    watch.start()
+    return watch
+
+
+def raise_if_another_rank_failed(watch: Optional[RankWatch], exception: BaseException) -> None:
+    """Report ``exception`` to the other ranks; if the run failed first elsewhere (another rank's
+    error, a divergence or a dead rank, and this rank's error is the consequence: a collective that
+    broke or timed out), raise that failure instead.
+
+    Raises:
+        RankFailedError: with the message of the failure posted first.
+    """
+    if watch is None or not isinstance(exception, Exception) or isinstance(exception, RankFailedError):
+        return
+    first = watch.report(exception)
+    if first is not None:
+        if first.startswith(f"rank {watch.rank}: "):  # this rank's own collective failure, with who is behind
+            raise RankFailedError(f"a collective failed: {first}") from exception
+        raise RankFailedError(f"the run failed before this rank's error, which follows from it: {first}") from exception
 
 
 # --- the distributed plumbing both adapters need ------------------------------------------------------

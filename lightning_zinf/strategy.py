@@ -35,7 +35,8 @@ from lightning_zinf.checkpoint import load_sharded, save_sharded
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
-from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, init_distributed,
+from lightning_zinf.comm.watch import RankWatch
+from lightning_zinf.options import (RankLayout, ZeroOptions, raise_if_another_rank_failed, start_watch, all_reduce, barrier, broadcast, build_engine, init_distributed,
                                     module_buffers, optimizer_hyperparameters, register_presets,
                                     restore_hyperparameters)
 from lightning_zinf.precision import policy_for, to_zero_precision
@@ -151,6 +152,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
+        self._watch: Optional[RankWatch] = None
 
     # --- topology --------------------------------------------------------------------------------
     @property
@@ -214,6 +216,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         init_distributed(self.cluster_environment, self.root_device, self._process_group_backend, self._timeout)
+        if self._watch is None:
+            self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engine)
 
     # --- model ------------------------------------------------------------------------------------
     @contextmanager
@@ -239,6 +243,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
                 timeout=self._timeout, auto_pass=False,
             )
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
+        if self._watch is not None:
+            self._engine.on_departure = self._watch.note_departure
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -387,13 +393,28 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Nothing: :meth:`load_checkpoint` restored the optimizers."""
 
-    # --- teardown / registration ------------------------------------------------------------------
+    # --- failures, teardown, registration -----------------------------------------------------------
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks (they end within a few seconds with this message, rather than at the
+        backend's timeout with its own); if another rank failed first, this rank's error is the
+        consequence, and that rank's failure is raised instead.
+
+        Raises:
+            RankFailedError: another rank failed first (its message).
+        """
+        raise_if_another_rank_failed(self._watch, exception)
+
     @override
     def teardown(self) -> None:
         # Unlike the base class, keep the model where it is: its state lives in the shards, and a
         # following validate/test/predict reuses the engine.
-        if self._engine is not None:
+        failed = self._watch is not None and self._watch.first_failure() is not None
+        if self._engine is not None and not failed:  # after a failure, no collective is waited for
             self._engine.release_all()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -271,15 +271,17 @@ def _diverge(rank: int, world: int) -> str:
     engine = ZeroEngine(model, prefetch=NO_PERSIST)
     opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.ones(2, 8) * (1 if rank == 0 else -1)
-    model(x).sum().backward()
     try:
+        model(x).sum().backward()
         opt.step()
     except RuntimeError as error:
         return str(error)
     return "stepped"
 
 
-def test_ranks_that_diverge_stop_before_the_step() -> None:
+def test_ranks_that_diverge_stop_before_the_collective() -> None:
+    """A branch that differs between ranks over units of the same size, in the first pass (no
+    trace yet): every rank names both gathers before either is issued."""
     from tests.harness import run_distributed
 
     messages = run_distributed(_diverge, 2)

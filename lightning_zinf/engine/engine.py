@@ -231,6 +231,12 @@ class ZeroEngine:
         self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
         self._keep_budget = 0  # keep_gathered(): bytes of units that may stay gathered between passes
         self._issued: list[int] = []  # collectives since the last agreement check (unit indices)
+        self.collectives_issued = 0  # gathers and reduce-scatters over the run
+        # Told what this rank is about to issue after leaving the agreed trace, before it waits for
+        # the others to agree, and None once they did (the strategy's RankWatch: when no other rank
+        # left it there, the divergence is reported on every rank without waiting for the timeout).
+        self.on_departure: Optional[Any] = None
+        self._force_check = 0  # inside gathered(): user code, so its gathers are checked too
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
@@ -539,14 +545,73 @@ class ZeroEngine:
         # Every rank saw the mismatch: gather the sequences (only now) to say where they part.
         sequences = self.comm.all_gather_object(issued[:4096])
         first = next(i for i in range(max(map(len, sequences))) if len({tuple(q[i:i + 1]) for q in sequences}) > 1)
-        name = lambda i: "end" if i is None else (f"gather of unit '{self.units[i].name}'" if i >= 0  # noqa: E731
-                                                  else f"reduce-scatter of {self.groups[-1 - i].names[0]}...")
-        seen = ", ".join(f"rank {r}: {name(q[first] if first < len(q) else None)}" for r, q in enumerate(sequences))
+        seen = ", ".join(f"rank {r}: {self._describe(q[first]) if first < len(q) else 'end'}"
+                         for r, q in enumerate(sequences))
         raise RuntimeError(
             f"Ranks diverged: collective #{first} since the last check was {seen}. Every rank must run "
             "the same modules in the same order (control flow that depends on rank-local data must "
             "agree across ranks, e.g. by deciding on rank 0 and broadcasting)."
         )
+
+    def _describe(self, issued: int) -> str:
+        """A collective as ``_issued`` records it: a unit's index, or ``-1 - group index``."""
+        if issued >= 0:
+            unit = self.units[issued]
+            return f"gather of unit '{unit.name}' ({unit.numel:,} elements)"
+        group = self.groups[-1 - issued]
+        return f"reduce-scatter of '{group.names[0]}'{'...' if len(group.names) > 1 else ''} ({group.numel:,} elements)"
+
+    def progress(self) -> str:
+        """Where this rank is: how many gathers and reduce-scatters it has issued and the last one
+        (for messages about ranks that fell behind or went elsewhere)."""
+        last = f": {self._describe(self._issued[-1])}" if self._issued else ""
+        return f"collective #{self.collectives_issued}{last}"
+
+    def _agree_on(self, issued: int) -> None:
+        """Before issuing a collective the agreed trace does not certify: check with every rank
+        that it is about to issue the same one (one host-side all-reduce of a hash), so ranks that
+        diverged (a module run on some ranks only, units of other sizes, another order) raise this
+        error instead of reaching the backend with mismatched collectives, which gloo answers by
+        aborting the process and NCCL by hanging.
+
+        Raises:
+            RuntimeError: the ranks are about to issue different collectives (every rank raises,
+                naming each rank's); or, after this rank left the agreed trace, the others did not
+                come to the check within the timeout (they follow the trace).
+        """
+        if self.comm.world_size == 1 or (self.tracer.certified and not self._force_check):
+            return
+        what = self._describe(issued)
+        departed = self.tracer.departed
+        if departed and self.on_departure is not None:
+            self.on_departure(what)
+        try:
+            agreed = self.comm.all_equal(zlib.crc32(f"{issued}:{self._numel_of(issued)}".encode()))
+        except Exception as error:
+            if not departed:
+                raise
+            expected = self.tracer.expected
+            raise RuntimeError(
+                f"Ranks diverged: rank {self.comm.rank} left the order of collectives every rank agreed on: its "
+                f"collective #{self.collectives_issued} is a {what}, where the agreed order has "
+                f"{'the end of the pass' if expected is None else self._describe(expected)}; the other ranks did "
+                "not take the same branch (they waited in that collective). Every rank must run the same modules "
+                "in the same order (decide data-dependent branches on rank 0 and broadcast the decision)."
+            ) from error
+        if agreed:
+            if departed and self.on_departure is not None:
+                self.on_departure(None)
+            return
+        seen = self.comm.all_gather_object(what)
+        raise RuntimeError(
+            f"Ranks diverged: at collective #{self.collectives_issued} "
+            + ", ".join(f"rank {r} was about to issue a {w}" for r, w in enumerate(seen))
+            + ". Every rank must run the same modules in the same order (a module run on some ranks only, or "
+            "control flow that depends on rank-local data, must be decided on rank 0 and broadcast)."
+        )
+
+    def _numel_of(self, issued: int) -> int:
+        return self.units[issued].numel if issued >= 0 else self.groups[-1 - issued].numel
 
     @contextmanager
     def state_resident(self, write_back: bool, groups: Optional[list[FlatGroup]] = None) -> Iterator[None]:
@@ -619,7 +684,11 @@ class ZeroEngine:
             unit.forward_depth += 1
         self._gathered_depth += 1
         try:
-            self._gather_all(units, read=True)
+            self._force_check += 1
+            try:
+                self._gather_all(units, read=True)
+            finally:
+                self._force_check -= 1
             yield
             if write_back:
                 with self.state_resident(write_back=True):
@@ -686,6 +755,8 @@ class ZeroEngine:
         units). ``read``: exactly, in the parameters' own dtype (:meth:`gathered`, whose values
         users read and edit)."""
         exact = exact or read
+        self._agree_on(unit.index)
+        self.collectives_issued += 1
         self._issued.append(unit.index)
         if self.param_offload is not None:
             # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
@@ -969,6 +1040,8 @@ class ZeroEngine:
 
     # --- gradients --------------------------------------------------------------------------------
     def _reduce(self, group: FlatGroup) -> None:
+        self._agree_on(-1 - self._group_index[id(group)])
+        self.collectives_issued += 1
         self._issued.append(-1 - self._group_index[id(group)])
         # One reduce-scatter in flight at most (FSDP2's order): the previous one is finished before
         # this one takes its buffers, so one unit's reduce buffers (a full-size cast to the reduce

@@ -11,6 +11,11 @@ ranks would mismatch the collectives.
 During replay each request is checked against the trace. A mismatch (data-dependent control flow)
 stops prefetching for the rest of the pass and re-records the trace in the next pass of that kind:
 the engine then gathers on demand, which is always correct.
+
+A replayed trace also certifies the collectives: every rank agreed on it, so while a pass follows
+it the ranks issue the same gathers and reduce-scatters. Outside that (recording, after a
+mismatch, or a kind whose recordings disagreed) :attr:`Tracer.certified` is false and the engine
+checks each collective with the other ranks before issuing it.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ class Tracer:
 
     Args:
         comm: Used once per recorded trace to check that all ranks recorded the same order.
-        enabled: ``False`` never replays (every gather is on demand).
+        enabled: ``False`` never prefetches (every gather is on demand); traces are still recorded
+            and replayed, to certify the collectives.
     """
 
     def __init__(self, comm: Collectives, enabled: bool = True) -> None:
@@ -53,6 +59,7 @@ class Tracer:
         self._cursor = 0
         self._diverged = False
         self.invalidations = 0
+        self.expected: Optional[int] = None  # at the last mismatch: the unit the trace had there
 
     def begin_pass(self, kind: Hashable) -> None:
         """Start a pass of ``kind``; finishes the previous pass (validating a fresh recording).
@@ -78,7 +85,7 @@ class Tracer:
                 "modules in the same order."
             )
         trace.order, trace.recording = trace.recording, []
-        trace.state = _REPLAY if agreed and self.enabled else _OFF
+        trace.state = _REPLAY if agreed else _OFF  # replayed without prefetch when not enabled
         self._current = None
 
     def request(self, unit: int) -> list[int]:
@@ -97,9 +104,22 @@ class Tracer:
         if trace.state != _REPLAY:
             return []
         if self._cursor >= len(trace.order) or trace.order[self._cursor] != unit:
+            self.expected = trace.order[self._cursor] if self._cursor < len(trace.order) else None
             self._diverged = True
             self.invalidations += 1
             trace.state, trace.recording = _RECORD, []
             return []
         self._cursor += 1
-        return trace.order[self._cursor :]
+        return trace.order[self._cursor :] if self.enabled else []
+
+    @property
+    def certified(self) -> bool:
+        """The pass is replaying an agreed trace and has not left it: its collectives are the same
+        on every rank without checking each one."""
+        trace = self._current
+        return trace is not None and trace.state == _REPLAY and not self._diverged
+
+    @property
+    def departed(self) -> bool:
+        """The pass left the agreed trace it was replaying (:attr:`expected` says where)."""
+        return self._diverged

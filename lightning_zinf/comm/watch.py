@@ -1,0 +1,301 @@
+"""A side channel between ranks for failures, beside the collectives.
+
+A collective cannot carry an error: when one rank raises (a corrupt shard file, a full disk, user
+code), the others are left blocked in their next collective until the backend gives up, and what
+they report is the backend's ("Connection closed by peer" from gloo, a timeout from NCCL), not the
+cause; a rank that hangs in its own code is left running after the others end. Every rank
+therefore runs a :class:`RankWatch`: a daemon thread that talks to the rendezvous store (the
+``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` that Lightning's launcher and torchrun both create),
+independently of the process groups:
+
+- a rank that fails posts its message there (first writer wins; :meth:`RankWatch.post_failure`);
+  a rank whose own error is the consequence (a collective that broke or timed out) reports that
+  first message instead (:meth:`RankWatch.first_failure`);
+- each watcher beats (a counter per rank, with the engine's progress); a rank whose beat stops for
+  ``stale`` seconds died (killed, crashed): a survivor posts that, naming it;
+- a watcher that sees a posted failure ends its own process after ``grace`` seconds if it has not
+  ended by itself by then (blocked in a collective, or stuck in user code), printing the failure
+  first, so no process outlives the run; one that loses the store (rank 0, which hosts it under
+  Lightning's launcher, is gone before it said it was done) does the same;
+- a rank that leaves the order of collectives every rank agreed on posts a notice
+  (:meth:`RankWatch.note_departure`) before it waits for the others to agree on the way; a notice
+  that no other rank matches within ``stale`` seconds means the others did not take that branch
+  (they are waiting in the agreed collective): the divergence is posted as the failure.
+
+The normal end: :meth:`RankWatch.stop` marks the rank done and rank 0 waits (at most ``grace``)
+for every rank's mark, so the store outlives every watcher.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["RankWatch", "RankFailedError"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed first; the message is that rank's, as it posted it."""
+
+
+class RankWatch:
+    """Watch the other ranks of a run through its rendezvous store (see the module docstring).
+
+    Args:
+        rank, world_size: This rank and the number of ranks (the world's).
+        interval: Seconds between beats and checks.
+        grace: Seconds a process is given to end by itself after a failure is posted, before the
+            watcher ends it (exit code 1).
+        stale: Seconds without a beat after which a rank counts as dead.
+        progress: Returns a short description of where this rank is (the engine's last
+            collective); published with each beat and quoted when a rank is found behind.
+        store: The store to use (default: a client of ``MASTER_ADDR:MASTER_PORT``).
+
+    Raises:
+        RuntimeError: no store (``MASTER_ADDR``/``MASTER_PORT`` unset and none given).
+    """
+
+    def __init__(self, rank: int, world_size: int, *, interval: float = 1.0, grace: float = 5.0,
+                 stale: float = 30.0, progress: Optional[Callable[[], str]] = None,
+                 store: Optional[dist.Store] = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.interval, self.grace, self.stale = interval, grace, stale
+        self.progress = progress or (lambda: "")
+        if store is None:
+            if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+                raise RuntimeError("RankWatch needs MASTER_ADDR and MASTER_PORT (set by Lightning and torchrun).")
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                  is_master=False, timeout=timedelta(seconds=max(interval * 5, 10)))
+        # One namespace per run (torchrun's agent keeps its store across restarts) and per watch
+        # started in this process (every rank starts one per fit/validate/... call, in step).
+        RankWatch._started += 1
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.store = dist.PrefixStore(f"zinf_watch/{run}/{RankWatch._started}/", store)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, monotonic time it changed)
+        self._beats = 0
+        self._previous_hook = None
+        self._zero_done = False  # rank 0 said it ended normally (its store may go away)
+        self._own: Optional[str] = None  # the failure this rank's own error posted
+        self._departures: dict[int, float] = {}  # rank -> when its unmatched departure notice was first seen
+
+    _started = 0
+
+    # --- life cycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start beating and watching (a daemon thread), and report uncaught exceptions of the main
+        thread (``sys.excepthook``: a script's or Fabric loop's) to the other ranks."""
+        if self._thread is not None:
+            return
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name=f"zinf-rank-watch-{self.rank}", daemon=True)
+        self._thread.start()
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self.stop)  # a script (a Fabric loop) that ends without a teardown
+
+    def stop(self) -> None:
+        """The normal end: mark this rank done and stop watching; rank 0 (which may host the store)
+        first waits up to ``grace`` seconds for every rank's mark."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        atexit.unregister(self.stop)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_hook
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+            if self.rank == 0:
+                keys = [f"done/{r}" for r in range(self.world_size)]
+                deadline = time.monotonic() + self.grace
+                while not self.store.check(keys) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        except Exception:  # the store is gone already: nothing left to tell anyone
+            pass
+
+    # --- failures ---------------------------------------------------------------------------------
+    def post_failure(self, message: str) -> bool:
+        """Tell every rank that the run failed with ``message`` (prefix it with the rank it is about);
+        True if it is the first failure posted (a later one is a consequence and is not kept)."""
+        text = message[:4000]
+        try:
+            stored = self.store.compare_set("failed", "", text).decode()
+        except Exception:
+            return False
+        return stored == text
+
+    def note_departure(self, what: Optional[str]) -> None:
+        """This rank left the agreed order of collectives and is about to issue ``what`` (checked
+        with the other ranks next); ``None``: the others agreed, the notice is withdrawn."""
+        try:
+            if what is None:
+                self.store.delete_key(f"departed/{self.rank}")
+            else:
+                self.store.set(f"departed/{self.rank}", what)
+        except Exception:
+            pass
+
+    def first_failure(self) -> Optional[str]:
+        """The first failure any rank posted, or None."""
+        try:
+            return self.store.get("failed").decode() if self.store.check(["failed"]) else None
+        except Exception:
+            return None
+
+    def report(self, error: BaseException) -> Optional[str]:
+        """Post ``error`` as this rank's failure, unless a failure was posted first (another rank's
+        error, a divergence, a dead rank): then, if ``error`` is a collective's failure (its
+        consequence: a collective that broke or timed out), return that message. Also return the
+        message posted when ``error`` is a collective's failure: it names the ranks that were dead
+        or elsewhere. None: ``error`` is this rank's own and tells the story itself."""
+        first = self.first_failure()
+        collective = _looks_like_a_collective_failure(error)
+        if first is not None:
+            return first if collective else None  # an error of its own (every rank's bad file) stays its own
+        message = f"rank {self.rank}: {format_error(error)}"
+        behind = self.behind() if collective else ""
+        if behind:
+            message += f" -- {behind}"
+        if self.post_failure(message):
+            self._own = message
+            return message if behind else None
+        return self.first_failure() if collective else None  # another rank posted in between
+
+    def behind(self) -> str:
+        """Which ranks look dead (no beat for ``stale`` s) or are elsewhere (their published
+        progress), for an error message; empty if none is known."""
+        notes = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            try:
+                beat, host, pid, where = (self.store.get(f"beat/{rank}").decode().split(" ", 3) + [""])[:4]
+            except Exception:
+                notes.append(f"rank {rank} gives no sign of life")
+                continue
+            last = self._seen.get(rank)
+            if host == socket.gethostname() and not _alive(int(pid)):
+                notes.append(f"rank {rank} (pid {pid}) is dead")
+            elif last is not None and int(beat) == last[0] and time.monotonic() - last[1] > self.stale:
+                notes.append(f"rank {rank} stopped beating {time.monotonic() - last[1]:.0f} s ago")
+            elif where != self.progress():
+                notes.append(f"rank {rank} is at {where or 'its start'}")
+        mine = self.progress()
+        return "; ".join(notes) + (f" (this rank is at {mine})" if notes and mine else "")
+
+    # --- the thread -------------------------------------------------------------------------------
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(f"beat/{self.rank}", f"{self._beats} {socket.gethostname()} {os.getpid()} {self.progress()}")
+
+    def _run(self) -> None:
+        posted_at: Optional[float] = None
+        lost = 0
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                failure = self.first_failure() or self._find_dead() or self._find_divergence()
+                self._zero_done = self.store.check(["done/0"])
+                lost = 0
+            except Exception:  # the store is unreachable: its host (rank 0) is gone
+                lost += 1
+                if self._zero_done:
+                    return  # rank 0 ended normally first: nothing left to watch
+                if lost * self.interval >= self.grace:
+                    self._end("the rendezvous store is gone: rank 0, which hosts it, ended")
+                continue
+            if failure is None or failure == self._own:
+                continue  # none, or this rank's own error: its process is ending by itself
+            posted_at = posted_at if posted_at is not None else time.monotonic()
+            if time.monotonic() - posted_at >= self.grace:
+                self._end(failure)
+
+    def _find_dead(self) -> Optional[str]:
+        now = time.monotonic()
+        keys = [f"beat/{r}" for r in range(self.world_size)]
+        present = [r for r, key in enumerate(keys) if r != self.rank and self.store.check([key])]
+        for rank in present:
+            beat = int(self.store.get(f"beat/{rank}").decode().split(" ", 1)[0])
+            last = self._seen.get(rank)
+            if last is None or last[0] != beat:
+                self._seen[rank] = (beat, now)
+            elif now - last[1] > self.stale and not self.store.check([f"done/{rank}"]):
+                self.post_failure(f"rank {rank} died or froze: no sign of life for {now - last[1]:.0f} s "
+                                  f"(killed, crashed, or its host is gone; noticed by rank {self.rank})")
+                return self.first_failure()
+        return None
+
+    def _find_divergence(self) -> Optional[str]:
+        now = time.monotonic()
+        mine = self.store.check([f"departed/{self.rank}"])
+        for rank in range(self.world_size):
+            if rank == self.rank or not self.store.check([f"departed/{rank}"]):
+                self._departures.pop(rank, None)
+                continue
+            if mine:
+                continue  # we left the trace there too: the check between us decides
+            since = self._departures.setdefault(rank, now)
+            if now - since > self.stale:
+                what = self.store.get(f"departed/{rank}").decode()
+                self.post_failure(
+                    f"Ranks diverged: rank {rank} left the order of collectives every rank agreed on (its next one is "
+                    f"a {what}), and rank {self.rank} did not (it is at {self.progress() or 'its start'}). Every rank "
+                    "must run the same modules in the same order (decide data-dependent branches on rank 0 and "
+                    "broadcast the decision)."
+                )
+                return self.first_failure()
+        return None
+
+    def _end(self, why: str) -> None:
+        print(f"[rank {self.rank}] lightning_zinf: ending this rank because another one failed: {why}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def _excepthook(self, kind: type, error: BaseException, tb) -> None:
+        first = self.report(error) if isinstance(error, Exception) else None
+        (self._previous_hook or sys.__excepthook__)(kind, error, tb)
+        if first is not None:
+            print(f"[rank {self.rank}] lightning_zinf: what the error above follows from: {first}",
+                  file=sys.stderr, flush=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, ended but not yet reaped by its parent,
+    does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # no /proc: a signal was accepted, so it exists
+        return True
+
+
+def _looks_like_a_collective_failure(error: BaseException) -> bool:
+    """A backend error: a peer gone (gloo's "Connection closed/reset by peer") or a timeout."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl"))
+
+
+def format_error(error: BaseException) -> str:
+    """``Type: message`` and the innermost frame, short enough for the store."""
+    frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
+    return f"{type(error).__name__}: {error}{where}"

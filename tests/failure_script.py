@@ -1,0 +1,105 @@
+"""One rank of a Trainer run that goes wrong in the way ``FAILURE`` names, for tests/test_failures.py.
+
+    FAILURE=<scenario> OUT=<folder> python tests/failure_script.py
+
+Each process writes its pid to ``OUT/pid<rank>`` first. Scenarios (rank 1 misbehaves, at step 2
+unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever in its step),
+``killed`` (SIGKILL to itself), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
+alone runs, from the first step / from step 2), ``rank_only_validation`` (the same in validation),
+``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
+save ``OUT/ckpt``), ``fabric_raise`` (a Fabric loop whose rank 1 raises).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_zinf import ZeroInfinityStrategy  # noqa: E402
+
+SCENARIO = os.environ["FAILURE"]
+OUT = Path(os.environ["OUT"])
+
+
+class Lit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+        self.extra = torch.nn.Linear(32, 32)  # the module some ranks run and others do not
+
+    def _rank_only(self, step_from: int) -> bool:
+        return self.global_rank == 0 and self.global_step >= step_from
+
+    def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if extra:
+            h = torch.tanh(self.extra(h))
+        return self.b(h)
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 2:
+            if SCENARIO == "raise":
+                raise ValueError("boom in rank 1's training_step")
+            if SCENARIO == "stuck":
+                time.sleep(10**6)
+            if SCENARIO == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+        extra = (SCENARIO == "rank_only_first" and self._rank_only(0)) or (
+            SCENARIO == "rank_only_later" and self._rank_only(2))
+        return torch.nn.functional.mse_loss(self(batch[0], extra), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        extra = SCENARIO == "rank_only_validation" and self.global_rank == 0
+        return torch.nn.functional.mse_loss(self(batch[0], extra), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fabric_main() -> None:
+    """``fabric_raise``: a Fabric loop whose rank 1 raises at step 2 (no Trainer: the uncaught
+    exception reaches the watch's ``sys.excepthook``)."""
+    from lightning.fabric import Fabric
+
+    from lightning_zinf import ZeroInfinityFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroInfinityFabricStrategy(timeout=timedelta(seconds=20)))
+    fabric.launch()
+    with fabric.init_module():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(4):
+        if fabric.global_rank == 1 and step == 2:
+            raise ValueError("boom in rank 1's Fabric loop")
+        fabric.backward(model(torch.randn(4, 8)).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def main() -> None:
+    (OUT / f"pid{os.environ.get('LOCAL_RANK', '0')}").write_text(str(os.getpid()))
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
+    trainer = L.Trainer(
+        strategy=ZeroInfinityStrategy(timeout=timedelta(seconds=20), prefetch={"persistence_threshold": 0}),
+        accelerator="cpu", devices=2, max_steps=4 if SCENARIO != "save" else 2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=2 if SCENARIO == "rank_only_validation" else 0, val_check_interval=2,
+        num_sanity_val_steps=0)
+    ckpt = str(OUT / "ckpt") if SCENARIO == "corrupt" else None
+    trainer.fit(Lit(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), ckpt_path=ckpt)
+    if SCENARIO == "save":
+        trainer.save_checkpoint(OUT / "ckpt")
+    print(f"rank {trainer.global_rank} finished", flush=True)
+
+
+if __name__ == "__main__":
+    fabric_main() if SCENARIO.startswith("fabric") else main()

@@ -1,0 +1,150 @@
+"""Ranks that diverge or fail: every rank ends, within the strategy's timeout, with the message of
+the rank that went wrong, and no process outlives the run.
+
+Each case runs ``tests/failure_script.py`` (a real Trainer, ``timeout=20 s``) as two real processes
+and observes them from outside: exit codes, each process's stderr, wall time, and whether a pid is
+still alive afterwards. Started with the rendezvous variables set (as torchrun starts them), or
+through Lightning's own launcher (rank 0 starts rank 1).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent / "failure_script.py"
+ROOT = SCRIPT.parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(scenario: str, out: Path) -> dict[str, str]:
+    env = dict(os.environ, FAILURE=scenario, OUT=str(out), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        env.pop(key, None)
+    return env
+
+
+def _run_ranks(scenario: str, out: Path, timeout: float = 120) -> tuple[list[tuple[int, str]], float]:
+    """Both ranks as separate processes with the rendezvous variables set; (exit code, stderr) per
+    rank and the wall time until the last one ended."""
+    port = _port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(2):
+        env = _env(scenario, out) | dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                                         RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{scenario}: a rank still ran after {timeout} s")
+        results.append((proc.returncode, err))
+    return results, time.monotonic() - start
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("scenario, stage", [("rank_only_first", "training"), ("rank_only_validation", "validation")])
+def test_a_module_run_on_one_rank_is_named_on_every_rank(scenario: str, stage: str, tmp_path: Path) -> None:
+    """The first pass of a kind has no agreed trace: each collective is checked first, so both
+    ranks raise the strategy's error naming both collectives, and neither reaches gloo's abort."""
+    results, wall = _run_ranks(scenario, tmp_path)
+    for code, err in results:
+        assert code == 1, err[-2000:]
+        assert "Ranks diverged" in err and "gather of unit 'extra'" in err and "gather of unit 'b'" in err, err[-3000:]
+        assert "terminate called" not in err and "Connection" not in err.split("Ranks diverged")[-1]
+    assert wall < 60
+
+
+def test_a_module_that_one_rank_starts_running_later_is_named_on_every_rank(tmp_path: Path) -> None:
+    """From step 2 rank 0 alone runs ``extra``: it leaves the agreed trace, says so, and waits for
+    the others to agree; rank 1 does not come (it waits in the trace's collective). Both end with
+    the divergence, about ``stale`` (10 s) plus the grace period later, not at the 20 s timeout."""
+    results, wall = _run_ranks("rank_only_later", tmp_path)
+    for code, err in results:
+        assert code == 1
+        assert "Ranks diverged: rank 0 left the order of collectives" in err, err[-3000:]
+        assert "gather of unit 'extra'" in err
+    assert wall < 60
+
+
+def test_an_exception_on_one_rank_ends_every_rank_with_its_message(tmp_path: Path) -> None:
+    results, wall = _run_ranks("raise", tmp_path)
+    for code, err in results:
+        assert code == 1
+        assert "ValueError: boom in rank 1's training_step" in err, err[-3000:]
+    assert "the run failed before this rank's error, which follows from it: rank 1: ValueError: boom" in results[0][1]
+    assert wall < 45
+
+
+def test_an_exception_in_a_fabric_loop_ends_every_rank_with_its_message(tmp_path: Path) -> None:
+    """No Trainer to call ``on_exception``: the uncaught exception itself is reported."""
+    results, wall = _run_ranks("fabric_raise", tmp_path)
+    for code, err in results:
+        assert code == 1
+        assert "ValueError: boom in rank 1's Fabric loop" in err, err[-3000:]
+    assert "what the error above follows from: rank 1: ValueError" in results[0][1]
+    assert wall < 45
+
+
+def test_a_corrupt_shard_file_is_named_on_every_rank(tmp_path: Path) -> None:
+    results, _ = _run_ranks("save", tmp_path)
+    assert all(code == 0 for code, _ in results), results[0][1][-2000:]
+    shard = tmp_path / "ckpt" / "rank_00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-64:] = bytes(64)  # the tail of the last tensor: the header still parses
+    shard.write_bytes(bytes(data))
+    results, wall = _run_ranks("corrupt", tmp_path)
+    for code, err in results:
+        assert code == 1
+        assert "rank_00001.safetensors" in err, err[-3000:]
+    assert wall < 45
+
+
+@pytest.mark.parametrize("scenario", ["stuck", "killed"])
+def test_a_stuck_or_dead_rank_ends_every_survivor_naming_it(scenario: str, tmp_path: Path) -> None:
+    """Rank 1 hangs in its step (rank 0's collective times out after 20 s) or is killed (rank 0's
+    collective breaks at once): rank 0 ends naming rank 1, and a hanging rank 1 is ended too."""
+    results, wall = _run_ranks(scenario, tmp_path)
+    code, err = results[0]
+    assert code == 1
+    named = "rank 1 is at collective #" if scenario == "stuck" else "rank 1 (pid "
+    assert f"RankFailedError: a collective failed: rank 0: " in err and named in err, err[-3000:]
+    if scenario == "stuck":
+        assert results[1][0] == 1 and "ending this rank because another one failed" in results[1][1]
+    assert wall < 20 + 5 + 20  # the timeout, the grace period, start-up
+
+
+def test_no_process_outlives_the_run_under_lightnings_launcher(tmp_path: Path) -> None:
+    """``python script.py`` with devices=2: rank 0 starts rank 1; rank 1 hangs in user code. When
+    rank 0 has ended, rank 1 is gone too."""
+    done = subprocess.run([sys.executable, str(SCRIPT)], env=_env("stuck", tmp_path), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    pid = int((tmp_path / "pid1").read_text())
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(pid), "rank 1 outlived the run"
