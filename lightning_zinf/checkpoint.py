@@ -150,8 +150,9 @@ def read_meta(path: os.PathLike, weights_only: Optional[bool] = None) -> dict[st
                     "unpickling it could run code from the file. If it is a class you know to be harmless, allow "
                     f"it with torch.serialization.add_safe_globals([{refused[0]}]) before loading. If you trust "
                     "the file, load it with weights_only=False: trainer.fit(model, ckpt_path=..., "
-                    "weights_only=False) (likewise validate/test/predict), load_sharded(..., weights_only=False), "
-                    "consolidate(..., weights_only=False) or zinf-consolidate --no-weights-only."
+                    "weights_only=False) (likewise validate/test/predict), fabric.load(..., weights_only=False), "
+                    "load_sharded(..., weights_only=False), consolidate(..., weights_only=False) or "
+                    "zinf-consolidate --no-weights-only."
                 ) from error.__cause__
     if not isinstance(loaded, dict):
         raise CheckpointError(f"{file} holds a {type(loaded).__name__}, not a checkpoint's metadata dict.")
@@ -214,6 +215,13 @@ def _layout(engine: ZeroEngine) -> list[dict[str, Any]]:
     ]
 
 
+def _prefixed(old: list[str], new: list[str]) -> bool:
+    """The same names up to one prefix added to or removed from all of them."""
+    longer, shorter = (old, new) if len(old[0]) > len(new[0]) else (new, old)
+    extra = longer[0][: len(longer[0]) - len(shorter[0])]
+    return len(old) == len(new) and bool(extra) and all(a == extra + b for a, b in zip(longer, shorter))
+
+
 def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], path: Path) -> None:
     if len(saved) != len(current):
         raise CheckpointError(
@@ -229,6 +237,14 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
                     f"{new[key]} (a different MixedPrecisionConfig.frozen_dtype, or parameters cast after "
                     "saving?): use the settings it was saved with, or consolidate the checkpoint and load "
                     "it with load_full_state_dict, which converts."
+                )
+            if old[key] != new[key] and key == "names" and _prefixed(old[key], new[key]):
+                raise CheckpointError(
+                    f"{path} names the model's parameters with another prefix ({old[key][0]!r} in the checkpoint, "
+                    f"{new[key][0]!r} in the model): it was saved from a module that holds this one, or is held "
+                    "by it (a LightningModule's checkpoint loaded into its bare model, or the reverse). Load it into "
+                    "the same module class it was saved from (with Fabric, set up the LightningModule itself), or "
+                    "consolidate it and load it with load_full_state_dict(..., prefix=...)."
                 )
             if old[key] != new[key]:
                 raise CheckpointError(

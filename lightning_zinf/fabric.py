@@ -31,7 +31,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import is_sharded_checkpoint, load_full_state_dict, load_sharded, save_sharded
+from lightning_zinf.checkpoint import (is_sharded_checkpoint, load_full_state_dict, load_sharded, read_meta,
+                                      save_sharded)
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
@@ -92,7 +93,10 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
-        self.options = coerce_config(ZeroOptions, options)
+        try:
+            self.options = coerce_config(ZeroOptions, options)
+        except ValueError as error:  # say it of this class, whose keyword arguments they are
+            raise ValueError(str(error).replace(ZeroOptions.__name__, type(self).__name__, 1)) from None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
@@ -338,7 +342,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         Raises:
             ValueError: no ``state`` (a sharded checkpoint cannot be returned whole: consolidate it
                 with ``zinf-consolidate``), or ``state`` without this strategy's model.
-            KeyError: ``strict`` and an entry of ``state`` is not in the checkpoint.
+            KeyError: ``strict`` and an entry of ``state`` is not in the checkpoint (an optimizer
+                included: a checkpoint saved without it loads with ``strict=False``, weights only).
             CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, or a
                 ``meta.pt`` naming code the safe load refuses.
         """
@@ -360,6 +365,14 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                             "fabric.load(path, {'model': model, 'optimizer': optimizer}).")
         module_key, optimizer_keys = self._split_state(state)
         optimizers = [state[k] for k in optimizer_keys]
+        saved = len(read_meta(path, weights_only).get("optimizer_states", [])) if optimizers else 0
+        if saved < len(optimizers):
+            if strict:
+                raise KeyError(
+                    f"The requested state contains optimizer(s) {optimizer_keys} but the checkpoint {path} holds the "
+                    f"state of {saved}: it was saved without them. Pass strict=False to load the model's weights alone."
+                )
+            optimizers = []
         meta = load_sharded(self.engine, optimizers, path, load_optimizer=bool(optimizers), weights_only=weights_only)
         state[module_key].load_state_dict(meta.pop("state_dict", {}), strict=False)  # buffers
         restore_hyperparameters(optimizers, meta.pop("optimizer_states", []))

@@ -46,6 +46,18 @@ class _GlobalNormClipping:
         optimizer.step(**kwargs)
         return closure_result
 
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        """Elementwise, so exact on shards, when the gradients are in memory.
+
+        Raises:
+            ValueError: with NVMe optimizer offload (the gradients are on disk until the step; the
+                clamp would find none and do nothing).
+        """
+        if self.engine is not None and self.engine.offload is not None and self.engine.offload.nvme:
+            raise ValueError("gradient_clip_algorithm='value' needs the gradients in memory; with "
+                             "OffloadConfig(optimizer='nvme') clip by norm (the default), or use optimizer='cpu'.")
+        super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         if self.engine is None:
             raise RuntimeError("The zero_infinity strategy has not set up its engine yet; clipping needs it.")

@@ -86,3 +86,10 @@ def test_optimizer_over_foreign_tensor() -> None:
 def test_bad_block_class_entry() -> None:
     with pytest.raises(ValueError, match="block_classes entries must be class names or classes"):
         ZeroEngine(models.GPT(), block_classes=[3])  # type: ignore[list-item]
+
+
+def test_block_class_matching_no_module_is_named() -> None:
+    """A typo in ``block_classes`` would silently leave every module its own unit (DeepSpeed's
+    ``set_z3_leaf_modules`` raises too)."""
+    with pytest.raises(ValueError, match=r"\['Blok'\] match no module of GPT .*Block"):
+        ZeroEngine(models.GPT(), block_classes=["Block", "Blok"])

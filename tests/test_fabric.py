@@ -21,7 +21,7 @@ from lightning.fabric import Fabric
 from nbclient import NotebookClient
 
 import lightning_zinf  # noqa: F401  (registers "zero_infinity" for Fabric and the Trainer)
-from lightning_zinf import ZeroInfinityFabricStrategy
+from lightning_zinf import CheckpointError, ZeroInfinityFabricStrategy
 from tests import models
 from tests.harness import run_distributed
 from tests.test_trainer import LitGPT, _tokens
@@ -175,8 +175,13 @@ def _trainer_then_fabric(rank: int, world: int, folder: str) -> dict:
     remainder = fabric.load(folder, {"model": other, "optimizer": optimizer})
     loaded = _full_parameters(fabric, other)
     loaded_state = _exp_avg(optimizer.optimizer)
+    alone = _fabric("zero_infinity")
+    bare, _ = _build(alone)  # the GPT alone: its parameter names lack the "model." prefix
+    with pytest.raises(CheckpointError) as prefix_error:
+        alone.load(folder, {"model": bare})
     return {"saved": saved, "loaded": loaded, "saved_state": saved_state, "loaded_state": loaded_state,
-            "lr": optimizer.param_groups[0]["lr"], "global_step": remainder.get("global_step")}
+            "lr": optimizer.param_groups[0]["lr"], "global_step": remainder.get("global_step"),
+            "prefix_error": str(prefix_error.value)}
 
 
 def test_trainer_checkpoint_loads_in_fabric(tmp_path: Path) -> None:
@@ -190,6 +195,7 @@ def test_trainer_checkpoint_loads_in_fabric(tmp_path: Path) -> None:
             assert torch.equal(a, b)
         assert rank["lr"] == pytest.approx(1e-2)  # LitGPT's own, not the 0.5 Fabric's optimizer was built with
         assert rank["global_step"] == 3
+        assert "another prefix ('model.wte.weight' in the checkpoint, 'wte.weight' in the model)" in rank["prefix_error"]
 
 
 def _fabric_then_trainer(rank: int, world: int, folder: str) -> dict:
@@ -231,6 +237,10 @@ def _bad_state(rank: int, world: int, folder: str) -> list[str]:
         errors.append(str(info.value))
     with pytest.raises(ValueError, match="one model"):
         fabric.setup(torch.nn.Linear(2, 2))
+    fabric.save(folder + "-weights", {"model": model})  # no optimizer state in it
+    with pytest.raises(KeyError, match=r"optimizer\(s\) \['optimizer'\] .* holds the state of 0"):
+        fabric.load(folder + "-weights", {"model": model, "optimizer": optimizer})
+    fabric.load(folder + "-weights", {"model": model, "optimizer": optimizer}, strict=False)  # the weights alone
     return errors
 
 

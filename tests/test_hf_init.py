@@ -38,11 +38,13 @@ def _stats_match(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     assert abs(got.std() / want.std() - 1) < 6 / (2 * n) ** 0.5, name
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_transformers_model_built_on_meta_gets_its_own_init(arch: str) -> None:
+@pytest.mark.parametrize("arch, units", [("llama", "blocks"), ("gpt2", "blocks"), ("gpt2", "modules")])
+def test_transformers_model_built_on_meta_gets_its_own_init(arch: str, units: str) -> None:
     """A Llama (``LlamaRMSNorm`` has no ``reset_parameters``) and a GPT-2 (``Conv1D``, tied
     embeddings, c_proj scaled by 1/sqrt(2 n_layer) at the block level) built on the meta device
-    come out with the parameter distributions of the same model built eagerly."""
+    come out with the parameter distributions of the same model built eagerly, with blocks as
+    units and with the default unit per module (where the attention and MLP modules that scale
+    their c_proj hold no parameters of their own, and their children are units of their own)."""
     if arch == "llama":
         config, cls = _llama_config(), transformers.LlamaForCausalLM
     else:
@@ -53,7 +55,8 @@ def test_transformers_model_built_on_meta_gets_its_own_init(arch: str) -> None:
     with meta_parameters():
         model = cls(config)
     block = ["LlamaDecoderLayer"] if arch == "llama" else ["GPT2Block"]
-    engine = ZeroEngine(model, block_classes=block, prefetch=PrefetchConfig(persistence_threshold=0))
+    engine = ZeroEngine(model, block_classes=block if units == "blocks" else (),
+                        prefetch=PrefetchConfig(persistence_threshold=0))
     got = _gathered(model, engine)
     want = dict(eager.named_parameters())
     assert got.keys() == want.keys()
@@ -61,8 +64,9 @@ def test_transformers_model_built_on_meta_gets_its_own_init(arch: str) -> None:
         _stats_match(got[name], value.detach(), name)
     if arch == "gpt2":
         assert model.lm_head.weight is model.transformer.wte.weight
-        c_proj = got["transformer.h.0.attn.c_proj.weight"].std()
-        assert abs(c_proj / (0.02 / (2 * 3) ** 0.5) - 1) < 0.05
+        for where in ("attn", "mlp"):
+            c_proj = got[f"transformer.h.0.{where}.c_proj.weight"].std()
+            assert abs(c_proj / (0.02 / (2 * 3) ** 0.5) - 1) < 0.05
     tokens = torch.randint(0, 512, (2, 16))
     loss = model(input_ids=tokens, labels=tokens).loss
     loss.backward()

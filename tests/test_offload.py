@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine
+from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, ZeroInfinityStrategy
 from tests import models
 from tests.harness import run_distributed
 
@@ -443,3 +443,19 @@ def test_activation_offload_moves_activations_only(checkpointing) -> None:
     assert len(grads[1]) == len(grads[0]) > 0
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def _clip_by_value(rank: int, world: int, nvme: str) -> str:
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    strategy = ZeroInfinityStrategy(offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme))
+    trainer = _trainer(strategy, world, gradient_clip_algorithm="value")
+    with pytest.raises(ValueError) as error:
+        trainer.fit(LitGPT(GLOBAL_BATCH // world))
+    return str(error.value)
+
+
+def test_clipping_by_value_with_gradients_on_disk_is_refused(tmp_path: Path) -> None:
+    """The gradients are in swap files until the step: a clamp would find none and do nothing."""
+    message = run_distributed(_clip_by_value, 1, str(tmp_path), init_pg=False)[0]
+    assert "gradient_clip_algorithm='value' needs the gradients in memory" in message

@@ -101,6 +101,13 @@ class CommBytes:
         self.inter_node += split[1]
 
 
+def _gloo_in_place(group: Optional[dist.ProcessGroup], full: torch.Tensor) -> bool:
+    """The in-place forms below serve gloo on host tensors of 1 MiB and more (gloo's reduce takes
+    host tensors only; on an accelerator NCCL, or gloo's own forms, are used)."""
+    return (full.device.type == "cpu" and full.numel() * full.element_size() >= _GLOO_IN_PLACE_BYTES
+            and dist.get_backend(group) == "gloo")
+
+
 def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup],
                      async_op: bool = False) -> Optional[Handle]:
     """All-gather ``shard`` (``n`` elements) from every rank of ``group`` into ``out``, rank r's at
@@ -112,7 +119,7 @@ def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dis
     a step), and the broadcasts move the same bytes without those copies (2 ranks, one 14 MB
     shard: 7.7 vs 17.9 ms, medians of 6). Other backends (NCCL) gather in place already.
     """
-    if dist.get_backend(group) != "gloo" or out.numel() * out.element_size() < _GLOO_IN_PLACE_BYTES:
+    if not _gloo_in_place(group, out):
         return _all_gather_tensor(out, shard, group=group, async_op=async_op)
     n, world = shard.numel(), dist.get_world_size(group)
     out[dist.get_rank(group) * n:][:n].copy_(shard)
@@ -134,7 +141,7 @@ def _reduce_scatter_mean_flat(out: torch.Tensor, full: torch.Tensor, group: Opti
     reduce-scatter first copies the whole input (2 ranks, the 28 MB gradient of one
     ``throughput.py`` block: 21.8 vs 30.4 ms, medians of 8).
     """
-    if dist.get_backend(group) != "gloo" or full.numel() * full.element_size() < _GLOO_IN_PLACE_BYTES:
+    if not _gloo_in_place(group, full):
         return _reduce_scatter_flat(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     n, world, me = out.numel(), dist.get_world_size(group), dist.get_rank(group)
     works = [dist.reduce(full[s * n:][:n], group_dst=s, group=group, async_op=True) for s in range(world)]

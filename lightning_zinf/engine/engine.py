@@ -270,10 +270,11 @@ class ZeroEngine:
             start = init_rng_state(specs)
             torch.set_rng_state(self.comm.broadcast((own_rng if start is None else start).clone()))
         units = []
+        done: set[int] = set()  # parameters materialised so far, over the units
         try:
             for index, spec in enumerate(specs):
                 if on_meta:
-                    materialize(spec, names, slots, shapes, parents, built_real, preloaded)
+                    materialize(spec, names, slots, shapes, parents, built_real, preloaded, done)
                 # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
                 # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
                 groups = [self._flat_group(members, any(id(p) in built_real for _, p in members))

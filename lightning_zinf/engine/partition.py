@@ -93,7 +93,8 @@ def plan_units(
         forward needs (its own first, then externals).
 
     Raises:
-        ValueError: the model has no parameters, or a ``block_classes`` entry is not a class or name.
+        ValueError: the model has no parameters, or a ``block_classes`` entry is not a class or name
+            or matches no module of ``root``.
     """
     classes, names = resolve_block_classes(block_classes)
     units: list[UnitSpec] = []
@@ -126,10 +127,14 @@ def plan_units(
         elif any(p is not None for _, m in members for p in m._parameters.values()):
             reset_only.extend(m for _, m in members)
 
+    matched: set[Union[str, type]] = set()
     for mod_name, module in root.named_modules():
+        entry = matches_classes(module, classes, names) if module is not root else None
+        if entry is not None:
+            matched.add(entry)
         if id(module) in inside_block:
             continue
-        block = module is not root and matches_classes(module, classes, names) is not None
+        block = entry is not None
         if not block:
             needed: list[int] = []
             add_unit(mod_name, module, [(mod_name, module)], needed)
@@ -159,6 +164,13 @@ def plan_units(
         if needed:
             uses[module] = needed
 
+    unmatched = [c if isinstance(c, str) else c.__name__ for c in [*classes, *names] if c not in matched]
+    if unmatched:
+        present = sorted({type(m).__name__ for m in root.modules()})
+        raise ValueError(
+            f"block_classes entries {unmatched} match no module of {type(root).__name__} (a typo, or another "
+            f"model's class?). Its module classes are: {', '.join(present)}."
+        )
     if units:
         units[-1].modules.extend(reset_only)
     else:
@@ -293,6 +305,7 @@ def materialize(
     parents: Optional[dict[nn.Module, nn.Module]] = None,
     built_real: frozenset[int] = frozenset(),
     preloaded: frozenset[int] = frozenset(),
+    done: Optional[set[int]] = None,
 ) -> None:
     """Give a unit's meta parameters real CPU memory and initialise them by their library's
     route (:func:`_initialize`); real parameters keep their values.
@@ -309,7 +322,10 @@ def materialize(
     ones, and those shared with a unit materialised earlier) swapped for scratch tensors, so the
     route draws the same random numbers without overwriting them. Meta parameters in ``preloaded``
     (ids) get zeroed memory but no initialisation: the caller loads their values next (a module
-    whose fresh parameters are all preloaded is not initialised at all).
+    whose fresh parameters are all preloaded is not initialised at all). ``done`` collects the ids
+    of the parameters materialised over the calls of one partition (units are materialised in
+    order), so a library's init of a module without parameters of its own runs once the last unit
+    below it has been materialised.
 
     Raises:
         ValueError: a module with meta parameters has no initialisation route (:func:`_initialize`).
@@ -352,14 +368,34 @@ def materialize(
             module._parameters.update(kept)
     # A transformers model's init also acts on modules without parameters of their own (GPT-2
     # rescales the c_proj weights of each attention and MLP by 1/sqrt(2 n_layer)): after their
-    # children, as its post_init applies it, where every parameter below is one just initialised.
-    for module in reversed(spec.modules):
+    # children, as its post_init applies it, once the last of the parameters below has been
+    # materialised, which may be in this unit or (with a unit per module) in earlier ones, whose
+    # parameters are then partitioned already and stand in as scratch tensors.
+    done = done if done is not None else set()
+    done |= materialized
+    candidates: dict[nn.Module, None] = {}
+    for module in spec.modules:
+        node: Optional[nn.Module] = module
+        while node is not None:
+            candidates.setdefault(node, None)
+            node = parents.get(node)
+    for module in sorted(candidates, key=lambda m: -names.get(m, "").count(".") - bool(names.get(m))):
         below = list(module.parameters())
         library = _library_model(module, parents)
-        if (library is not None and not any(p is not None for p in module._parameters.values()) and below
-                and all(id(p) in materialized and id(p) not in to_load for p in below)):
+        if (library is None or any(p is not None for p in module._parameters.values()) or not below
+                or not any(id(p) in materialized for p in below)
+                or not all(id(p) in done and id(p) not in to_load for p in below)):
+            continue
+        scratch = [(owner, name, p) for owner in module.modules() for name, p in owner._parameters.items()
+                   if p is not None and id(p) not in materialized]
+        for owner, name, p in scratch:
+            owner._parameters[name] = nn.Parameter(torch.zeros(shapes.get(id(p), p.shape), dtype=p.dtype), False)
+        try:
             with torch.no_grad():
                 library._init_weights(module)
+        finally:
+            for owner, name, p in scratch:
+                owner._parameters[name] = p
     spec.params = [(n, replaced.get(id(p), p)) for n, p in spec.params]
 
 
