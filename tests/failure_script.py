@@ -5,7 +5,8 @@
 Each process writes its pid to ``OUT/pid<rank>`` first. Scenarios (rank 1 misbehaves, at step 2
 unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever in its step),
 ``killed`` (SIGKILL to itself), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
-alone runs, from the first step / from step 2), ``rank_only_validation`` (the same in validation),
+alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
+(the same in validation / in ``trainer.predict``),
 ``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
 save ``OUT/ckpt``), ``fabric_raise`` (a Fabric loop whose rank 1 raises).
 """
@@ -61,6 +62,9 @@ class Lit(L.LightningModule):
         extra = SCENARIO == "rank_only_validation" and self.global_rank == 0
         return torch.nn.functional.mse_loss(self(batch[0], extra), batch[1])
 
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0], SCENARIO == "rank_only_predict" and self.global_rank == 0)
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -95,6 +99,9 @@ def main() -> None:
         limit_val_batches=2 if SCENARIO == "rank_only_validation" else 0, val_check_interval=2,
         num_sanity_val_steps=0)
     ckpt = str(OUT / "ckpt") if SCENARIO == "corrupt" else None
+    if SCENARIO == "rank_only_predict":
+        trainer.predict(Lit(), DataLoader(data, batch_size=4))
+        return
     trainer.fit(Lit(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), ckpt_path=ckpt)
     if SCENARIO == "save":
         trainer.save_checkpoint(OUT / "ckpt")

@@ -66,7 +66,8 @@ def _alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("scenario, stage", [("rank_only_first", "training"), ("rank_only_validation", "validation")])
+@pytest.mark.parametrize("scenario, stage", [("rank_only_first", "training"), ("rank_only_validation", "validation"),
+                                             ("rank_only_predict", "predict")])
 def test_a_module_run_on_one_rank_is_named_on_every_rank(scenario: str, stage: str, tmp_path: Path) -> None:
     """The first pass of a kind has no agreed trace: each collective is checked first, so both
     ranks raise the strategy's error naming both collectives, and neither reaches gloo's abort."""
