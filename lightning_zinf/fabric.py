@@ -407,7 +407,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     # --- teardown / registration ------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
+        failed = self._watch is not None and self._watch.first_failure() is not None
+        if self._engine is not None and not failed:  # after a failure, no collective is waited for
             self._engine.release_all()
         if self._watch is not None:
             self._watch.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,13 +26,13 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import Tensor, nn
 
 from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dict, matching_prefix, \
     provided_parameters
-from lightning_zinf.comm.watch import RankFailedError, RankWatch
+from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import (
     MixedPrecisionConfig,
     OffloadConfig,
@@ -43,7 +44,7 @@ from lightning_zinf.config import (
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.tiling import tile_views
 
-__all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "raise_if_another_rank_failed", "PRESETS", "register_presets", "module_buffers", "optimizer_hyperparameters",
+__all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "report_failure", "PRESETS", "register_presets", "module_buffers", "optimizer_hyperparameters",
            "restore_hyperparameters", "init_distributed", "barrier", "broadcast", "all_reduce"]
 
 
@@ -231,34 +232,46 @@ def start_watch(rank: int, world_size: int, timeout: timedelta,
     without a rendezvous store in the environment). A rank is declared dead, and an unmatched
     departure from the agreed trace a divergence, after half the collectives' ``timeout`` (at most
     a minute), so both end the run before the backend would; ``engine()`` supplies the progress
-    quoted in messages, and is told of departures once built."""
-    if world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    quoted in messages, and is told of departures once built. ``LIGHTNING_ZINF_WATCH=0`` turns it
+    off (then a failing rank leaves the others to the backend's timeout, and NCCL's own timeout
+    diagnostics, such as its flight recorder, run as without this package)."""
+    if (world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ
+            or os.environ.get("LIGHTNING_ZINF_WATCH", "1") == "0"):
         return None
 
     def progress() -> str:
         current = engine()
         return current.progress() if current is not None else ""
 
-    watch = RankWatch(rank, world_size, stale=min(timeout.total_seconds() / 2, 60.0), progress=progress)
-    watch.start()
+    # Each watcher reads every rank's beat once per interval: W^2 store reads per interval in all.
+    interval = max(1.0, world_size / 32)
+    stale = max(min(timeout.total_seconds() / 2, 60.0), 10 * interval)
+    try:
+        watch = RankWatch(rank, world_size, interval=interval, stale=stale, progress=progress)
+        watch.start()
+    except Exception as error:  # the run goes on without it, as before it existed
+        rank_zero_warn(f"lightning_zinf: no failure watch for this run ({error}); a failing rank may leave the "
+                       "others waiting until the collectives' timeout.")
+        return None
     return watch
 
 
-def raise_if_another_rank_failed(watch: Optional[RankWatch], exception: BaseException) -> None:
+def report_failure(watch: Optional[RankWatch], exception: BaseException) -> None:
     """Report ``exception`` to the other ranks; if the run failed first elsewhere (another rank's
     error, a divergence or a dead rank, and this rank's error is the consequence: a collective that
-    broke or timed out), raise that failure instead.
-
-    Raises:
-        RankFailedError: with the message of the failure posted first.
-    """
-    if watch is None or not isinstance(exception, Exception) or isinstance(exception, RankFailedError):
+    broke or timed out), or this rank's collective failed and the watch knows which ranks were dead
+    or elsewhere, add that message to ``exception`` (a note under its traceback, and on stderr)
+    rather than raising another error, so the Trainer still tears down and finalises its loggers."""
+    if watch is None or not isinstance(exception, Exception):
         return
     first = watch.report(exception)
-    if first is not None:
-        if first.startswith(f"rank {watch.rank}: "):  # this rank's own collective failure, with who is behind
-            raise RankFailedError(f"a collective failed: {first}") from exception
-        raise RankFailedError(f"the run failed before this rank's error, which follows from it: {first}") from exception
+    if first is None:
+        return
+    own = first.startswith(f"rank {watch.rank}: ")
+    note = f"lightning_zinf: {'this collective failed' if own else 'the run failed first'}: {first}"
+    if hasattr(exception, "add_note"):
+        exception.add_note(note)
+    print(f"[rank {watch.rank}] {note}", file=sys.stderr, flush=True)
 
 
 # --- the distributed plumbing both adapters need ------------------------------------------------------

@@ -36,7 +36,7 @@ from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchC
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
-from lightning_zinf.options import (RankLayout, ZeroOptions, raise_if_another_rank_failed, start_watch, all_reduce, barrier, broadcast, build_engine, init_distributed,
+from lightning_zinf.options import (RankLayout, ZeroOptions, report_failure, start_watch, all_reduce, barrier, broadcast, build_engine, init_distributed,
                                     module_buffers, optimizer_hyperparameters, register_presets,
                                     restore_hyperparameters)
 from lightning_zinf.precision import policy_for, to_zero_precision
@@ -398,12 +398,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks (they end within a few seconds with this message, rather than at the
         backend's timeout with its own); if another rank failed first, this rank's error is the
-        consequence, and that rank's failure is raised instead.
-
-        Raises:
-            RankFailedError: another rank failed first (its message).
-        """
-        raise_if_another_rank_failed(self._watch, exception)
+        consequence, and that rank's message is added to it (:func:`~lightning_zinf.options.report_failure`)."""
+        report_failure(self._watch, exception)
 
     @override
     def teardown(self) -> None:

@@ -40,11 +40,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["RankWatch", "RankFailedError"]
-
-
-class RankFailedError(RuntimeError):
-    """Another rank failed first; the message is that rank's, as it posted it."""
+__all__ = ["RankWatch"]
 
 
 class RankWatch:
@@ -87,7 +83,8 @@ class RankWatch:
         self._previous_hook = None
         self._zero_done = False  # rank 0 said it ended normally (its store may go away)
         self._own: Optional[str] = None  # the failure this rank's own error posted
-        self._departures: dict[int, float] = {}  # rank -> when its unmatched departure notice was first seen
+        self._known: Optional[str] = None  # the first failure, once read
+        self._departures: dict[int, tuple[str, float]] = {}  # rank -> (its departure notice, when first seen)
 
     _started = 0
 
@@ -134,6 +131,7 @@ class RankWatch:
             stored = self.store.compare_set("failed", "", text).decode()
         except Exception:
             return False
+        self._known = stored
         return stored == text
 
     def note_departure(self, what: Optional[str]) -> None:
@@ -148,11 +146,16 @@ class RankWatch:
             pass
 
     def first_failure(self) -> Optional[str]:
-        """The first failure any rank posted, or None."""
+        """The first failure any rank posted, or None; once seen, remembered (the store may go
+        away with rank 0's process)."""
+        if self._known is not None:
+            return self._known
         try:
-            return self.store.get("failed").decode() if self.store.check(["failed"]) else None
+            if self.store.check(["failed"]):
+                self._known = self.store.get("failed").decode()
         except Exception:
-            return None
+            pass
+        return self._known
 
     def report(self, error: BaseException) -> Optional[str]:
         """Post ``error`` as this rank's failure, unless a failure was posted first (another rank's
@@ -170,6 +173,8 @@ class RankWatch:
             message += f" -- {behind}"
         if self.post_failure(message):
             self._own = message
+            if self.rank == 0:  # its process may host the store: let the others read the failure first
+                time.sleep(2 * self.interval)
             return message if behind else None
         return self.first_failure() if collective else None  # another rank posted in between
 
@@ -202,18 +207,25 @@ class RankWatch:
 
     def _run(self) -> None:
         posted_at: Optional[float] = None
-        lost = 0
+        lost_since: Optional[float] = None
+        last = time.monotonic()
         while not self._stop.wait(self.interval):
+            if time.monotonic() - last > self.stale / 2:
+                # This process was suspended (SIGSTOP, a paused VM): the others' beats look old
+                # because we did not look; judge them afresh.
+                self._seen.clear()
+                self._departures.clear()
+            last = time.monotonic()
             try:
                 self._beat()
                 failure = self.first_failure() or self._find_dead() or self._find_divergence()
                 self._zero_done = self.store.check(["done/0"])
-                lost = 0
-            except Exception:  # the store is unreachable: its host (rank 0) is gone
-                lost += 1
+                lost_since = None
+            except Exception:  # the store is unreachable: its host (rank 0) is gone, or overloaded
                 if self._zero_done:
                     return  # rank 0 ended normally first: nothing left to watch
-                if lost * self.interval >= self.grace:
+                lost_since = lost_since if lost_since is not None else time.monotonic()
+                if time.monotonic() - lost_since >= max(self.grace, self.stale / 2):
                     self._end("the rendezvous store is gone: rank 0, which hosts it, ended")
                 continue
             if failure is None or failure == self._own:
@@ -244,14 +256,16 @@ class RankWatch:
             if rank == self.rank or not self.store.check([f"departed/{rank}"]):
                 self._departures.pop(rank, None)
                 continue
+            what = self.store.get(f"departed/{rank}").decode()
             if mine:
                 continue  # we left the trace there too: the check between us decides
-            since = self._departures.setdefault(rank, now)
-            if now - since > self.stale:
-                what = self.store.get(f"departed/{rank}").decode()
+            seen, since = self._departures.get(rank, (None, now))
+            if seen != what:  # a new notice (it names the collective): its own clock
+                self._departures[rank] = (what, now)
+            elif now - since > self.stale:
                 self.post_failure(
-                    f"Ranks diverged: rank {rank} left the order of collectives every rank agreed on (its next one is "
-                    f"a {what}), and rank {self.rank} did not (it is at {self.progress() or 'its start'}). Every rank "
+                    f"Ranks diverged: rank {rank} left the order of collectives every rank agreed on (its "
+                    f"{what}), and rank {self.rank} did not (it is at {self.progress() or 'its start'}). Every rank "
                     "must run the same modules in the same order (decide data-dependent branches on rank 0 and "
                     "broadcast the decision)."
                 )
@@ -259,6 +273,8 @@ class RankWatch:
         return None
 
     def _end(self, why: str) -> None:
+        if self.rank == 0:  # its process may host the store: let every watcher read the failure first
+            time.sleep(2 * self.interval)
         print(f"[rank {self.rank}] lightning_zinf: ending this rank because another one failed: {why}",
               file=sys.stderr, flush=True)
         os._exit(1)

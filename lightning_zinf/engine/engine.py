@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import multiprocessing.util
 import os
 import zlib
@@ -66,7 +67,11 @@ __all__ = ["ZeroEngine", "Unit"]
 #: calls: Dynamo would otherwise trace them, break its graph at their collectives and storage
 #: pointers, and recompile them as the engine's state changes from call to call (FSDP2 disables
 #: its hooks the same way). Recursive: nothing they call is traced either.
-_eager = torch.compiler.disable(recursive=True, reason="lightning_zinf's hooks gather, release and reduce eagerly")
+_eager = torch.compiler.disable(
+    recursive=True,
+    **({"reason": "lightning_zinf's hooks gather, release and reduce eagerly"}
+       if "reason" in inspect.signature(torch.compiler.disable).parameters else {}),
+)
 
 _RELEASED, _INFLIGHT, _GATHERED = "released", "inflight", "gathered"
 # Ledger categories the engine allocates and frees during a step; all on the compute device.
@@ -237,6 +242,7 @@ class ZeroEngine:
         # left it there, the divergence is reported on every rank without waiting for the timeout).
         self.on_departure: Optional[Any] = None
         self._force_check = 0  # inside gathered(): user code, so its gathers are checked too
+        self._departure_agreed = False  # this pass left its trace and every rank agreed on the branch
         self.optimizers: list[torch.optim.Optimizer] = []
         self._backward_end_queued = False
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
@@ -360,6 +366,7 @@ class ZeroEngine:
         if not self._keep_budget:  # inside keep_gathered(): checked once, at its end
             self.verify_ranks_agree()
         self.tracer.begin_pass(kind)
+        self._departure_agreed = False
 
     def _check_requires_grad(self) -> None:
         for group in self.groups:
@@ -565,7 +572,8 @@ class ZeroEngine:
     def progress(self) -> str:
         """Where this rank is: how many gathers and reduce-scatters it has issued and the last one
         (for messages about ranks that fell behind or went elsewhere)."""
-        last = f": {self._describe(self._issued[-1])}" if self._issued else ""
+        issued = self._issued  # swapped, not cleared, by the main thread: this list stays whole
+        last = f": {self._describe(issued[-1])}" if issued else ""
         return f"collective #{self.collectives_issued}{last}"
 
     def _agree_on(self, issued: int) -> None:
@@ -583,9 +591,9 @@ class ZeroEngine:
         if self.comm.world_size == 1 or (self.tracer.certified and not self._force_check):
             return
         what = self._describe(issued)
-        departed = self.tracer.departed
+        departed = self.tracer.departed and not self._departure_agreed
         if departed and self.on_departure is not None:
-            self.on_departure(what)
+            self.on_departure(f"collective #{self.collectives_issued}: {what}")
         try:
             agreed = self.comm.all_equal(zlib.crc32(f"{issued}:{self._numel_of(issued)}".encode()))
         except Exception as error:
@@ -600,8 +608,10 @@ class ZeroEngine:
                 "in the same order (decide data-dependent branches on rank 0 and broadcast the decision)."
             ) from error
         if agreed:
-            if departed and self.on_departure is not None:
-                self.on_departure(None)
+            if departed:
+                self._departure_agreed = True  # every rank took the branch: no more notices this pass
+                if self.on_departure is not None:
+                    self.on_departure(None)
             return
         seen = self.comm.all_gather_object(what)
         raise RuntimeError(
