@@ -149,3 +149,15 @@ def test_no_process_outlives_the_run_under_lightnings_launcher(tmp_path: Path) -
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _alive(pid), "rank 1 outlived the run"
+
+
+def test_no_process_outlives_the_run_under_torchrun(tmp_path: Path) -> None:
+    """The same hang under ``torchrun --nproc_per_node 2`` (its agent hosts the store): rank 0
+    ends naming rank 1, and neither process is left."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(SCRIPT)], env=_env("stuck", tmp_path), cwd=ROOT, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode != 0
+    assert "rank 1 is at collective #" in done.stderr, done.stderr[-3000:]
+    for rank in range(2):
+        assert not _alive(int((tmp_path / f"pid{rank}").read_text())), f"rank {rank} outlived the run"
