@@ -36,8 +36,8 @@ from lightning_zinf.checkpoint import (is_sharded_checkpoint, load_full_state_di
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
-from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, init_distributed,
-                                    module_buffers, optimizer_hyperparameters, register_presets,
+from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
+                                    init_distributed, module_buffers, optimizer_hyperparameters, register_presets,
                                     restore_hyperparameters, start_watch)
 from lightning_zinf.precision import policy_for, to_zero_fabric_precision
 
@@ -407,12 +407,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     # --- teardown / registration ------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        failed = self._watch is not None and self._watch.first_failure() is not None
-        if self._engine is not None and not failed:  # after a failure, no collective is waited for
-            self._engine.release_all()
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        finish_run(self._engine, self._watch)
+        self._watch = None
         super().teardown()
 
     @classmethod

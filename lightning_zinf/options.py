@@ -44,8 +44,9 @@ from lightning_zinf.config import (
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.tiling import tile_views
 
-__all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "report_failure", "PRESETS", "register_presets", "module_buffers", "optimizer_hyperparameters",
-           "restore_hyperparameters", "init_distributed", "barrier", "broadcast", "all_reduce"]
+__all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "report_failure", "finish_run", "PRESETS",
+           "register_presets", "module_buffers", "optimizer_hyperparameters", "restore_hyperparameters",
+           "init_distributed", "barrier", "broadcast", "all_reduce"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +257,16 @@ def start_watch(rank: int, world_size: int, timeout: timedelta,
     return watch
 
 
+def finish_run(engine: Optional[ZeroEngine], watch: Optional[RankWatch]) -> None:
+    """An adapter's teardown: release the engine's gathered units (a collective, skipped after a
+    failure: the other ranks may be gone) and stop the watch (the normal end)."""
+    failed = watch is not None and watch.first_failure() is not None
+    if engine is not None and not failed:
+        engine.release_all()
+    if watch is not None:
+        watch.stop()
+
+
 def report_failure(watch: Optional[RankWatch], exception: BaseException) -> None:
     """Report ``exception`` to the other ranks; if the run failed first elsewhere (another rank's
     error, a divergence or a dead rank, and this rank's error is the consequence: a collective that
@@ -296,6 +307,7 @@ class RankLayout:
 
     @property
     def num_nodes(self) -> int:
+        """Nodes in the run (the connectors set it from ``num_nodes=``)."""
         return self._num_nodes
 
     @num_nodes.setter

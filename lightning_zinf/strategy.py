@@ -36,9 +36,9 @@ from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchC
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
-from lightning_zinf.options import (RankLayout, ZeroOptions, report_failure, start_watch, all_reduce, barrier, broadcast, build_engine, init_distributed,
-                                    module_buffers, optimizer_hyperparameters, register_presets,
-                                    restore_hyperparameters)
+from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
+                                    init_distributed, module_buffers, optimizer_hyperparameters, register_presets,
+                                    report_failure, restore_hyperparameters, start_watch)
 from lightning_zinf.precision import policy_for, to_zero_precision
 
 __all__ = ["ZeroInfinityStrategy"]
@@ -405,12 +405,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def teardown(self) -> None:
         # Unlike the base class, keep the model where it is: its state lives in the shards, and a
         # following validate/test/predict reuses the engine.
-        failed = self._watch is not None and self._watch.first_failure() is not None
-        if self._engine is not None and not failed:  # after a failure, no collective is waited for
-            self._engine.release_all()
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
+        finish_run(self._engine, self._watch)
+        self._watch = None
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

@@ -138,6 +138,16 @@ def test_a_stuck_or_dead_rank_ends_every_survivor_naming_it(scenario: str, tmp_p
     assert wall < 20 + 5 + 20  # the timeout, the grace period, start-up
 
 
+def test_a_dead_rank_is_noticed_without_a_collective(tmp_path: Path) -> None:
+    """Rank 1 is killed while rank 0 computes (no collective breaks to tell it, as a peer's death
+    leaves an NCCL collective hanging): rank 0's watch sees rank 1's beats stop and ends it, well
+    before rank 0's 120 s of work would have."""
+    results, wall = _run_ranks("killed_quiet", tmp_path)
+    assert results[0][0] == 1
+    assert "rank 1 died or froze: no sign of life for" in results[0][1], results[0][1][-3000:]
+    assert wall < 60
+
+
 def test_no_process_outlives_the_run_under_lightnings_launcher(tmp_path: Path) -> None:
     """``python script.py`` with devices=2: rank 0 starts rank 1; rank 1 hangs in user code. When
     rank 0 has ended, rank 1 is gone too."""

@@ -167,7 +167,7 @@ class RankWatch:
         collective = _looks_like_a_collective_failure(error)
         if first is not None:
             return first if collective else None  # an error of its own (every rank's bad file) stays its own
-        message = f"rank {self.rank}: {format_error(error)}"
+        message = f"rank {self.rank}: {_format_error(error)}"
         behind = self.behind() if collective else ""
         if behind:
             message += f" -- {behind}"
@@ -236,10 +236,14 @@ class RankWatch:
 
     def _find_dead(self) -> Optional[str]:
         now = time.monotonic()
-        keys = [f"beat/{r}" for r in range(self.world_size)]
-        present = [r for r, key in enumerate(keys) if r != self.rank and self.store.check([key])]
-        for rank in present:
-            beat = int(self.store.get(f"beat/{rank}").decode().split(" ", 1)[0])
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [f"beat/{r}" for r in others]
+        if self.store.check(keys):  # every rank has beaten once: one round trip for all beats
+            beats = dict(zip(others, self.store.multi_get(keys)))
+        else:
+            beats = {r: self.store.get(k) for r, k in zip(others, keys) if self.store.check([k])}
+        for rank, value in beats.items():
+            beat = int(bytes(value).decode().split(" ", 1)[0])
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
@@ -310,7 +314,7 @@ def _looks_like_a_collective_failure(error: BaseException) -> bool:
     return any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout", "gloo", "nccl"))
 
 
-def format_error(error: BaseException) -> str:
+def _format_error(error: BaseException) -> str:
     """``Type: message`` and the innermost frame, short enough for the store."""
     frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
     where = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""

@@ -157,6 +157,10 @@ class ZeroEngine:
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
+        collectives_issued: Gathers and reduce-scatters issued over the run (quoted by :meth:`progress`).
+        on_departure: Called with a description of the next collective when this rank leaves the
+            agreed trace (before it checks with the other ranks), and with ``None`` once they agreed;
+            the strategies point it at their :class:`~lightning_zinf.comm.watch.RankWatch`.
 
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
