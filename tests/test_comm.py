@@ -60,14 +60,28 @@ def _data_plane(rank: int, world: int, n: int, dtype: torch.dtype) -> dict:
     full = torch.linspace(-1, 1, world * n, dtype=torch.float64).mul_(rank + 1).to(dtype)
     mine = torch.empty(n, dtype=dtype)
     comm.reduce_scatter_mean(mine, full.clone(), async_op=True).wait()
-    return {"gathered": gathered, "mine": mine}
+    # What this rank wrote to its sockets for one reduce-scatter (the kernel's count, outside torch).
+    comm.barrier()
+    before = _bytes_written()
+    comm.reduce_scatter_mean(torch.empty(n, dtype=dtype), full.clone())
+    sent = _bytes_written() - before
+    comm.barrier()
+    return {"gathered": gathered, "mine": mine, "sent": sent}
+
+
+def _bytes_written() -> int:
+    """Bytes this process has passed to write-like system calls (sockets included): /proc/self/io."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
 
 
 @pytest.mark.parametrize("world, n, dtype", [(2, 300_000, torch.float32), (3, 400_000, torch.bfloat16),
                                              (3, 1000, torch.float32)], ids=["large-2", "large-3-bf16", "small-3"])
 def test_gather_and_reduce_scatter_on_gloo_against_the_definition(world: int, n: int, dtype: torch.dtype) -> None:
-    """Above 1 MiB gloo gathers by in-place broadcasts and reduce-scatters by in-place reduces;
-    below, with its flat collectives: both must give what the definitions say, rank by rank."""
+    """Above 1 MiB gloo gathers by in-place broadcasts and reduce-scatters by point-to-point
+    messages; below, with its flat collectives: both must give what the definitions say, rank by
+    rank. Above 1 MiB a reduce-scatter sends each rank's peers their slices and nothing more,
+    ``(W - 1) * n`` elements (gloo's own sends twice that, W in-place reduces 2.2 times)."""
     out = run_distributed(_data_plane, world, n, dtype)
     expected_gather = torch.cat([torch.arange(n, dtype=torch.float64).mul_(world).add_(r) for r in range(world)])
     full = torch.linspace(-1, 1, world * n, dtype=torch.float64)
@@ -76,3 +90,6 @@ def test_gather_and_reduce_scatter_on_gloo_against_the_definition(world: int, n:
         assert torch.equal(result["gathered"].double(), expected_gather.to(dtype).double())
         torch.testing.assert_close(result["mine"].double(), mean[rank * n:(rank + 1) * n],
                                    rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+        if n * dtype.itemsize >= 1 << 20:
+            least = (world - 1) * n * dtype.itemsize
+            assert least <= result["sent"] <= 1.05 * least, (result["sent"], least)
