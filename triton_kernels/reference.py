@@ -21,6 +21,8 @@ The rules both paths obey, per block of a row (ZeRO++ §3.1, arXiv:2306.10209):
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,9 @@ from .layout import QMAX, QgzLayout, code_cols, num_blocks
 
 # Below this absmax the scale absmax/qmax would be subnormal; such blocks are stored as zeros.
 _TINY = 2.0**-126
+if sys.byteorder != "little":
+    # INT4 packing reads a pair of int8 codes as one int16 whose low byte is the first code.
+    raise ImportError("triton_kernels' references assume a little-endian host (x86-64, AArch64, RISC-V)")
 
 
 def quantize_rows(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +85,11 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, numel: int, bits:
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """``[R, 2m]`` int8 codes in [-8, 7] -> ``[R, m]`` uint8: even index in the low nibble."""
-    nibbles = codes & 0xF
-    # int8 arithmetic keeps the bit pattern: a high nibble >= 8 wraps to a negative int8, which is
-    # the intended byte once viewed as uint8.
-    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).view(torch.uint8)
+    # Each pair of codes read as one int16 (the first code in its low byte), so every operation
+    # runs on contiguous elements and vectorises (on the strided halves codes[:, 0::2] and
+    # codes[:, 1::2] it took 4x as long).
+    pairs = codes.view(torch.int16)
+    return ((pairs & 0xF) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
