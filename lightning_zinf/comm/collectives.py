@@ -101,25 +101,28 @@ class CommBytes:
         self.inter_node += split[1]
 
 
-def _gloo_in_place(group: Optional[dist.ProcessGroup], full: torch.Tensor) -> bool:
-    """The in-place forms below serve gloo on host tensors of 1 MiB and more (gloo's reduce takes
-    host tensors only; on an accelerator NCCL, or gloo's own forms, are used)."""
-    return (full.device.type == "cpu" and full.numel() * full.element_size() >= _GLOO_IN_PLACE_BYTES
+def _gloo_in_place(group: Optional[dist.ProcessGroup], full: torch.Tensor, one_node: bool) -> bool:
+    """The in-place forms below serve gloo on host tensors of 1 MiB and more when every rank of
+    ``group`` is on this machine. They send each peer its bytes directly, which crosses a link
+    between nodes once per remote peer where gloo's ring forms cross it once per node pair
+    (``cluster/cluster.py``, ZeRO-3 on 2 nodes of 2 ranks: 85 vs 77 MB over the link per step);
+    an accelerator uses NCCL, which gathers and reduce-scatters in place already."""
+    return (one_node and full.device.type == "cpu" and full.numel() * full.element_size() >= _GLOO_IN_PLACE_BYTES
             and dist.get_backend(group) == "gloo")
 
 
-def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup],
+def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup], one_node: bool,
                      async_op: bool = False) -> Optional[Handle]:
     """All-gather ``shard`` (``n`` elements) from every rank of ``group`` into ``out``, rank r's at
     ``out[r*n:(r+1)*n]``; a handle when ``async_op``.
 
-    On gloo, for tensors of 1 MiB and more, by one in-place broadcast per rank into its slice of
+    On gloo on one node, for tensors of 1 MiB and more, by one in-place broadcast per rank into its slice of
     ``out``: gloo's flat all-gather stages the gathered tensor in a buffer of its own and copies it
     back slice by slice (torch.profiler on ``throughput.py``'s 91M GPT: the largest single item of
     a step), and the broadcasts move the same bytes without those copies (2 ranks, one 14 MB
     shard: 7.7 vs 17.9 ms, medians of 6). Other backends (NCCL) gather in place already.
     """
-    if not _gloo_in_place(group, out):
+    if not _gloo_in_place(group, out, one_node):
         return _all_gather_tensor(out, shard, group=group, async_op=async_op)
     n, world = shard.numel(), dist.get_world_size(group)
     out[dist.get_rank(group) * n:][:n].copy_(shard)
@@ -132,24 +135,24 @@ def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dis
 
 
 def _reduce_scatter_mean_flat(out: torch.Tensor, full: torch.Tensor, group: Optional[dist.ProcessGroup],
-                              async_op: bool = False) -> Optional[Handle]:
+                              one_node: bool, async_op: bool = False) -> Optional[Handle]:
     """The mean over the ranks of ``group`` of ``full`` (``W * n`` elements), this rank's slice
     ``[r*n:(r+1)*n]`` into ``out``; ``full`` is scratch afterwards. A handle when ``async_op``.
 
-    On gloo, for tensors of 1 MiB and more, by point-to-point messages: every rank sends each peer
-    that peer's slice and receives the peers' copies of its own slice into a scratch buffer of
-    ``(W - 1) * n`` elements, then sums the W copies in rank order and divides by W into ``out``.
-    Each rank sends ``(W - 1) * n`` elements, the least a reduce-scatter can. gloo's own flat
-    reduce-scatter sends twice that and first copies the whole input, and W in-place reduces
-    (one per rank's slice) send 2.2 times that (2 ranks, a 14 MB slice, /proc/self/io's wchar:
-    1.0x vs 2.0x vs 2.2x the slice per call; 11.0 vs 28.1 vs 18.8 ms).
+    On gloo on one node, for tensors of 1 MiB and more, by point-to-point messages: every rank
+    sends each peer that peer's slice and receives the peers' copies of its own slice into a
+    scratch buffer of ``(W - 1) * n`` elements, then sums the W copies in rank order and divides by
+    W into ``out``. Each rank sends ``(W - 1) * n`` elements, the least a reduce-scatter can.
+    gloo's flat reduce-scatter first copies the whole input and sends twice that, and one
+    in-place reduce per rank's slice 2.2 times that (2 ranks, a 14 MB slice, /proc/self/io's
+    wchar per call: 1.0x vs 2.0x vs 2.2x the slice; 11.0 vs 28.1 vs 18.8 ms).
     """
-    if not _gloo_in_place(group, full):
+    if not _gloo_in_place(group, full, one_node):
         return _reduce_scatter_flat(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     n, world, me = out.numel(), dist.get_world_size(group), dist.get_rank(group)
     received = full.new_empty((world - 1) * n)
     works = []
-    for step in range(1, world):  # pairs (me -> me + step, me - step -> me), every pair busy each round
+    for step in range(1, world):  # pairs (me -> me + step, me - step -> me): every rank busy each round
         to, source = (me + step) % world, (me - step) % world
         works.append(dist.isend(full[to * n:][:n], group_dst=to, group=group))
         works.append(dist.irecv(received[(source - (source > me)) * n:][:n], group_src=source, group=group))
@@ -261,7 +264,7 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(shard)
             return _Done()
-        work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
+        work = _all_gather_flat(out, shard, self.group, self.topology.nodes == 1, async_op=async_op)
         return work if async_op else _Done()
 
     def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
@@ -306,8 +309,9 @@ class Collectives:
         else:
             all_codes = codes.new_empty(world, codes.numel())
             all_scales = scales.new_empty(world, scales.numel())
-            works = [_all_gather_flat(all_codes.view(-1), codes, group=self.group, async_op=True),
-                     _all_gather_flat(all_scales.view(-1), scales, group=self.group, async_op=True)]
+            one_node = self.topology.nodes == 1
+            works = [_all_gather_flat(all_codes.view(-1), codes, self.group, one_node, async_op=True),
+                     _all_gather_flat(all_scales.view(-1), scales, self.group, one_node, async_op=True)]
 
         def dequantize_into_out() -> None:
             dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype, out=out.view(world, n))
@@ -337,7 +341,8 @@ class Collectives:
         if self._hpz_group is None:
             out.copy_(secondary)
             return _Done()
-        work = _all_gather_flat(out, secondary, group=self._hpz_group, async_op=async_op)
+        one_node = len({r // self.topology.ranks_per_node for r in peers}) == 1
+        work = _all_gather_flat(out, secondary, self._hpz_group, one_node, async_op=async_op)
         return work if async_op else _Done()
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
@@ -357,7 +362,7 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(full)  # nothing to do when they are one tensor (torch skips a self-copy)
             return _Done()
-        work = _reduce_scatter_mean_flat(out, full, group=self.group, async_op=async_op)
+        work = _reduce_scatter_mean_flat(out, full, self.group, self.topology.nodes == 1, async_op=async_op)
         return work if async_op else _Done()
 
     def reduce_scatter_mean_quantized(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
