@@ -30,7 +30,7 @@ the largest per-rank peak RSS (below 1: zinf leaner; target <= 1).
 
 --nvme-root must be on the disk to measure, not a tmpfs (check with ``df``; on the project's machine
 /tmp is on the virtio disk). DeepSpeed runs with the interpreter of a separate venv
-(--python-deepspeed, default /work/dsvenv/bin/python) and needs libaio for its NVMe op:
+(--python-deepspeed, default $ZINF_DEEPSPEED_PYTHON, else this interpreter) and needs libaio for its NVMe op:
 
     apt-get install libaio-dev
 

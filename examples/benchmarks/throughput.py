@@ -50,7 +50,6 @@ from measure import MICRO_BATCH, run_killable  # noqa: E402
 CONTENDERS = ("zinf", "fsdp2", "ddp", "deepspeed")
 RANKS = 2
 WARMUP_STEPS = 2
-DEFAULT_DS_PYTHON = "/work/dsvenv/bin/python"
 
 
 def benchmark_parser(description: str, contenders: Sequence[str], default_out: Path) -> argparse.ArgumentParser:
@@ -61,8 +60,9 @@ def benchmark_parser(description: str, contenders: Sequence[str], default_out: P
     parser.add_argument("--out", type=Path, default=default_out, help="JSON results path")
     parser.add_argument(
         "--python-deepspeed",
-        default=DEFAULT_DS_PYTHON if Path(DEFAULT_DS_PYTHON).exists() else sys.executable,
-        help="interpreter of a venv with DeepSpeed, for the deepspeed contender",
+        default=os.environ.get("ZINF_DEEPSPEED_PYTHON", sys.executable),
+        help="interpreter of a venv with DeepSpeed, for the deepspeed contender (default: $ZINF_DEEPSPEED_PYTHON, "
+        "else this interpreter)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a contender is killed")
     return parser
