@@ -97,7 +97,10 @@ def self_launched_rank(script: str, contender: str, script_args: list[str], time
     """Driver side of a benchmark script that is also its own rank program: run
     ``torchrun --nproc_per_node 2 script --rank-of contender *script_args --result FILE`` with one
     thread per rank and this checkout on ``PYTHONPATH``; returns what rank 0 wrote to FILE (JSON),
-    or ``None`` and the tail of the job's stderr when it failed."""
+    or ``None`` and the tail of the job's stderr when it wrote nothing. Rank programs write FILE once
+    every rank is done with its work: a job that fails after that (a rank aborting in gloo's
+    teardown with "terminate called without an active exception", seen here under DDP as well)
+    returns its data with an ``exit_note`` saying so."""
     import sys
     import tempfile
 
@@ -109,9 +112,12 @@ def self_launched_rank(script: str, contender: str, script_args: list[str], time
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                "--rank-of", contender, *script_args, "--result", str(out)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode or not out.exists():
+        if not out.exists():
             return None, done.stderr[-3000:]
-        return json.loads(out.read_text()), ""
+        data = json.loads(out.read_text())
+        if done.returncode:
+            data["exit_note"] = f"torchrun exited {done.returncode} after rank 0 wrote its result: {done.stderr[-300:]}"
+        return data, ""
 
 
 def run_record(**fields) -> dict:

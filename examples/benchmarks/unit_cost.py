@@ -11,11 +11,13 @@ differs:
   fsdp2  fully_shard on every Linear and on the root (reshard_after_forward=True)
   ddp    DistributedDataParallel (no sharding: the compute and the gradient all-reduce)
 
-Per contender: s/step (mean over the steps after the first 3, rank 0), and the overhead per unit
-per step, in microseconds: (s/step - DDP's s/step) / layers. The ratio column is zinf's overhead
-per unit over FSDP2's (below 1: zinf's units are cheaper).
+Per contender: s/step (mean over the steps after the first 3, rank 0), the overhead per unit per
+step, in microseconds: (s/step - DDP's s/step) / layers, and the largest difference between its
+losses and DDP's over the steps (the same model, data and updates: a contender flagged there is not
+training as DDP does, so its time does not count). The ratio is zinf's overhead per unit over
+FSDP2's (below 1: zinf's units are cheaper).
 
-    python examples/benchmarks/unit_cost.py [--layers 500] [--steps 20] [--only zinf,fsdp2,ddp]
+    python examples/benchmarks/unit_cost.py [--layers 500] [--steps 20] [--lr 1e-3] [--only zinf,fsdp2,ddp]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from measure import run_record, self_launched_rank  # noqa: E402
 CONTENDERS = ("zinf", "fsdp2", "ddp")
 WARMUP = 3
 WIDTH, BATCH = 100, 8
+_LOSS_TOLERANCE = 1e-5  # fp32 losses of the same updates, summed in another order
 
 
 def _model(layers: int) -> torch.nn.Sequential:
@@ -44,7 +47,7 @@ def _model(layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*mods)
 
 
-def run_rank(contender: str, layers: int, steps: int, out: Path) -> None:
+def run_rank(contender: str, layers: int, steps: int, lr: float, out: Path) -> None:
     """One rank of one contender (under torchrun): train, time each step, write rank 0's times."""
     import torch.distributed as dist
 
@@ -52,10 +55,11 @@ def run_rank(contender: str, layers: int, steps: int, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = _model(layers)
+    engine = None
     if contender == "zinf":
         from lightning_zinf import PrefetchConfig, ZeroEngine
 
-        ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+        engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
     elif contender == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -65,7 +69,9 @@ def run_rank(contender: str, layers: int, steps: int, out: Path) -> None:
         fully_shard(model)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    if engine is not None:
+        engine.shard_optimizer(optimizer)  # steps this rank's shards (and casts them back after each step)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     times, losses = [], []
@@ -77,6 +83,7 @@ def run_rank(contender: str, layers: int, steps: int, out: Path) -> None:
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
+    dist.barrier()  # every rank done: what rank 0 writes stands whatever the teardown does
     if rank == 0:
         out.write_text(json.dumps({"step_times_s": times, "losses": losses}))
     dist.destroy_process_group()
@@ -86,8 +93,8 @@ def drive(args: argparse.Namespace) -> None:
     results: dict[str, dict] = {}
     for name in args.only:
         print(f"[unit_cost] running {name} ...", flush=True)
-        data, error = self_launched_rank(__file__, name, ["--layers", str(args.layers), "--steps", str(args.steps)],
-                                         args.timeout)
+        options = ["--layers", str(args.layers), "--steps", str(args.steps), "--lr", str(args.lr)]
+        data, error = self_launched_rank(__file__, name, options, args.timeout)
         if data is None:
             results[name] = {"status": "failed", "error": error}
             print(error)
@@ -95,20 +102,28 @@ def drive(args: argparse.Namespace) -> None:
         timed = data["step_times_s"][WARMUP:]
         results[name] = {"status": "ok", "mean_step_s": sum(timed) / len(timed), **data}
     ddp = results.get("ddp", {}).get("mean_step_s")
+    ddp_losses = results.get("ddp", {}).get("losses")
     for res in results.values():
         if res["status"] == "ok" and ddp is not None:
             res["overhead_us_per_unit"] = (res["mean_step_s"] - ddp) / args.layers * 1e6
+        if res["status"] == "ok" and ddp_losses is not None:
+            # Same model, data and updates: a contender that does not train the same is not timed fairly.
+            res["loss_gap_to_ddp"] = max(abs(a - b) for a, b in zip(res["losses"], ddp_losses))
     ours, peer = results.get("zinf", {}), results.get("fsdp2", {})
     ratio = (ours["overhead_us_per_unit"] / peer["overhead_us_per_unit"]
              if "overhead_us_per_unit" in ours and "overhead_us_per_unit" in peer else None)
     print(f"\n{args.layers} units of {WIDTH * WIDTH + WIDTH:,} parameters, 2 ranks, gloo\n")
-    print(f"{'contender':<10} {'s/step':>8} {'us/unit/step over DDP':>22}")
+    print(f"{'contender':<10} {'s/step':>8} {'us/unit/step over DDP':>22} {'max |loss - DDP loss|':>22}")
     for name, res in results.items():
         if res["status"] != "ok":
             print(f"{name:<10} FAILED")
             continue
-        extra = res.get("overhead_us_per_unit")
-        print(f"{name:<10} {res['mean_step_s']:>8.4f} {'-' if extra is None else f'{extra:.1f}':>22}")
+        extra, gap = res.get("overhead_us_per_unit"), res.get("loss_gap_to_ddp")
+        flag = "  (NOT TRAINING AS DDP DOES)" if gap is not None and gap > _LOSS_TOLERANCE else ""
+        print(f"{name:<10} {res['mean_step_s']:>8.4f} {'-' if extra is None else f'{extra:.1f}':>22} "
+              f"{'-' if gap is None else f'{gap:.2e}':>22}{flag}")
+        if "exit_note" in res:
+            print(f"  note: {res['exit_note']}")
     if ratio is not None:
         print(f"\nzinf / fsdp2 overhead per unit: {ratio:.2f}")
     record = run_record(layers=args.layers, steps=args.steps, warmup=WARMUP, results=results, zinf_over_fsdp2=ratio)
@@ -121,6 +136,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=500)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lr", type=float, default=1e-3, help="SGD's learning rate")
     parser.add_argument("--only", default=",".join(CONTENDERS))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "unit_cost.json")
     parser.add_argument("--timeout", type=float, default=900)
@@ -128,7 +144,7 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        run_rank(args.rank_of, args.layers, args.steps, args.result)
+        run_rank(args.rank_of, args.layers, args.steps, args.lr, args.result)
         return
     args.only = [n.strip() for n in args.only.split(",") if n.strip()]
     if not args.only or set(args.only) - set(CONTENDERS):
