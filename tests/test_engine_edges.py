@@ -348,3 +348,30 @@ def test_single_rank_reduce_keeps_no_second_gradient_buffer() -> None:
     with engine.gathered():
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_dropped_model_frees_its_engine_and_shards() -> None:
+    """A notebook that rebuilds its model drops the old one: the garbage collector (an observer
+    outside the engine) must then free the engine and every shard it held, though gradient hooks on
+    the parameters point at the engine."""
+    import gc
+    import weakref
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    def train_one_step() -> tuple[weakref.ref, list[weakref.ref]]:
+        model = models.MLP()
+        engine = ZeroEngine(model, prefetch=NO_PERSIST)
+        optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return weakref.ref(engine), [weakref.ref(g.shard) for g in engine.groups]
+
+    gc.collect()  # engines other tests dropped
+    hooks_before = len(_global_optimizer_pre_hooks)
+    engine, shards = train_one_step()
+    gc.collect()
+    assert engine() is None
+    assert all(s() is None for s in shards)
+    assert len(_global_optimizer_pre_hooks) == hooks_before

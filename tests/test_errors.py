@@ -83,6 +83,35 @@ def test_optimizer_over_foreign_tensor() -> None:
         engine.shard_optimizer(torch.optim.SGD([*model.parameters(), stray], lr=0.1))
 
 
+def test_unsharded_optimizer_is_refused_at_its_step() -> None:
+    """An optimizer over the partitioned parameters that was never given to ``shard_optimizer``
+    steps empty tensors without gradients: the loss would stay where it is, with no error."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = ZeroEngine(model)
+    unsharded = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD optimizer steps the partitioned model's own parameters.*"
+                                           r"engine.shard_optimizer\(optimizer\)"):
+        unsharded.step()
+    # Optimizers over other tensors, and the sharded one, are left alone.
+    other = nn.Parameter(torch.ones(3))
+    other.grad = torch.ones(3)
+    torch.optim.SGD([other], lr=0.5).step()
+    assert torch.equal(other.detach(), torch.full((3,), 0.5))
+    sharded = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with engine.gathered():
+        before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 16)).sum().backward()
+    sharded.step()
+    with engine.gathered():
+        assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    # A param group of partitioned parameters added after sharding is caught too.
+    sharded.add_param_group({"params": [next(model.parameters())]})
+    with pytest.raises(RuntimeError, match="would train nothing"):
+        sharded.step()
+
+
 def test_bad_block_class_entry() -> None:
     with pytest.raises(ValueError, match="block_classes entries must be class names or classes"):
         ZeroEngine(models.GPT(), block_classes=[3])  # type: ignore[list-item]

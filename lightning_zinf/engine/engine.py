@@ -31,6 +31,7 @@ import functools
 import inspect
 import multiprocessing.util
 import os
+import weakref
 import zlib
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,6 +40,7 @@ from typing import Any, Collection, Hashable, Iterator, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
@@ -107,6 +109,15 @@ class Unit:
         self.reduced_groups = 0
         self.pending_backward = 0  # forward uses whose input-side post-backward node has not run yet
         self.kept = False  # stays gathered between forward passes (keep_gathered)
+
+
+def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
+    """Call ``method`` if its engine is alive. Python's garbage collector does not look inside a
+    parameter's gradient hooks: one that held the engine, or a unit or group of it (which hold the
+    parameter), would keep the engine, the model and every shard alive for the rest of the process."""
+    bound = method()
+    if bound is not None:
+        bound(*args)
 
 
 class ZeroEngine:
@@ -330,18 +341,44 @@ class ZeroEngine:
         return group
 
     def _install_hooks(self) -> list[Any]:
-        hooks: list[Any] = []
+        hooks: list[Any] = [self._guard_optimizers()]
         if self.auto_pass:
             hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         for module in self._uses:
             hooks.extend(self._hook_module(module))
+        on_grad = weakref.WeakMethod(self._on_grad)
         for unit in self.units:
-            for group in unit.groups:
+            for position, group in enumerate(unit.groups):
                 if group.trainable:
                     for index, p in enumerate(group.params):
-                        hook = functools.partial(self._on_grad, unit, group, index)
+                        hook = functools.partial(_call_weakly, on_grad, unit.index, position, index)
                         hooks.append(p.register_post_accumulate_grad_hook(hook))
         return hooks
+
+    def _guard_optimizers(self) -> Any:
+        """A global step pre-hook that refuses any optimizer still holding this model's trainable
+        parameters: between uses they are empty tensors without gradients (the gradients go to the
+        shards), so stepping them would train nothing, silently, with a constant loss."""
+        trainable = frozenset(id(p) for g in self.groups if g.trainable for p in g.params)
+        checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+        def refuse_unsharded(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            if checked.get(optimizer) == len(optimizer.param_groups):
+                return  # checked already, and no param group added since
+            if any(id(p) in trainable for group in optimizer.param_groups for p in group["params"]):
+                raise RuntimeError(
+                    f"The {type(optimizer).__name__} optimizer steps the partitioned model's own "
+                    "parameters, which hold no values or gradients between uses (only this rank's "
+                    "shards do), so it would train nothing. Call `optimizer = "
+                    "engine.shard_optimizer(optimizer)` once, after building it and before its "
+                    "first step (the Lightning strategies do this for `configure_optimizers`)."
+                )
+            checked[optimizer] = len(optimizer.param_groups)
+
+        # The hook holds no reference to the engine, and leaves torch's global table with it.
+        handle = register_optimizer_step_pre_hook(refuse_unsharded)
+        weakref.finalize(self, handle.remove)
+        return handle
 
     def _hook_module(self, module: nn.Module) -> list[Any]:
         # always_call: checkpointing stops a recomputation by raising inside a module's forward;
@@ -1000,7 +1037,9 @@ class ZeroEngine:
             self._release_after_backward(unit)
 
     @_eager
-    def _on_grad(self, unit: Unit, group: FlatGroup, index: int, param: Tensor) -> None:
+    def _on_grad(self, unit_index: int, position: int, index: int, param: Tensor) -> None:
+        unit = self.units[unit_index]
+        group = unit.groups[position]
         self._queue_backward_end()
         if not group.mark_ready(index):
             return
