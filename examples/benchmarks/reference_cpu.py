@@ -37,9 +37,12 @@ from triton_kernels import QgzLayout, reference  # noqa: E402
 
 def load_revision(rev: str) -> ModuleType:
     """``triton_kernels/reference.py`` at git revision ``rev``, as a module of the package."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:triton_kernels/reference.py"], check=True, capture_output=True, text=True
-    ).stdout
+    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:triton_kernels/reference.py"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--baseline {rev}: git cannot show triton_kernels/reference.py at that revision "
+                         f"({shown.stderr.strip()}); give a commit of this repository that has it.")
+    source = shown.stdout
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "reference.py"
         path.write_text(source)

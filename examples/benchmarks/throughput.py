@@ -55,8 +55,10 @@ WARMUP_STEPS = 2
 def benchmark_parser(description: str, contenders: Sequence[str], default_out: Path) -> argparse.ArgumentParser:
     """The options every side-by-side benchmark driver has (``--only`` chooses among ``contenders``)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=7, help=f"steps per contender; the first {WARMUP_STEPS} are warm-up")
-    parser.add_argument("--only", default=",".join(contenders), help="comma-separated contenders to run")
+    parser.add_argument("--steps", type=int, default=7,
+                        help=f"steps per contender; the first {WARMUP_STEPS} are warm-up (default: %(default)s)")
+    parser.add_argument("--only", default=",".join(contenders),
+                        help="comma-separated contenders to run (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=default_out, help="JSON results path")
     parser.add_argument(
         "--python-deepspeed",
@@ -64,7 +66,8 @@ def benchmark_parser(description: str, contenders: Sequence[str], default_out: P
         help="interpreter of a venv with DeepSpeed, for the deepspeed contender (default: $ZINF_DEEPSPEED_PYTHON, "
         "else this interpreter)",
     )
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds before a contender is killed")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds before a contender is killed (default: %(default)s)")
     return parser
 
 

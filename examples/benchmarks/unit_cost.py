@@ -134,12 +134,15 @@ def drive(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=500)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--lr", type=float, default=1e-3, help="SGD's learning rate")
-    parser.add_argument("--only", default=",".join(CONTENDERS))
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "unit_cost.json")
-    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--layers", type=int, default=500, help="Linear layers, each its own unit (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per contender (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="SGD's learning rate (default: %(default)s)")
+    parser.add_argument("--only", default=",".join(CONTENDERS),
+                        help="comma-separated contenders to run (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "unit_cost.json",
+                        help="JSON results path (default: results/unit_cost.json beside this script)")
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds before a contender is killed (default: %(default)s)")
     parser.add_argument("--rank-of", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
