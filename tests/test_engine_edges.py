@@ -357,8 +357,6 @@ def test_a_dropped_model_frees_its_engine_and_shards() -> None:
     import gc
     import weakref
 
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
-
     def train_one_step() -> tuple[weakref.ref, list[weakref.ref]]:
         model = models.MLP()
         engine = ZeroEngine(model, prefetch=NO_PERSIST)
@@ -368,10 +366,34 @@ def test_a_dropped_model_frees_its_engine_and_shards() -> None:
         optimizer.zero_grad()
         return weakref.ref(engine), [weakref.ref(g.shard) for g in engine.groups]
 
-    gc.collect()  # engines other tests dropped
-    hooks_before = len(_global_optimizer_pre_hooks)
     engine, shards = train_one_step()
     gc.collect()
     assert engine() is None
     assert all(s() is None for s in shards)
-    assert len(_global_optimizer_pre_hooks) == hooks_before
+
+
+def test_an_engine_collected_during_another_optimizers_step() -> None:
+    """The collection that frees a dropped engine can run in the middle of any optimizer's step,
+    while torch iterates its global step hooks: it must not change that table (it did, with one
+    hook per engine removed by a finalizer: "OrderedDict mutated during iteration")."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def collect_now(*_) -> None:
+        gc.collect()
+
+    # Registered before the engines: it runs first, with their hooks (if any) still to come.
+    collect = register_optimizer_step_pre_hook(collect_now)
+    gc.disable()
+    try:
+        kept = models.MLP()
+        optimizer = ZeroEngine(kept).shard_optimizer(torch.optim.SGD(kept.parameters(), lr=0.1))
+        dropped = models.MLP()
+        ZeroEngine(dropped)
+        del dropped  # a cycle (model <-> engine): freed only by the collection in the step
+        kept(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    finally:
+        collect.remove()
+        gc.enable()

@@ -40,7 +40,6 @@ from typing import Any, Collection, Hashable, Iterator, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
@@ -48,7 +47,7 @@ from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
-from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
+from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
 from lightning_zinf.engine.partition import (UnitSpec, init_rng_state, materialize, parameter_slots, parent_modules,
                                              plan_units)
 from lightning_zinf.engine.trace import Tracer
@@ -111,6 +110,7 @@ class Unit:
         self.kept = False  # stays gathered between forward passes (keep_gathered)
 
 
+@_eager
 def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
     """Call ``method`` if its engine is alive. Python's garbage collector does not look inside a
     parameter's gradient hooks: one that held the engine, or a unit or group of it (which hold the
@@ -271,6 +271,7 @@ class ZeroEngine:
         if offload.optimizer != "none":
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
         self._hooks = self._install_hooks()
+        refuse_unsharded_steps(self, [p for g in self.groups if g.trainable for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
         self._mark_partitioned(True)
         self._gather_all([u for u in self.units if u.persistent])
@@ -341,7 +342,7 @@ class ZeroEngine:
         return group
 
     def _install_hooks(self) -> list[Any]:
-        hooks: list[Any] = [self._guard_optimizers()]
+        hooks: list[Any] = []
         if self.auto_pass:
             hooks.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         for module in self._uses:
@@ -354,31 +355,6 @@ class ZeroEngine:
                         hook = functools.partial(_call_weakly, on_grad, unit.index, position, index)
                         hooks.append(p.register_post_accumulate_grad_hook(hook))
         return hooks
-
-    def _guard_optimizers(self) -> Any:
-        """A global step pre-hook that refuses any optimizer still holding this model's trainable
-        parameters: between uses they are empty tensors without gradients (the gradients go to the
-        shards), so stepping them would train nothing, silently, with a constant loss."""
-        trainable = frozenset(id(p) for g in self.groups if g.trainable for p in g.params)
-        checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-
-        def refuse_unsharded(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-            if checked.get(optimizer) == len(optimizer.param_groups):
-                return  # checked already, and no param group added since
-            if any(id(p) in trainable for group in optimizer.param_groups for p in group["params"]):
-                raise RuntimeError(
-                    f"The {type(optimizer).__name__} optimizer steps the partitioned model's own "
-                    "parameters, which hold no values or gradients between uses (only this rank's "
-                    "shards do), so it would train nothing. Call `optimizer = "
-                    "engine.shard_optimizer(optimizer)` once, after building it and before its "
-                    "first step (the Lightning strategies do this for `configure_optimizers`)."
-                )
-            checked[optimizer] = len(optimizer.param_groups)
-
-        # The hook holds no reference to the engine, and leaves torch's global table with it.
-        handle = register_optimizer_step_pre_hook(refuse_unsharded)
-        weakref.finalize(self, handle.remove)
-        return handle
 
     def _hook_module(self, module: nn.Module) -> list[Any]:
         # always_call: checkpointing stops a recomputation by raising inside a module's forward;

@@ -9,15 +9,18 @@ only on that element's gradient and state.
 
 from __future__ import annotations
 
-from typing import Iterable
+import weakref
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.flat import FlatGroup
 
-__all__ = ["shard_optimizer", "clip_grad_norm_"]
+__all__ = ["shard_optimizer", "clip_grad_norm_", "refuse_unsharded_steps"]
 
 # Optimizers whose update mixes elements of one tensor (factored or matrix-wise statistics, line
 # search over the whole model): stepping them on shards would change the mathematics.
@@ -70,6 +73,56 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, groups: Iterable[FlatGroup
                 )
         param_group["params"] = fragments
     return optimizer
+
+
+# The trainable parameters' ids of every live engine, keyed by the engine: an entry leaves with its
+# engine. One global hook reads them all; removing a hook per engine instead would happen inside a
+# garbage collection, which may run while torch iterates its table of hooks in another optimizer's
+# step ("OrderedDict mutated during iteration").
+_PARTITIONED: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+_generation = 0  # bumped per engine: an optimizer checked before may hold the new one's parameters
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple]" = weakref.WeakKeyDictionary()
+_hook: Optional[RemovableHandle] = None
+
+
+def refuse_unsharded_steps(owner: object, params: Iterable[Tensor]) -> None:
+    """Make the step of any optimizer that holds one of ``params`` raise, for as long as ``owner``
+    (the engine partitioning them) lives.
+
+    Partitioned parameters are empty tensors between uses and never get a gradient (it goes to the
+    shards): an optimizer over them that :func:`shard_optimizer` did not re-point would step nothing,
+    and the loss would stay flat with no error. Its ``step()`` raises ``RuntimeError`` instead, on
+    every rank, naming the fix. An optimizer is checked at its first step and again whenever its
+    param groups change.
+    """
+    global _generation, _hook
+    _PARTITIONED[owner] = frozenset(id(p) for p in params)
+    _generation += 1
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_refuse_unsharded)
+
+
+def _refuse_unsharded(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    groups = optimizer.param_groups
+    signature = (_generation, tuple((id(g["params"]), len(g["params"])) for g in groups))
+    try:
+        if _checked.get(optimizer) == signature:
+            return
+    except TypeError:  # an optimizer class that is not hashable: check it at every step
+        pass
+    partitioned = list(_PARTITIONED.values())
+    if any(id(p) in ids for ids in partitioned for g in groups for p in g["params"]):
+        raise RuntimeError(
+            f"The {type(optimizer).__name__} optimizer steps the partitioned model's own parameters, "
+            "which hold no values or gradients between uses (only this rank's shards do), so it would "
+            "train nothing. Call `optimizer = engine.shard_optimizer(optimizer)` once, after building it "
+            "and before its first step (the Lightning strategies do this for `configure_optimizers`); "
+            "a wrapper optimizer must be sharded through the optimizer that holds the parameters."
+        )
+    try:
+        _checked[optimizer] = signature
+    except TypeError:
+        pass
 
 
 def clip_grad_norm_(fragments: Iterable[Tensor], max_norm: float, comm: Collectives) -> Tensor:
