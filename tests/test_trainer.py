@@ -160,3 +160,25 @@ def test_bf16_true_steps_fp32_masters(reference: dict) -> None:
     assert zero["dtypes"] == ["torch.bfloat16/torch.float32"]
     torch.testing.assert_close(torch.tensor(zero["train"]), torch.tensor(reference["train"]), rtol=3e-2, atol=0)
     assert zero["train"][-1] < zero["train"][0]
+
+
+def test_a_finished_run_frees_the_model_and_its_shards() -> None:
+    """A notebook that fits, drops its trainer and model, and fits a new one must get the old
+    model's memory back: after ``del``, the garbage collector (an observer outside the engine) frees
+    the LightningModule, the engine and every shard. They were kept for the process's life, held by
+    the parameters' gradient hooks where the collector does not look."""
+    import gc
+    import weakref
+
+    def fit() -> tuple[weakref.ref, weakref.ref, list[weakref.ref]]:
+        lit = LitGPT(GLOBAL_BATCH)
+        trainer = _trainer("zero_infinity", 1, max_steps=2, limit_val_batches=0)
+        trainer.fit(lit)
+        engine = trainer.strategy.engine
+        return weakref.ref(lit), weakref.ref(engine), [weakref.ref(g.shard) for g in engine.groups]
+
+    lit, engine, shards = fit()
+    gc.collect()
+    assert lit() is None
+    assert engine() is None
+    assert all(s() is None for s in shards)
