@@ -72,12 +72,12 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int) -> list[fl
     engine = None
     if args.ddp:
         model = DistributedDataParallel(GPT(cfg).to(device))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     else:
         with meta_parameters():  # nothing allocated: ZeroEngine initialises it unit by unit
             model = GPT(cfg)
         engine = ZeroEngine(model, block_classes=[Block], device=device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if engine is not None:
         optimizer = engine.shard_optimizer(optimizer)  # before the first step, on every rank
 
     losses: list[float] = []

@@ -377,6 +377,7 @@ def test_an_engine_collected_during_another_optimizers_step() -> None:
     while torch iterates its global step hooks: it must not change that table (it did, with one
     hook per engine removed by a finalizer: "OrderedDict mutated during iteration")."""
     import gc
+    import weakref
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -390,10 +391,12 @@ def test_an_engine_collected_during_another_optimizers_step() -> None:
         kept = models.MLP()
         optimizer = ZeroEngine(kept).shard_optimizer(torch.optim.SGD(kept.parameters(), lr=0.1))
         dropped = models.MLP()
-        ZeroEngine(dropped)
+        engine = weakref.ref(ZeroEngine(dropped))
         del dropped  # a cycle (model <-> engine): freed only by the collection in the step
         kept(torch.randn(4, 16)).sum().backward()
+        assert engine() is not None
         optimizer.step()
+        assert engine() is None  # the step's collection did free it, during the hooks' iteration
     finally:
         collect.remove()
         gc.enable()

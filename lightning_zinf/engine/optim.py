@@ -93,7 +93,16 @@ def refuse_unsharded_steps(owner: object, params: Iterable[Tensor]) -> None:
     shards): an optimizer over them that :func:`shard_optimizer` did not re-point would step nothing,
     and the loss would stay flat with no error. Its ``step()`` raises ``RuntimeError`` instead, on
     every rank, naming the fix. An optimizer is checked at its first step and again whenever its
-    param groups change.
+    param groups change (or another engine is built); the check compares parameter identities, so
+    it costs no tensor work. DeepSpeed and FSDP2 have no such check: this project's own, from a
+    new-user trial in which the engine silently trained nothing.
+
+    Args:
+        owner: The object whose lifetime bounds the refusal (the :class:`ZeroEngine`); held weakly.
+        params: The trainable parameters it partitioned (any shape and dtype).
+
+    Raises:
+        Nothing here; the refused optimizer's ``step()`` raises ``RuntimeError``.
     """
     global _generation, _hook
     _PARTITIONED[owner] = frozenset(id(p) for p in params)
