@@ -185,3 +185,35 @@ def test_peft_wrapped_in_configure_model_starts_from_the_base_model_through_the_
     got = run_distributed(_lora_through_the_trainer, 2, init_pg=False)[0]
     assert abs(got["before"] - got["base_loss"]) < 1e-5
     assert got["losses"][-1] < got["losses"][0]
+
+
+@pytest.mark.parametrize("neox_init", [False, True], ids=["reset_parameters", "pretrain-initialize_weights"])
+def test_litgpt_model_gets_torchs_init_not_a_transformers_one(neox_init: bool) -> None:
+    """LitGPT's ``GPT`` has a ``config`` and an ``_init_weights`` but is not a ``transformers``
+    model: built on the meta device it gets each module's ``reset_parameters()`` (torch's init, or
+    the per-module normal(0, std) that LitGPT's ``pretrain`` sets on them before setup), as the same
+    model built eagerly does. It once got normal(0, 0.02) everywhere: std 0.020 where DDP had 0.056."""
+    from lightning.fabric import Fabric
+    from litgpt import GPT, Config
+    from litgpt.pretrain import initialize_weights
+
+    config = Config(block_size=64, vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=4, n_embd=128,
+                    bias=True, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=256)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    eager = GPT(config)
+    if neox_init:
+        initialize_weights(fabric, eager, config.n_layer, config.n_embd)
+    with meta_parameters():
+        model = GPT(config)
+    if neox_init:
+        initialize_weights(fabric, model, config.n_layer, config.n_embd)  # sets per-module reset_parameters
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+    got = _gathered(model, engine)
+    want = dict(eager.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        _stats_match(got[name], value.detach(), name)
+    fc = got["transformer.h.0.mlp.fc_1.weight"]
+    expected = (2 / 5 / config.n_embd) ** 0.5 if neox_init else (1 / 3 / config.n_embd) ** 0.5  # kaiming-uniform's
+    assert abs(fc.std() / expected - 1) < 0.05

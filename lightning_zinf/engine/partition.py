@@ -11,6 +11,7 @@ their values.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
@@ -244,11 +245,20 @@ def _peft_route(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> Optio
 
 
 def _library_model(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> Optional[nn.Module]:
-    """The nearest ``transformers`` model at or above ``module`` (it has a ``config`` and the
-    per-module init routine ``_init_weights``)."""
+    """The nearest ``transformers`` model (an instance of its ``PreTrainedModel``) at or above
+    ``module``, whose per-module init routine ``_init_weights`` its ``post_init`` applies.
+
+    Recognised by type, not by attribute names: other libraries' models have a ``config`` and an
+    ``_init_weights`` too (LitGPT's ``GPT``), with another meaning; they get torch's route.
+    ``transformers`` is not imported here: a model of its classes exists only once it is.
+    """
+    library = sys.modules.get("transformers")
+    pretrained = getattr(library, "PreTrainedModel", None) if library is not None else None
+    if pretrained is None:
+        return None
     node: Optional[nn.Module] = module
     while node is not None:
-        if callable(getattr(node, "_init_weights", None)) and hasattr(node, "config"):
+        if isinstance(node, pretrained):
             return node
         node = parents.get(node)
     return None
