@@ -10,8 +10,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zinf.checkpoint import CheckpointError, load_full_state_dict
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
+from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.fabric import ZeroInfinityFabricStrategy
 from lightning_zinf.strategy import ZeroInfinityStrategy
+from lightning_zinf.summary import ShardedModelSummary
 from lightning_zinf.tiling import TiledLinear, tile_linear_layers
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "MixedPrecisionConfig",
     "OffloadConfig",
     "PrefetchConfig",
+    "ShardedModelSummary",
     "TiledLinear",
     "TilingConfig",
     "ZeroEngine",
@@ -27,6 +30,7 @@ __all__ = [
     "ZeroPPConfig",
     "load_full_state_dict",
     "meta_parameters",
+    "state_dict_options",
     "tile_linear_layers",
 ]
 

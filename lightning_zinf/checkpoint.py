@@ -47,7 +47,7 @@ from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.tiling import tile_views, view_segments
 
-__all__ = ["save_sharded", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "read_meta",
+__all__ = ["save_sharded", "save_sharded_models", "MODELS_KEY", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "read_meta",
            "CheckpointError", "CHECKPOINT_GLOBALS", "META_FILE"]
 
 META_FILE = "meta.pt"
@@ -320,16 +320,7 @@ def save_sharded(
     """
     path = Path(path)
     comm = engine.comm
-    if path.exists() and not is_sharded_checkpoint(path):
-        raise FileExistsError(
-            f"{path} exists and is not a lightning_zinf checkpoint; refusing to replace it. Choose another path."
-        )
-    staging = path.parent / f".{path.name}.zinf-partial"
-    if comm.rank == 0:
-        if staging.exists():
-            shutil.rmtree(staging)  # our own leftover from an interrupted save
-        staging.mkdir(parents=True)
-    comm.barrier()
+    staging = _staging(path, comm)
 
     engine.release_all()
     checksum = _write_shard(engine, _owner_of(list(optimizers)), staging / shard_file(comm.rank), exclude_frozen)
@@ -340,12 +331,67 @@ def save_sharded(
         zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
                 "groups": groups, "sha256": checksums}
         torch.save({**meta, "zinf": zinf}, staging / META_FILE, pickle_module=_META_PICKLE)
-        old = path.parent / f".{path.name}.zinf-old"
-        if path.exists():
-            path.rename(old)
-        staging.rename(path)
-        if old.exists():
-            shutil.rmtree(old)
+        _put_in_place(staging, path)
+    comm.barrier()
+
+
+def _put_in_place(staging: Path, path: Path) -> None:
+    """Replace the checkpoint at ``path`` (if any) by the complete one in ``staging``."""
+    old = path.parent / f".{path.name}.zinf-old"
+    if path.exists():
+        path.rename(old)
+    staging.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _staging(path: Path, comm: Any) -> Path:
+    """An empty staging folder beside ``path`` (made by rank 0; collective)."""
+    if path.exists() and not is_sharded_checkpoint(path):
+        raise FileExistsError(
+            f"{path} exists and is not a lightning_zinf checkpoint; refusing to replace it. Choose another path."
+        )
+    staging = path.parent / f".{path.name}.zinf-partial"
+    if comm.rank == 0:
+        if staging.exists():
+            shutil.rmtree(staging)  # our own leftover from an interrupted save
+        staging.mkdir(parents=True)
+    comm.barrier()
+    return staging
+
+
+#: ``meta.pt`` of a checkpoint of several models: model key -> the keys of its optimizers.
+MODELS_KEY = "zinf_models"
+
+
+def save_sharded_models(
+    models: dict[str, tuple[ZeroEngine, dict[str, torch.optim.Optimizer], dict[str, Any]]], path: os.PathLike,
+    meta: dict[str, Any], *, exclude_frozen: bool = False,
+) -> None:
+    """Write several partitioned models (each with its own engine and optimizers) as one checkpoint
+    folder: each model's sharded checkpoint (:func:`save_sharded`) in a subfolder named by its key,
+    and ``meta.pt`` with ``meta`` and which optimizers belong to which model. The folder replaces an
+    existing checkpoint at ``path`` only once complete. Collective; every rank passes the same keys.
+
+    Args:
+        models: Model key -> ``(engine, {optimizer key: optimizer}, the model's own meta)``.
+        path: Target directory.
+        meta: Picklable state of the rest (saved by rank 0).
+        exclude_frozen: As :func:`save_sharded`'s.
+
+    Raises:
+        FileExistsError: ``path`` exists and is not a checkpoint written by this package.
+        OSError: the directory cannot be written; the previous checkpoint at ``path`` is untouched.
+    """
+    path = Path(path)
+    comm = next(iter(models.values()))[0].comm
+    staging = _staging(path, comm)
+    for key, (engine, optimizers, own_meta) in models.items():
+        save_sharded(engine, list(optimizers.values()), staging / key, own_meta, exclude_frozen=exclude_frozen)
+    if comm.rank == 0:
+        layout = {key: list(optimizers) for key, (_, optimizers, _) in models.items()}
+        torch.save({**meta, MODELS_KEY: layout}, staging / META_FILE, pickle_module=_META_PICKLE)
+        _put_in_place(staging, path)
     comm.barrier()
 
 
@@ -539,6 +585,12 @@ def load_sharded(
             "rank_*.safetensors file per rank)."
         )
     meta = read_meta(path, weights_only)
+    if MODELS_KEY in meta:
+        raise CheckpointError(
+            f"{path} holds several models ({', '.join(meta[MODELS_KEY])}), each in a folder of its own: load it with "
+            "fabric.load(path, {...}) naming each model, or load one model's folder (e.g. "
+            f"{path / next(iter(meta[MODELS_KEY]))})."
+        )
     zinf = meta.get("zinf", {})
     if zinf.get("format") != FORMAT:
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")

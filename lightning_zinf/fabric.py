@@ -10,6 +10,7 @@ write and read the Trainer's sharded checkpoint format, so a checkpoint moves be
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -31,15 +32,18 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import (is_sharded_checkpoint, load_full_state_dict, load_sharded, read_meta,
-                                      save_sharded)
+from lightning_zinf.checkpoint import (MODELS_KEY, CheckpointError, is_sharded_checkpoint, load_full_state_dict,
+                                      load_sharded, read_meta, save_sharded, save_sharded_models)
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
+from lightning_zinf.engine.state_dict import state_dict_options
+from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
+                                       save_full_checkpoint)
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
-                                    init_distributed, module_buffers, optimizer_hyperparameters, register_presets,
-                                    restore_hyperparameters, start_watch)
-from lightning_zinf.precision import policy_for, to_zero_fabric_precision
+                                    init_distributed, module_buffers, optimizer_hyperparameters, refuse_checkpoint_io,
+                                    register_presets, restore_hyperparameters, start_watch)
+from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_fabric_precision
 
 __all__ = ["ZeroInfinityFabricStrategy"]
 
@@ -64,17 +68,20 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     read a sharded checkpoint directory, the Trainer's format.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: As for any
-            Fabric ``ParallelStrategy``; Fabric sets them.
+        accelerator, parallel_devices, cluster_environment, precision: As for any Fabric
+            ``ParallelStrategy``; Fabric sets them.
+        checkpoint_io: Must be ``None``: checkpoints do not go through a ``CheckpointIO``.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
         timeout: How long a collective may wait for other ranks before failing.
         **options: The fields of :class:`~lightning_zinf.options.ZeroOptions`, documented on
             :class:`~lightning_zinf.ZeroInfinityStrategy` (``block_classes``, ``prefetch``,
             ``offload``, ``tiling``, ``zero_pp``, ``mixed_precision``, ``activation_checkpointing``,
-            ``load_full_weights``, ``load_prefix``, ``exclude_frozen_parameters``).
+            ``load_full_weights``, ``load_prefix``, ``exclude_frozen_parameters``, ``state_dict_type``).
 
     Raises:
         ValueError: an unknown option (the message suggests the closest valid name) or an invalid value.
+        NotImplementedError: a ``checkpoint_io`` (or a ``CheckpointIO`` in ``Fabric(plugins=...)``), as
+            Lightning's Fabric ``FSDPStrategy`` raises: it would never be called.
     """
 
     strategy_name = "zero_infinity"
@@ -91,6 +98,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         timeout: timedelta = default_pg_timeout,
         **options: Any,
     ) -> None:
+        refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         try:
@@ -99,18 +107,50 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             raise ValueError(str(error).replace(ZeroOptions.__name__, type(self).__name__, 1)) from None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._engine: Optional[ZeroEngine] = None
+        self._engines: list[ZeroEngine] = []  # one per model set up, in order
         self._watch: Optional[RankWatch] = None
-        self._backward_sync_control = _EveryMicroBatch()
+        self._backward_sync_control = _EveryMicroBatch(self)
 
     # --- topology and set-up ----------------------------------------------------------------------
     @property
     def engine(self) -> ZeroEngine:
-        """The engine partitioning the model (available after ``fabric.setup``/``setup_module``)."""
-        if self._engine is None:
+        """The engine partitioning the model (available after ``fabric.setup``/``setup_module``).
+
+        Raises:
+            RuntimeError: no model is set up yet, or several are (then use :meth:`engine_of`).
+        """
+        if not self._engines:
             raise RuntimeError("The zero_infinity engine exists only after `fabric.setup(model)` or "
                                "`fabric.setup_module(model)`.")
-        return self._engine
+        if len(self._engines) > 1:
+            raise RuntimeError(f"{len(self._engines)} models are set up with this strategy, each partitioned by its own "
+                               "engine: use `fabric.strategy.engine_of(model)`.")
+        return self._engines[0]
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        """The engines of the models set up so far, in the order they were set up."""
+        return list(self._engines)
+
+    def engine_of(self, obj: Union[nn.Module, Optimizer]) -> ZeroEngine:
+        """The engine partitioning the set-up model ``obj``, or the one whose model ``obj``, an
+        optimizer set up by this strategy, steps.
+
+        Raises:
+            TypeError: ``obj`` was not set up by this strategy (a submodule, another Fabric's model,
+                an optimizer that was not set up).
+        """
+        if isinstance(obj, nn.Module):
+            engine = getattr(obj, "_zinf_engine", None)
+            if any(engine is e for e in self._engines):
+                return engine
+        else:
+            optimizer = getattr(obj, "_optimizer", obj)  # a Fabric or Lightning wrapper's
+            for engine in self._engines:
+                if any(optimizer is o for o in engine.optimizers):
+                    return engine
+        raise TypeError(f"This {type(obj).__name__} was not set up by this {type(self).__name__}: pass the model "
+                        "returned by `fabric.setup`/`fabric.setup_module`, or an optimizer set up with it.")
 
     @property
     @override
@@ -121,6 +161,36 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     @override
     def precision(self, precision: Optional[Precision]) -> None:
         self._precision = None if precision is None else to_zero_fabric_precision(precision)
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Fabric's default ``TorchCheckpointIO``, unused: ``fabric.save``/``fabric.load`` write and
+        read checkpoints through the strategy itself."""
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        """Fabric sets a plugin given in ``Fabric(plugins=[...])`` here, at its construction.
+
+        Raises:
+            NotImplementedError: any plugin, as Lightning's Fabric ``FSDPStrategy`` raises: it would
+                never be called (:func:`~lightning_zinf.options.refuse_checkpoint_io`).
+        """
+        refuse_checkpoint_io(io, type(self).__name__)
+        self._checkpoint_io = io
+
+    def _check_set_up(self, module: nn.Module, call: str) -> None:
+        """Raise ``TypeError`` unless ``module`` is the model this strategy set up (as Lightning's
+        FSDP strategy requires its wrapped root module in ``clip_gradients_norm`` and
+        ``no_backward_sync``): the call acts on the engine's shards, which are that model's alone."""
+        if not any(getattr(module, "_zinf_engine", None) is e for e in self._engines):
+            raise TypeError(
+                f"{call} is only possible with the module set up by this {type(self).__name__} "
+                f"(`model = fabric.setup(model, ...)` or `fabric.setup_module(model)`), not one of its submodules or "
+                f"another model. Got: {type(module).__name__}."
+            )
 
     @override
     def _configure_launcher(self) -> None:
@@ -141,7 +211,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         init_distributed(self.cluster_environment, self.root_device, self._process_group_backend, self._timeout)
         # Fabric has no exception hook: the watch reports the script's uncaught exceptions itself.
         if self._watch is None:
-            self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engine)
+            self._watch = start_watch(self.global_rank, self.world_size, self._timeout,
+                                      lambda: self._engines[-1] if self._engines else None)
 
     # --- model and optimizers ---------------------------------------------------------------------
     @override
@@ -174,21 +245,17 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [after[before[id(p)]] if id(p) in before else p for p in group["params"]]
-        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+        engine = self.engine_of(module)
+        return module, [engine.shard_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Partition ``module`` across the ranks (a collective) and return it, hooked.
-
-        Raises:
-            ValueError: a second model (one model per strategy instance).
+        """Partition ``module`` across the ranks (a collective) and return it, hooked. Each model set
+        up gets an engine of its own (its units, its optimizers, its frozen weights stored with
+        ``zero_pp.frozen_bits``): a student and its frozen teacher, a GAN's two networks, RLHF's
+        actor, reference and reward models. Every rank must set up the same models in the same order.
         """
         engine = getattr(module, "_zinf_engine", None)
-        if self._engine is not None and engine is not self._engine:
-            raise ValueError(
-                "The zero_infinity Fabric strategy partitions one model; a second model was set up. Put the "
-                "models in one nn.Module and set that up, or use one Fabric per model."
-            )
         if engine is None:
             engine = build_engine(
                 module, self.options, device=self.root_device, ranks_per_node=self.num_processes,
@@ -199,7 +266,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 _offload_activations_in_training_forwards(module, engine)
             if self._watch is not None:
                 engine.on_departure = self._watch.note_departure
-        self._engine = engine
+        if not any(engine is e for e in self._engines):
+            self._engines.append(engine)
         return module
 
     @override
@@ -208,26 +276,35 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Re-point ``optimizer`` (in place) at this rank's fp32 master shards.
+        """Re-point ``optimizer`` (in place) at this rank's fp32 master shards, those of the set-up
+        model whose parameters it holds.
 
         Raises:
             RuntimeError: the model has not been set up yet.
         """
-        if self._engine is None:
-            raise RuntimeError(
-                "Set up the model before its optimizer: `fabric.setup(model, optimizer)`, or "
-                "`model = fabric.setup_module(model)` and then `fabric.setup_optimizers(optimizer)`."
-            )
-        return self._engine.shard_optimizer(optimizer)
+        first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+        for engine in self._engines:
+            if any(first is p for p in engine.module.parameters()):
+                return engine.shard_optimizer(optimizer)
+        if len(self._engines) == 1:
+            return self._engines[0].shard_optimizer(optimizer)  # which names what is wrong with it
+        raise RuntimeError(
+            "Set up the model before its optimizer: `fabric.setup(model, optimizer)`, or "
+            "`model = fabric.setup_module(model)` and then `fabric.setup_optimizers(optimizer)`."
+        )
 
     @contextlib.contextmanager
-    def gathered_parameters(self, write_back: bool = False) -> Any:
+    def gathered_parameters(self, write_back: bool = False, module: Optional[nn.Module] = None) -> Any:
         """Every parameter at its full value inside the block (collective: call on all ranks).
 
         Args:
             write_back: Keep edits made inside the block (every rank must make the same edits).
+            module: Only this set-up model's (default: every model set up with this strategy).
         """
-        with self.engine.gathered(write_back=write_back):
+        engines = [self.engine_of(module)] if module is not None else self._engines
+        with ExitStack() as stack:
+            for engine in engines:
+                stack.enter_context(engine.gathered(write_back=write_back))
             yield
 
     @override
@@ -244,13 +321,16 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         fp32 tensor, before clipping.
 
         Raises:
+            TypeError: ``module`` is not the model set up with this strategy (as Lightning's FSDP
+                strategy raises for a module it did not wrap).
             ValueError: ``norm_type`` other than 2.
             RuntimeError: the norm is not finite and ``error_if_nonfinite`` (as torch's).
         """
+        self._check_set_up(module, "Gradient clipping (fabric.clip_gradients)")
         if float(norm_type) != 2.0:
             raise ValueError(f"zero_infinity clips by the L2 norm only; got norm_type={norm_type}. Use norm_type=2.")
         self.precision.unscale_gradients(optimizer)
-        norm = self.engine.clip_grad_norm_(float(max_norm))
+        norm = self.engine_of(module).clip_grad_norm_(float(max_norm))
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(
                 f"The total norm of the gradients is {norm.item()} (non-finite); pass error_if_nonfinite=False "
@@ -263,11 +343,12 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         """Clamp every gradient element to ``[-clip_val, clip_val]`` (elementwise, so exact on shards).
 
         Raises:
-            ValueError: with NVMe optimizer offload, where the gradients are on disk until the step.
+            NotSupportedError: with NVMe optimizer offload, where the gradients are on disk until the
+                step (a ``NotImplementedError``, as Lightning Fabric's DeepSpeed strategy raises for
+                clipping it cannot do, and a ``ValueError``).
         """
-        if self.engine.offload is not None and self.engine.offload.nvme:
-            raise ValueError("Clipping by value needs the gradients in memory; with OffloadConfig(optimizer='nvme') "
-                             "use fabric.clip_gradients(max_norm=...), or optimizer='cpu'.")
+        self._check_set_up(module, "Gradient clipping (fabric.clip_gradients)")
+        refuse_clipping_by_value(self.engine_of(module), fabric=True)
         super().clip_gradients_value(module, optimizer, clip_val)
 
     # --- collectives ------------------------------------------------------------------------------
@@ -293,32 +374,66 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        """Write a sharded checkpoint directory at ``path`` (collective), in the Trainer's format:
-        the model's buffers as ``state_dict`` and its optimizers' hyper-parameters as
+        """Write a checkpoint of ``state`` at ``path`` (collective).
+
+        ``state_dict_type="sharded"`` (default): a sharded checkpoint directory in the Trainer's
+        format: the model's buffers as ``state_dict`` and its optimizers' hyper-parameters as
         ``optimizer_states`` in ``meta.pt`` with the other entries of ``state`` (objects with a
-        ``state_dict()`` saved as that), and the parameters and optimizer states in one shard
-        file per rank (:func:`~lightning_zinf.checkpoint.save_sharded`).
+        ``state_dict()`` saved as that), and the parameters and optimizer states in one shard file
+        per rank (:func:`~lightning_zinf.checkpoint.save_sharded`). With several models set up, each
+        model's checkpoint goes in a subfolder named by its key, the rest in ``meta.pt``
+        (:func:`~lightning_zinf.checkpoint.save_sharded_models`).
+        ``state_dict_type="full"``: one file from rank 0, what ``fabric.save`` writes under DDP: each
+        model's full state dict and each optimizer's plain state dict under their keys, gathered one
+        unit at a time; ``filter`` (per key of ``state``, a ``(name, value) -> keep`` function)
+        keeps part of them (e.g. LoRA adapters only).
 
         Raises:
-            TypeError: ``storage_options`` or ``filter`` (a sharded checkpoint holds every parameter;
-                ``exclude_frozen_parameters=True`` leaves the frozen ones out).
+            TypeError: ``storage_options`` (as Lightning's FSDP strategy).
+            NotImplementedError: ``filter`` with ``state_dict_type="sharded"`` (as Lightning's FSDP
+                strategy: a sharded checkpoint holds every parameter).
             ValueError: ``state`` holds no model set up by this strategy, or another module.
         """
         if storage_options is not None:
             raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
-        if filter:
-            raise TypeError("fabric.save(filter=...) is not supported by zero_infinity: the checkpoint is sharded and "
-                            "holds every parameter (exclude_frozen_parameters=True leaves frozen ones out).")
-        module_key, optimizer_keys = self._split_state(state)
-        optimizers = [state[k] for k in optimizer_keys]
-        meta: dict[str, Any] = {"state_dict": module_buffers(state[module_key]),
-                                "optimizer_states": [optimizer_hyperparameters(o) for o in optimizers],
-                                "pytorch-lightning_version": lightning.__version__}  # the Trainer checks it
-        for key, value in state.items():
-            if key != module_key and key not in optimizer_keys:
-                meta[key] = value.state_dict() if isinstance(value, _Stateful) else value
-        save_sharded(self.engine, optimizers, self.broadcast(path), meta,
-                     exclude_frozen=self.options.exclude_frozen_parameters)
+        if filter and self.options.state_dict_type == "sharded":
+            raise NotImplementedError(
+                "fabric.save(filter=...) needs ZeroInfinityFabricStrategy(state_dict_type='full'): a sharded checkpoint "
+                "holds every parameter (exclude_frozen_parameters=True leaves the frozen ones out)."
+            )
+        module_keys, optimizer_keys = self._split_state(state)
+        path = self.broadcast(path)
+        if self.options.state_dict_type == "full":
+            full: dict[str, Any] = {}
+            for key, value in state.items():
+                if key in module_keys:
+                    with state_dict_options(value, rank0_only=True):
+                        value = value.state_dict()
+                elif key in optimizer_keys:
+                    value = full_optimizer_state_dict(self.engine_of(value), value, rank0_only=True)
+                elif isinstance(value, _Stateful):
+                    value = value.state_dict()
+                keep = (filter or {}).get(key)
+                full[key] = {k: v for k, v in value.items() if keep(k, v)} if keep and isinstance(value, dict) else value
+            save_full_checkpoint(full, path, writer=self.global_rank == 0)
+            self.barrier()
+            return
+        meta: dict[str, Any] = {key: value.state_dict() if isinstance(value, _Stateful) else value
+                                for key, value in state.items() if key not in module_keys and key not in optimizer_keys}
+        per_model = {}
+        for key in module_keys:
+            engine = self.engine_of(state[key])
+            optimizers = {k: state[k] for k in optimizer_keys if self.engine_of(state[k]) is engine}
+            per_model[key] = (engine, optimizers, {
+                "state_dict": module_buffers(state[key]),
+                "optimizer_states": [optimizer_hyperparameters(o) for o in optimizers.values()],
+                "pytorch-lightning_version": lightning.__version__})  # the Trainer checks it
+        if len(module_keys) == 1:
+            engine, optimizers, own = per_model[module_keys[0]]
+            save_sharded(engine, list(optimizers.values()), path, {**own, **meta},
+                         exclude_frozen=self.options.exclude_frozen_parameters)
+        else:
+            save_sharded_models(per_model, path, meta, exclude_frozen=self.options.exclude_frozen_parameters)
 
     @override
     def load_checkpoint(
@@ -328,22 +443,30 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        """Restore the objects in ``state`` from a checkpoint written by :meth:`save_checkpoint` or by
-        the Trainer's strategy (at this or another world size), in place, and return the entries
-        not restored (``epoch``, ``global_step``... of a Trainer checkpoint).
+        """Restore the objects in ``state`` from a checkpoint, in place, and return the entries not
+        restored (``epoch``, ``global_step``... of a Trainer checkpoint). The checkpoint is a sharded
+        directory (:meth:`save_checkpoint`'s or the Trainer strategy's, at this or another world
+        size) or one file: a full checkpoint (``state_dict_type="full"``, or what ``fabric.save``
+        writes under DDP or on one device), whose model entries load through each model's own
+        ``load_state_dict`` (each rank keeps its shards' part, one unit at a time) and whose plain
+        optimizer states are sliced into the sharded optimizers.
 
-        ``weights_only``: ``None`` (the default) or ``True`` reads ``meta.pt`` without running code
-        from it (:func:`~lightning_zinf.checkpoint.read_meta`); ``False`` trusts the file.
+        ``weights_only``: ``None`` (the default) or ``True`` reads ``meta.pt`` or the file without
+        running code from it (:func:`~lightning_zinf.checkpoint.read_meta`); ``False`` trusts it.
 
-        ``state`` may also be the model alone (``fabric.load_raw``): from a sharded checkpoint its
-        weights are loaded; from a full state-dict file (``torch.save``, safetensors, a Hugging Face
-        folder) each rank reads its shards' part (:func:`~lightning_zinf.load_full_state_dict`).
+        ``state`` may also be a model alone (``fabric.load_raw``): a sharded checkpoint's weights,
+        a ``torch.save`` file of a state dict (through ``model.load_state_dict(..., strict)``, so the
+        model's own key remapping applies and torch reports what did not match), or a
+        ``.safetensors`` file or Hugging Face folder (each rank reads its shards' byte ranges:
+        :func:`~lightning_zinf.load_full_state_dict`).
 
         Raises:
             ValueError: no ``state`` (a sharded checkpoint cannot be returned whole: consolidate it
-                with ``zinf-consolidate``), or ``state`` without this strategy's model.
+                with ``zinf-consolidate``), or ``state`` with a module this strategy did not set up.
+            NotImplementedError: ``state`` is an optimizer alone.
             KeyError: ``strict`` and an entry of ``state`` is not in the checkpoint (an optimizer
                 included: a checkpoint saved without it loads with ``strict=False``, weights only).
+            RuntimeError: ``strict`` and the model's keys do not match a file's (torch's message).
             CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, or a
                 ``meta.pt`` naming code the safe load refuses.
         """
@@ -356,29 +479,55 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         path = self.broadcast(path)
         if isinstance(state, nn.Module):
             self._split_state({"model": state})
+            if Path(path).suffix == ".safetensors" or (Path(path).is_dir() and not is_sharded_checkpoint(path)):
+                load_full_state_dict(self.engine_of(state), path, strict=strict)  # byte ranges of safetensors / HF
+                return {}
             if not is_sharded_checkpoint(path):
-                load_full_state_dict(self.engine, path, strict=strict)  # safetensors, or torch.load(weights_only=True)
+                state.load_state_dict(load_full_checkpoint(path, weights_only), strict=strict)
                 return {}
             state = {"model": state}
         if isinstance(state, Optimizer):
-            raise TypeError("The optimizer state is in the sharded checkpoint with the model's: "
-                            "fabric.load(path, {'model': model, 'optimizer': optimizer}).")
-        module_key, optimizer_keys = self._split_state(state)
-        optimizers = [state[k] for k in optimizer_keys]
-        saved = len(read_meta(path, weights_only).get("optimizer_states", [])) if optimizers else 0
-        if saved < len(optimizers):
-            if strict:
-                raise KeyError(
-                    f"The requested state contains optimizer(s) {optimizer_keys} but the checkpoint {path} holds the "
-                    f"state of {saved}: it was saved without them. Pass strict=False to load the model's weights alone."
-                )
-            optimizers = []
-        meta = load_sharded(self.engine, optimizers, path, load_optimizer=bool(optimizers), weights_only=weights_only)
-        state[module_key].load_state_dict(meta.pop("state_dict", {}), strict=False)  # buffers
-        restore_hyperparameters(optimizers, meta.pop("optimizer_states", []))
-        meta.pop("zinf")
+            # Lightning's FSDP strategy raises NotImplementedError for a lone optimizer too.
+            raise NotImplementedError("Loading an optimizer alone is not supported: its state is in the checkpoint "
+                                      "with the model's; fabric.load(path, {'model': model, 'optimizer': optimizer}).")
+        module_keys, optimizer_keys = self._split_state(state)
+        if not is_sharded_checkpoint(path):
+            return self._load_full(path, state, module_keys, optimizer_keys, strict, weights_only)
+        top = read_meta(path, weights_only)
+        if MODELS_KEY in top:
+            saved_models: dict[str, list[str]] = top.pop(MODELS_KEY)
+            folders = {key: Path(path) / key for key in saved_models}
+        elif len(module_keys) == 1:
+            saved_models = {module_keys[0]: [k for k in optimizer_keys][: len(top.get("optimizer_states", []))]}
+            folders = {module_keys[0]: Path(path)}
+        else:
+            raise CheckpointError(f"{path} holds one model, but {len(module_keys)} were asked for: {module_keys}.")
+        missing = [k for k in module_keys if k not in saved_models]
+        if missing:
+            raise KeyError(f"The checkpoint {path} holds no model {missing}; it holds {list(saved_models)}.")
+        meta = top
+        for key in module_keys:
+            mine = [k for k in optimizer_keys if self.engine_of(state[k]) is self.engine_of(state[key])]
+            optimizers = [state[k] for k in mine]
+            if mine != saved_models[key]:
+                if strict and any(k not in saved_models[key] for k in mine):
+                    raise KeyError(
+                        f"The requested state contains optimizer(s) {mine} of model '{key}' but the checkpoint {path} "
+                        f"holds the state of {len(saved_models[key])} ({saved_models[key]}): it was saved without them. "
+                        "Pass strict=False to load the model's weights alone."
+                    )
+                optimizers = []
+            loaded = load_sharded(self.engine_of(state[key]), optimizers, folders[key],
+                                  load_optimizer=bool(optimizers), weights_only=weights_only)
+            state[key].load_state_dict(loaded.pop("state_dict", {}), strict=False)  # buffers
+            restore_hyperparameters(optimizers, loaded.pop("optimizer_states", []))
+            if folders[key] == Path(path):
+                meta = loaded
+        meta.pop("zinf", None)
         meta.pop("pytorch-lightning_version", None)
-        rest = [k for k in state if k != module_key and k not in optimizer_keys]
+        meta.pop("state_dict", None)
+        meta.pop("optimizer_states", None)
+        rest = [k for k in state if k not in module_keys and k not in optimizer_keys]
         _validate_keys_for_strict_loading(rest, meta.keys(), strict=strict)
         for key in rest:
             if key not in meta:
@@ -389,25 +538,50 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 state[key] = meta.pop(key)
         return meta
 
-    def _split_state(self, state: dict[str, Any]) -> tuple[str, list[str]]:
-        """The key of the partitioned model in ``state``, and the keys of its optimizers."""
+    def _load_full(self, path: _PATH, state: dict[str, Any], module_keys: list[str], optimizer_keys: list[str],
+                   strict: bool, weights_only: Optional[bool]) -> dict[str, Any]:
+        """``fabric.load`` of a one-file checkpoint: as Fabric's DDP loads it, but partitioned."""
+        checkpoint = load_full_checkpoint(path, weights_only)
+        _validate_keys_for_strict_loading(list(state), checkpoint.keys(), strict=strict)
+        for key in state:
+            if key not in checkpoint:
+                continue
+            if key in module_keys:
+                state[key].load_state_dict(checkpoint.pop(key), strict=strict)
+            elif key in optimizer_keys:
+                load_full_optimizer_state_dict(self.engine_of(state[key]), state[key], checkpoint.pop(key))
+            elif isinstance(state[key], _Stateful):
+                state[key].load_state_dict(checkpoint.pop(key))
+            else:
+                state[key] = checkpoint.pop(key)
+        return checkpoint
+
+    def _split_state(self, state: dict[str, Any]) -> tuple[list[str], list[str]]:
+        """The keys of the partitioned models in ``state``, and of their optimizers.
+
+        Raises:
+            ValueError: ``state`` holds no model, or a module or optimizer this strategy did not set up.
+        """
         modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-        ours = [k for k in modules if getattr(state[k], "_zinf_engine", None) is self.engine]
-        if len(ours) != 1 or len(modules) != 1:
+        foreign = [k for k in modules if not any(getattr(state[k], "_zinf_engine", None) is e for e in self._engines)]
+        if not modules or foreign:
             raise ValueError(
-                f"The checkpoint state must hold exactly one model, the one set up with this strategy; it holds "
-                f"{len(modules)} module(s) ({modules}), {len(ours)} of them set up with it."
+                "The checkpoint state must hold the models set up with this strategy, and no other module; it holds "
+                f"{len(modules)} module(s) ({modules}), {len(foreign)} of them not set up with it ({foreign})."
             )
         optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer)]
-        if any(all(state[k] is not o for o in self.engine.optimizers) for k in optimizer_keys):
-            raise ValueError("Every optimizer in the checkpoint state must have been set up with this strategy "
-                             "(fabric.setup(model, optimizer) or fabric.setup_optimizers(optimizer)).")
-        return ours[0], optimizer_keys
+        for key in optimizer_keys:
+            try:
+                self.engine_of(state[key])
+            except TypeError:
+                raise ValueError("Every optimizer in the checkpoint state must have been set up with this strategy "
+                                 "(fabric.setup(model, optimizer) or fabric.setup_optimizers(optimizer)).") from None
+        return modules, optimizer_keys
 
     # --- teardown / registration ------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        finish_run(self._engine, self._watch)
+        finish_run(self._engines, self._watch)
         self._watch = None
         super().teardown()
 
@@ -423,8 +597,19 @@ class _EveryMicroBatch(_BackwardSyncControl):
     """``fabric.no_backward_sync``: gradients are reduce-scattered at every micro-batch and summed
     into fp32 shards (exact accumulation at 1/W of the memory); there is nothing to skip."""
 
+    def __init__(self, strategy: ZeroInfinityFabricStrategy) -> None:
+        self._strategy = strategy
+
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        """A context that changes nothing.
+
+        Raises:
+            TypeError: ``enabled`` and ``module`` is not the model set up with this strategy (as
+                Lightning's FSDP strategy raises for a module it did not wrap).
+        """
+        if enabled:
+            self._strategy._check_set_up(module, "Blocking backward sync (fabric.no_backward_sync)")
         return nullcontext()
 
 

@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _distributed_is_initialized,
@@ -26,9 +26,11 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dict, matching_prefix, \
     provided_parameters
@@ -46,7 +48,8 @@ from lightning_zinf.tiling import tile_views
 
 __all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "report_failure", "finish_run", "PRESETS",
            "register_presets", "module_buffers", "optimizer_hyperparameters", "restore_hyperparameters",
-           "init_distributed", "barrier", "broadcast", "all_reduce"]
+           "init_distributed", "barrier", "broadcast", "all_reduce", "NotSupportedError", "refuse_checkpoint_io",
+           "checkpointed_layers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +74,15 @@ class ZeroOptions:
     load_full_weights: Optional[Union[str, os.PathLike]] = None
     load_prefix: Optional[str] = None
     exclude_frozen_parameters: bool = False
+    state_dict_type: str = "sharded"
 
     def __post_init__(self) -> None:
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ValueError(
+                f"state_dict_type={self.state_dict_type!r}: use 'sharded' (a folder with one shard file per rank, "
+                "the default) or 'full' (one file, as DDP writes it, that DDP, one device and "
+                "LightningModule.load_from_checkpoint load)."
+            )
         def classes(value: Any) -> tuple:
             return (value,) if isinstance(value, (str, type)) else tuple(value)
 
@@ -123,6 +133,10 @@ def build_engine(
     Raises:
         ValueError: fp16 loss scaling with NVMe optimizer offload.
         CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model.
+
+    Warns:
+        UserWarning: ``options.activation_checkpointing`` is set but the model already checkpoints
+            some layers itself (:func:`checkpointed_layers`); the option is then ignored.
     """
     if loss_scaling and options.offload.optimizer == "nvme":
         raise ValueError(
@@ -145,13 +159,77 @@ def build_engine(
         tiling=options.tiling,
         zero_pp=dataclasses.replace(options.zero_pp, ranks_per_node=options.zero_pp.ranks_per_node or ranks_per_node),
         mixed_precision=options.mixed_precision or precision,
-        activation_checkpointing=options.activation_checkpointing,
+        activation_checkpointing=_activation_checkpointing(module, options.activation_checkpointing),
         timeout=timeout,
         preloaded=preloaded,
     )
     if weights is not None:
         _load_full_weights(engine, weights, prefix, preloaded)
     return engine
+
+
+class NotSupportedError(MisconfigurationException, NotImplementedError, ValueError):
+    """A combination of options and calls the strategy cannot honour (clipping gradients by value
+    while they are on NVMe...), raised before it would silently do something else.
+
+    It is each type Lightning's sharded strategies raise for such a case, so code written for them
+    catches it: ``MisconfigurationException`` (the Trainer's ``DeepSpeedStrategy``, e.g. for
+    ``gradient_clip_algorithm="value"``), ``NotImplementedError`` (Fabric's ``DeepSpeedStrategy``
+    and ``FSDPStrategy``), and ``ValueError`` (what this package raised for it before).
+    """
+
+
+def refuse_checkpoint_io(checkpoint_io: Optional[CheckpointIO], strategy: str) -> None:
+    """Refuse a user's ``CheckpointIO`` plugin (``plugins=[...]``, or the strategy's ``checkpoint_io=``).
+
+    The strategies write and read their checkpoints themselves (every rank its own shard files,
+    :mod:`lightning_zinf.checkpoint`), so a plugin would never be called, and the storage, format
+    or asynchrony the user chose would be lost without a word. Lightning's Fabric ``FSDPStrategy``
+    and ``ModelParallelStrategy`` refuse one the same way, with this type (its Trainer strategies
+    ignore it).
+
+    Args:
+        checkpoint_io: The plugin given, or ``None``.
+        strategy: The strategy's class name, for the message.
+
+    Raises:
+        NotImplementedError: ``checkpoint_io`` is not ``None``.
+    """
+    if checkpoint_io is not None:
+        raise NotImplementedError(
+            f"{strategy} does not use a CheckpointIO plugin: it writes and reads its checkpoints itself (every "
+            f"rank its own shards), so {type(checkpoint_io).__name__} would never be called. Remove it from "
+            "`plugins=` (or `checkpoint_io=`); give the checkpoint's path to ModelCheckpoint(dirpath=...), "
+            "trainer.save_checkpoint(path) or fabric.save(path, ...) to choose where it is written."
+        )
+
+
+def checkpointed_layers(module: nn.Module) -> list[str]:
+    """The qualified names of ``module``'s submodules that already run under activation checkpointing
+    set up outside the strategy: torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
+    ``apply_activation_checkpointing``; what Lightning's ``FSDPStrategy`` looks for) and Hugging Face
+    modules after ``gradient_checkpointing_enable()`` (their ``gradient_checkpointing`` is ``True``).
+    Checkpointing called inside a ``forward`` (``torch.utils.checkpoint``) cannot be seen."""
+    return [name for name, sub in module.named_modules()
+            if isinstance(sub, CheckpointWrapper) or getattr(sub, "gradient_checkpointing", False) is True]
+
+
+def _activation_checkpointing(module: nn.Module, classes: Sequence[Union[str, type]]) -> Sequence[Union[str, type]]:
+    """``classes``, or none (with a warning) when the model checkpoints some layers itself: wrapping
+    a layer inside a checkpointed one would recompute it twice in backward. Lightning's FSDP
+    strategies make the same choice, with the same warning."""
+    if not classes:
+        return classes
+    present = checkpointed_layers(module)
+    if not present:
+        return classes
+    rank_zero_warn(
+        f"activation_checkpointing={[getattr(c, '__name__', c) for c in classes]} is configured, but the model "
+        f"already contains checkpointed layers ({', '.join(present[:5])}{' ...' if len(present) > 5 else ''}). "
+        "The strategy's checkpointing is ignored; to use it instead, remove the model's own (checkpoint_wrapper, "
+        "gradient_checkpointing_enable()) or leave activation_checkpointing unset."
+    )
+    return ()
 
 
 def _load_full_weights(engine: ZeroEngine, weights: Union[str, os.PathLike], prefix: str, preloaded: list[str]) -> None:
@@ -257,11 +335,11 @@ def start_watch(rank: int, world_size: int, timeout: timedelta,
     return watch
 
 
-def finish_run(engine: Optional[ZeroEngine], watch: Optional[RankWatch]) -> None:
-    """An adapter's teardown: release the engine's gathered units (a collective, skipped after a
+def finish_run(engines: Sequence[ZeroEngine], watch: Optional[RankWatch]) -> None:
+    """An adapter's teardown: release the engines' gathered units (collectives, skipped after a
     failure: the other ranks may be gone) and stop the watch (the normal end)."""
     failed = watch is not None and watch.first_failure() is not None
-    if engine is not None and not failed:
+    for engine in engines if not failed else ():
         engine.release_all()
     if watch is not None:
         watch.stop()

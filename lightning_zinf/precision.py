@@ -19,14 +19,25 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.config import MixedPrecisionConfig
+from lightning_zinf.options import NotSupportedError
 
 if TYPE_CHECKING:
     from lightning_zinf.engine import ZeroEngine
 
 __all__ = ["ZeroPrecision", "ZeroMixedPrecision", "ZeroHalfPrecision", "to_zero_precision", "to_zero_fabric_precision",
-           "policy_for"]
+           "policy_for", "UnsupportedPrecisionError", "refuse_clipping_by_value"]
 
 SUPPORTED = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+class UnsupportedPrecisionError(TypeError, ValueError):
+    """A precision the strategy does not support (``"64-true"``, transformer-engine, a custom plugin).
+
+    Both types Lightning's sharded strategies raise for it, so code written for them catches it:
+    ``ValueError`` for a ``precision=`` string (``FSDPPrecision``, ``DeepSpeedPrecision``,
+    ``ModelParallelStrategy``), ``TypeError`` for a plugin of another class (the ``precision_plugin``
+    setter of ``FSDPStrategy``).
+    """
 
 
 class _GlobalNormClipping:
@@ -50,12 +61,12 @@ class _GlobalNormClipping:
         """Elementwise, so exact on shards, when the gradients are in memory.
 
         Raises:
-            ValueError: with NVMe optimizer offload (the gradients are on disk until the step; the
-                clamp would find none and do nothing).
+            NotSupportedError: with NVMe optimizer offload (the gradients are on disk until the step;
+                the clamp would find none and do nothing). A ``MisconfigurationException``, as
+                Lightning's DeepSpeed strategy raises for clipping by value, and a ``ValueError``.
         """
-        if self.engine is not None and self.engine.offload is not None and self.engine.offload.nvme:
-            raise ValueError("gradient_clip_algorithm='value' needs the gradients in memory; with "
-                             "OffloadConfig(optimizer='nvme') clip by norm (the default), or use optimizer='cpu'.")
+        if self.engine is not None:
+            refuse_clipping_by_value(self.engine)
         super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -87,7 +98,8 @@ def to_zero_precision(plugin: Precision) -> Precision:
         A :class:`ZeroPrecision`, :class:`ZeroMixedPrecision` or :class:`ZeroHalfPrecision`.
 
     Raises:
-        TypeError: a plugin for another precision (``"64-true"``, transformer-engine, a custom one).
+        UnsupportedPrecisionError: a plugin for another precision (``"64-true"``, transformer-engine, a
+            custom one); a ``TypeError`` and a ``ValueError``.
     """
     if isinstance(plugin, _GlobalNormClipping):
         return plugin
@@ -112,7 +124,8 @@ def to_zero_fabric_precision(plugin: fabric_precision.Precision) -> fabric_preci
         ``plugin``, or for ``"16-mixed"`` a ``MixedPrecision`` with a ``ShardedGradScaler``.
 
     Raises:
-        TypeError: a plugin for another precision (``"64-true"``, transformer-engine, a custom one).
+        UnsupportedPrecisionError: a plugin for another precision (``"64-true"``, transformer-engine, a
+            custom one); a ``TypeError`` and a ``ValueError``.
     """
     if type(plugin) in (fabric_precision.Precision, fabric_precision.HalfPrecision):
         return plugin
@@ -133,8 +146,28 @@ def _sharded(scaler: Optional[torch.amp.GradScaler], device: str) -> Optional[Sh
     return sharded
 
 
-def _unsupported(plugin: Any) -> TypeError:
-    return TypeError(
+def refuse_clipping_by_value(engine: "ZeroEngine", fabric: bool = False) -> None:
+    """Refuse to clip by value where the gradients are not in memory at clipping time (with NVMe
+    optimizer offload they are on disk until the step: a clamp would find none and do nothing).
+
+    Args:
+        engine: The strategy's engine.
+        fabric: Word the fix for ``fabric.clip_gradients`` rather than the Trainer's arguments.
+
+    Raises:
+        NotSupportedError: ``engine`` offloads the optimizer to NVMe.
+    """
+    if engine.offload is None or not engine.offload.nvme:
+        return
+    if fabric:
+        raise NotSupportedError("Clipping by value needs the gradients in memory; with OffloadConfig(optimizer='nvme') "
+                                "use fabric.clip_gradients(max_norm=...), or optimizer='cpu'.")
+    raise NotSupportedError("gradient_clip_algorithm='value' needs the gradients in memory; with "
+                            "OffloadConfig(optimizer='nvme') clip by norm (the default), or use optimizer='cpu'.")
+
+
+def _unsupported(plugin: Any) -> UnsupportedPrecisionError:
+    return UnsupportedPrecisionError(
         f"The zero_infinity strategy does not support {type(plugin).__name__} "
         f"(precision={getattr(plugin, 'precision', '?')!r}). Use precision= with one of {', '.join(SUPPORTED)}."
     )

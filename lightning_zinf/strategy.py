@@ -31,15 +31,19 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import load_sharded, save_sharded
+from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, read_meta, save_sharded
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
+from lightning_zinf.engine.state_dict import state_dict_options
+from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
+                                       save_full_checkpoint)
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
-                                    init_distributed, module_buffers, optimizer_hyperparameters, register_presets,
-                                    report_failure, restore_hyperparameters, start_watch)
-from lightning_zinf.precision import policy_for, to_zero_precision
+                                    init_distributed, module_buffers, optimizer_hyperparameters, refuse_checkpoint_io,
+                                    register_presets, report_failure, restore_hyperparameters, start_watch)
+from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_precision
+from lightning_zinf.summary import use_sharded_summary
 
 __all__ = ["ZeroInfinityStrategy"]
 
@@ -58,6 +62,22 @@ def _weights_only_passed_to_trainer() -> Optional[bool]:
     return None
 
 
+def _checked_optimizer_states(checkpoint: dict[str, Any], count: int, path: Any) -> list[dict[str, Any]]:
+    """The checkpoint's optimizer states, which must be one per optimizer of the run.
+
+    Raises:
+        CheckpointError: the checkpoint holds the state of more or fewer optimizers.
+    """
+    saved = checkpoint.get("optimizer_states", [])
+    if len(saved) != count:
+        raise CheckpointError(
+            f"{path} holds the state of {len(saved)} optimizer(s) but configure_optimizers returns {count}: it was "
+            "saved by a run configured differently. Return the same optimizers to resume it, or load its weights "
+            "alone (LightningModule.load_from_checkpoint, or load_full_state_dict for a sharded checkpoint)."
+        )
+    return saved
+
+
 class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     """ZeRO stage 3 data parallelism for Lightning: parameters, gradients and optimizer states are
     partitioned across all ranks (Rajbhandari et al., ZeRO, SC'20 §5; ZeRO-Infinity, SC'21 §5-6).
@@ -65,7 +85,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     Use ``Trainer(strategy="zero_infinity")`` after ``import lightning_zinf``, or pass an instance to
     set options. Build the model in ``LightningModule.configure_model`` so it is partitioned unit by
     unit as it is built and never exists whole on one rank (its modules' ``reset_parameters()``
-    initialise it); a model built in ``__init__`` is partitioned at setup from rank 0's values.
+    initialise it), or inside ``trainer.init_module()`` (the same: on the meta device until setup);
+    a model built in ``__init__`` otherwise is partitioned at setup from rank 0's values.
     The optimizer from ``configure_optimizers`` (any elementwise torch optimizer) and its LR
     schedulers work unchanged; the strategy steps it on fp32 master shards.
 
@@ -91,8 +112,9 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         activation_checkpointing: Module classes (or class names, e.g. ``["Block"]``) whose forward
             runs under torch's non-reentrant activation checkpointing: backward recomputes them,
             re-gathering their units. Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: As for
-            any Lightning ``ParallelStrategy``; the Trainer sets them.
+        accelerator, parallel_devices, cluster_environment, precision_plugin: As for any Lightning
+            ``ParallelStrategy``; the Trainer sets them.
+        checkpoint_io: Must be ``None``: checkpoints do not go through a ``CheckpointIO``.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
         timeout: How long a collective may wait for other ranks before failing (a rank that died or
             diverged then ends the run with an error instead of a hang).
@@ -108,9 +130,22 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         exclude_frozen_parameters: Leave frozen parameters out of the checkpoints (DeepSpeed's option
             of this name): a LoRA run saves its adapters and their optimizer state only. Resuming is
             exact when the model is built with the same frozen values (``load_full_weights``).
+        state_dict_type: ``"sharded"`` (default): a checkpoint is a folder with one shard file per
+            rank (:mod:`lightning_zinf.checkpoint`), written in parallel and readable at any world
+            size. ``"full"``: one file, written by rank 0, in the format DDP and one device write
+            (the full ``state_dict`` and plain optimizer states, gathered one unit at a time), which
+            they, ``LightningModule.load_from_checkpoint`` and this strategy load (Lightning's
+            ``FSDPStrategy(state_dict_type=...)``). Either type resumes a run from the other, and
+            from a DDP or one-device checkpoint.
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
+        NotImplementedError: a ``checkpoint_io`` (or, when the Trainer is built, a ``CheckpointIO``
+            in ``Trainer(plugins=...)``): every rank writes its own shards, so it would never be called.
+        UnsupportedPrecisionError: when the Trainer is built, a precision other than ``"32-true"``,
+            ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"`` (a ``ValueError``, as
+            Lightning's sharded strategies raise for a ``precision=`` string, and a ``TypeError``,
+            as ``FSDPStrategy`` raises for a plugin).
     """
 
     strategy_name = "zero_infinity"
@@ -135,7 +170,9 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         load_full_weights: Optional[str | os.PathLike] = None,
         load_prefix: Optional[str] = None,
         exclude_frozen_parameters: bool = False,
+        state_dict_type: str = "sharded",
     ) -> None:
+        refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -147,7 +184,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             block_classes=block_classes, prefetch=prefetch, offload=offload, tiling=tiling, zero_pp=zero_pp,
             mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
             load_full_weights=load_full_weights, load_prefix=load_prefix,
-            exclude_frozen_parameters=exclude_frozen_parameters,
+            exclude_frozen_parameters=exclude_frozen_parameters, state_dict_type=state_dict_type,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -198,6 +235,26 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         self._precision_plugin = None if precision_plugin is None else to_zero_precision(precision_plugin)
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's default ``TorchCheckpointIO``. Checkpoints bypass it (every rank writes its
+        shards); Lightning still deletes old checkpoints through it (``ModelCheckpoint(save_top_k=...)``,
+        a recursive delete, so it removes a checkpoint folder)."""
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        """The Trainer sets a plugin given in ``Trainer(plugins=[...])`` here, at its construction.
+
+        Raises:
+            NotImplementedError: any plugin: it would never be called
+                (:func:`~lightning_zinf.options.refuse_checkpoint_io`).
+        """
+        refuse_checkpoint_io(io, type(self).__name__)
+        self._checkpoint_io = io
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -220,22 +277,56 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engine)
 
     # --- model ------------------------------------------------------------------------------------
+    # ``model_sharded_context`` is deliberately not overridden: ``trainer.init_module()`` warns that it
+    # cannot build the model properly whenever a strategy overrides it, and here it can. The meta
+    # device comes from ``tensor_init_context``, which both ``init_module`` and ``configure_model`` enter.
     @contextmanager
     @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """Parameters created inside (``configure_model``) go to the meta device until setup."""
-        with meta_parameters():
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """How ``trainer.init_module(empty_init)`` and ``configure_model`` (entered with ``None``) build
+        tensors: on this rank's device, in the precision plugin's dtype, and
+
+        - ``empty_init=True`` or ``None``: parameters on the meta device, so nothing of the model is
+          allocated on any rank; at setup the engine materialises them unit by unit with each
+          module's ``reset_parameters()`` and partitions them (values as eager construction draws
+          from the random state at the first parameter, see
+          :func:`~lightning_zinf.meta_parameters`). Buffers are real.
+        - ``empty_init=False``: real parameters, initialised as the modules do, whole on every
+          rank; setup partitions them from rank 0's values.
+
+        Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy`` build on the meta device for
+        ``empty_init=True`` too; ``None`` means meta here because the model is never meant to exist
+        whole on a rank. The deprecated ``configure_sharded_model`` hook runs outside this context:
+        its model is built for real.
+        """
+        if empty_init is False:
+            with super().tensor_init_context(empty_init=False):
+                yield
+            return
+        with self.root_device, self.precision_plugin.tensor_init_context(), meta_parameters():
             yield
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        """Partition the LightningModule (or reuse its engine), then shard the optimizers."""
+        """Partition the LightningModule (or reuse its engine), then shard the optimizers.
+
+        As Lightning's ``FSDPStrategy``: ``Trainer(sync_batchnorm=True)`` converts the batch-norm
+        layers to ``SyncBatchNorm`` before a fit. The model summary at fit start counts the
+        partitioned parameters at their full sizes (:class:`~lightning_zinf.ShardedModelSummary`).
+
+        Raises:
+            NotSupportedError: ``gradient_clip_algorithm="value"`` with NVMe optimizer offload (a
+                ``MisconfigurationException``, as Lightning's DeepSpeed strategy raises here).
+        """
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         # A model already partitioned (fit then test, or a second Trainer) keeps its engine.
         self._engine = getattr(self.model, "_zinf_engine", None)
         if self._engine is None:
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+                # Before partitioning: the engine hooks the modules this replaces.
+                self.model = self._layer_sync.apply(self.model)
             self._engine = build_engine(
                 self.model, self.options, device=self.root_device, ranks_per_node=self.num_processes,
                 precision=policy_for(self.precision_plugin),
@@ -245,6 +336,10 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
         if self._watch is not None:
             self._engine.on_departure = self._watch.note_departure
+        clips_by_value = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
+        if trainer.state.fn == TrainerFn.FITTING and clips_by_value:
+            refuse_clipping_by_value(self._engine)  # now, rather than after the first step's backward
+        use_sharded_summary(trainer.callbacks)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -343,51 +438,90 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's buffers (replicated on every rank); parameters live in the shard files."""
+        """With ``state_dict_type="full"``: the LightningModule's whole state dict on rank 0, on the
+        CPU, gathered one unit at a time (the other ranks' holds its buffers; collective). With
+        ``"sharded"``: its buffers (replicated on every rank); the parameters go to the shard files."""
         assert self.lightning_module is not None
+        if self.options.state_dict_type == "full":
+            with state_dict_options(self.lightning_module, rank0_only=True):
+                return self.lightning_module.state_dict()
         return module_buffers(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Hyper-parameters per param group; per-element state goes to the shard files."""
+        """With ``state_dict_type="full"``: the state dict the optimizer would have over the
+        unpartitioned model, on rank 0 (:func:`~lightning_zinf.full_state.full_optimizer_state_dict`;
+        collective). With ``"sharded"``: hyper-parameters per param group; per-element state goes to
+        the shard files."""
+        if self.options.state_dict_type == "full":
+            return full_optimizer_state_dict(self.engine, optimizer, rank0_only=True)
         return optimizer_hyperparameters(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """Write a sharded checkpoint directory at ``filepath`` (see :mod:`lightning_zinf.checkpoint`)."""
+        """Write a sharded checkpoint directory at ``filepath`` (see :mod:`lightning_zinf.checkpoint`),
+        or with ``state_dict_type="full"`` one file from rank 0, in DDP's format
+        (:func:`~lightning_zinf.full_state.save_full_checkpoint`). Collective.
+
+        Raises:
+            TypeError: ``storage_options`` (as Lightning's FSDP and DeepSpeed strategies).
+        """
         if storage_options is not None:
             raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
+        path = self.broadcast(filepath)
+        if self.options.state_dict_type == "full":
+            save_full_checkpoint(checkpoint, path, writer=self.is_global_zero)
+            self.barrier()
+            return
         with_optimizer = "optimizer_states" in checkpoint
-        save_sharded(self.engine, self.optimizers if with_optimizer else [], self.broadcast(filepath), checkpoint,
+        save_sharded(self.engine, self.optimizers if with_optimizer else [], path, checkpoint,
                      exclude_frozen=self.options.exclude_frozen_parameters)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load shards (at this or another world size) and return Lightning's state for its loops.
+        """Load a checkpoint of either type (at this or another world size), or a DDP or one-device
+        ``.ckpt`` file, and return Lightning's state for its loops. When fitting, the optimizers'
+        state is restored here (sharded: from the shard files; a file: each rank keeps its slices of
+        the plain optimizer states); a file's model weights load in :meth:`load_model_state_dict`.
 
         ``weights_only`` is what ``trainer.fit(ckpt_path=..., weights_only=...)`` passes: ``None``
-        (the default) or ``True`` reads ``meta.pt`` without running code from it (torch's
-        weights-only unpickler and :data:`~lightning_zinf.checkpoint.CHECKPOINT_GLOBALS`), ``False``
-        unpickles it fully, for a file the user trusts.
+        (the default) or ``True`` reads ``meta.pt`` (or the file) without running code from it
+        (torch's weights-only unpickler and :data:`~lightning_zinf.checkpoint.CHECKPOINT_GLOBALS`),
+        ``False`` unpickles it fully, for a file the user trusts.
 
         Raises:
-            CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, or a
-                ``meta.pt`` naming code the safe load refuses (on every rank: each reads it).
+            CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, a
+                ``meta.pt`` naming code the safe load refuses (on every rank: each reads it), or one
+                with more or fewer optimizers than the run has.
         """
         assert self.lightning_module is not None
         if weights_only is None:
             weights_only = _weights_only_passed_to_trainer()
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        meta = load_sharded(self.engine, self.optimizers, self.broadcast(checkpoint_path), load_optimizer=fitting,
-                            weights_only=weights_only)
+        path = self.broadcast(checkpoint_path)
+        if not is_sharded_checkpoint(path):
+            checkpoint = load_full_checkpoint(path, weights_only)
+            if fitting:
+                saved = _checked_optimizer_states(checkpoint, len(self.optimizers), path)
+                for optimizer, state in zip(self.optimizers, saved):
+                    load_full_optimizer_state_dict(self.engine, optimizer, state)
+            return checkpoint
+        if fitting:
+            _checked_optimizer_states(read_meta(path, weights_only), len(self.optimizers), path)
+        meta = load_sharded(self.engine, self.optimizers, path, load_optimizer=fitting, weights_only=weights_only)
         restore_hyperparameters(self.optimizers, meta.get("optimizer_states", []) if fitting else [])
         return meta
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """Restore buffers; the parameters were loaded into the shards by :meth:`load_checkpoint`."""
+        """A file's ``state_dict`` loads through the LightningModule's ``load_state_dict`` (each
+        rank keeps its shards' part, one unit at a time); after a sharded load, which filled the
+        shards, the buffers."""
         assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(checkpoint.get("state_dict", {}), strict=False)
+        if "zinf" in checkpoint:
+            self.lightning_module.load_state_dict(checkpoint.get("state_dict", {}), strict=False)
+        else:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -405,7 +539,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def teardown(self) -> None:
         # Unlike the base class, keep the model where it is: its state lives in the shards, and a
         # following validate/test/predict reuses the engine.
-        finish_run(self._engine, self._watch)
+        finish_run([self._engine] if self._engine is not None else [], self._watch)
         self._watch = None
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()

@@ -288,9 +288,12 @@ def _merge_tiles(module: TiledLinear, state_dict: dict[str, Any], prefix: str, l
     if tile_keys[0] not in state_dict:
         return
     values = [state_dict[k] for k in tile_keys]
-    shapes_ok = all(v.dim() == 2 and tuple(v.shape) == tuple(t.weight.shape) for v, t in zip(values, module.tiles))
-    # Under the ZeRO engine, released tiles are empty tensors; the merged entry is empty alike.
-    merged = {f"{prefix}weight": _assemble(values, module.out_splits, module.in_splits) if shapes_ok else values[0].new_empty(0)}
+    # Each tile's shape from its place, not from its parameter, which the ZeRO engine has released
+    # again (to an empty tensor) by the time this hook runs; the entries are full copies.
+    shapes_ok = all(tuple(v.shape) == (t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]) for v, t in zip(values, module.tiles))
+    if not shapes_ok:
+        return  # not this layer's tiles (a state dict edited by other hooks): left in tile form
+    merged = {f"{prefix}weight": _assemble(values, module.out_splits, module.in_splits)}
     bias_key = f"{prefix}tile_bias.bias"
     if bias_key in state_dict:
         merged[f"{prefix}bias"] = state_dict[bias_key]

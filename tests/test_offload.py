@@ -445,17 +445,25 @@ def test_activation_offload_moves_activations_only(checkpointing) -> None:
         assert torch.equal(a, b)
 
 
-def _clip_by_value(rank: int, world: int, nvme: str) -> str:
+def _clip_by_value(rank: int, world: int, nvme: str) -> dict:
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
 
     strategy = ZeroInfinityStrategy(offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme))
     trainer = _trainer(strategy, world, gradient_clip_algorithm="value")
+    lit = LitGPT(GLOBAL_BATCH // world)
     with pytest.raises(ValueError) as error:
-        trainer.fit(LitGPT(GLOBAL_BATCH // world))
-    return str(error.value)
+        trainer.fit(lit)
+    return {"message": str(error.value), "steps": len(lit.train_losses),
+            "lightning_type": isinstance(error.value, MisconfigurationException)}
 
 
 def test_clipping_by_value_with_gradients_on_disk_is_refused(tmp_path: Path) -> None:
-    """The gradients are in swap files until the step: a clamp would find none and do nothing."""
-    message = run_distributed(_clip_by_value, 1, str(tmp_path), init_pg=False)[0]
-    assert "gradient_clip_algorithm='value' needs the gradients in memory" in message
+    """The gradients are in swap files until the step: a clamp would find none and do nothing. The
+    fit is refused at setup, before any step, with a ``MisconfigurationException`` as Lightning's
+    DeepSpeed strategy refuses clipping by value (and a ``ValueError``, as before)."""
+    result = run_distributed(_clip_by_value, 1, str(tmp_path), init_pg=False)[0]
+    assert "gradient_clip_algorithm='value' needs the gradients in memory" in result["message"]
+    assert result["lightning_type"]
+    assert result["steps"] == 0

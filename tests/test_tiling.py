@@ -249,8 +249,15 @@ def _load_into_tiled(rank: int, world: int, path: str) -> dict[str, torch.Tensor
         return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_state_dict_outside_gathered_is_empty_not_wrong() -> None:
+def test_state_dict_outside_gathered_is_the_untiled_layers() -> None:
+    """Outside ``gathered()`` too, a tiled layer saves as ``nn.Linear`` does: one full ``weight``
+    (the tiles gathered one at a time), equal to the untiled model's."""
+    torch.manual_seed(0)
+    plain = Net(tiled=False)
+    torch.manual_seed(0)
     model = Net(tiled=True)
     ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
     state = model.state_dict()
-    assert state["out.weight"].numel() == 0 and "out.tiles.0.weight" not in state
+    assert "out.tiles.0.weight" not in state and list(state) == list(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        assert torch.equal(state[name], value), name

@@ -50,6 +50,7 @@ from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
 from lightning_zinf.engine.partition import (UnitSpec, init_rng_state, materialize, parameter_slots, parent_modules,
                                              plan_units)
+from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import HeldUntilWait, Transfers, resolve_device
 from lightning_zinf.offload.activations import ActivationOffload
@@ -85,15 +86,18 @@ class Unit:
     Attributes:
         index: Position in :attr:`ZeroEngine.units` (the id recorded in traces).
         name: The owning module's qualified name.
+        module: The owning module (a block's, or the module whose own parameters these are).
         groups: One :class:`FlatGroup` per (dtype, requires_grad) among its parameters.
         numel: Parameter elements in the unit.
         persistent: Stays gathered for the whole run (small units and the root's own parameters).
         trainable_groups: How many of ``groups`` are trainable; ``has_frozen``: some are not.
     """
 
-    def __init__(self, index: int, name: str, groups: list[FlatGroup], persistent: bool) -> None:
+    def __init__(self, index: int, name: str, groups: list[FlatGroup], persistent: bool,
+                 module: Optional[nn.Module] = None) -> None:
         self.index = index
         self.name = name
+        self.module = module
         self.groups = groups
         self.numel = sum(g.numel for g in groups)
         self.persistent = persistent
@@ -169,6 +173,12 @@ class ZeroEngine:
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
         collectives_issued: Gathers and reduce-scatters issued over the run (quoted by :meth:`progress`).
+        optimizers: The optimizers :meth:`shard_optimizer` re-pointed, in order.
+        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it:
+            ``(flat group index, position in the group)``, or ``None`` for a frozen parameter (the
+            optimizer's plain, unsharded state dict numbers them in this order).
+        state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
+            ``module.state_dict()``/``load_state_dict()`` read and write full values.
         on_departure: Called with a description of the next collective when this rank leaves the
             agreed trace (before it checks with the other ranks), and with ``None`` once they agreed;
             the strategies point it at their :class:`~lightning_zinf.comm.watch.RankWatch`.
@@ -259,6 +269,7 @@ class ZeroEngine:
         self._force_check = 0  # inside gathered(): user code, so its gathers are checked too
         self._departure_agreed = False  # this pass left its trace and every rank agreed on the branch
         self.optimizers: list[torch.optim.Optimizer] = []
+        self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
         self._backward_end_queued = False
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
         self._gathered_depth = 0  # nested gathered() blocks
@@ -271,6 +282,8 @@ class ZeroEngine:
         if offload.optimizer != "none":
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
         self._hooks = self._install_hooks()
+        self.state_dict_hooks = StateDictHooks(self)
+        self._hooks += self.state_dict_hooks.install()
         refuse_unsharded_steps(self, [p for g in self.groups if g.trainable for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
         self._mark_partitioned(True)
@@ -302,7 +315,7 @@ class ZeroEngine:
                 groups = [self._flat_group(members, any(id(p) in built_real for _, p in members))
                           for members in _split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold
-                units.append(Unit(index, spec.name, groups, persistent))
+                units.append(Unit(index, spec.name, groups, persistent, spec.module))
         finally:
             if on_meta:
                 torch.set_rng_state(own_rng)
@@ -375,6 +388,7 @@ class ZeroEngine:
         ahead but never used; frees the gradient shards the optimizer has consumed (after
         ``zero_grad()``). Every rank must call it at the same points.
         """
+        self.state_dict_hooks.reset()
         self._settle(boundary=True)
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
@@ -441,7 +455,11 @@ class ZeroEngine:
                 if group.trainable and group.master is None:
                     with shard_resident(group):
                         group.make_master(separate=True)
+        # Where each parameter the user gave the optimizer went, for its plain (unsharded) state dict.
+        where = {id(p): (i, j) for i, g in enumerate(self.groups) if g.trainable for j, p in enumerate(g.params)}
+        layout = [[where.get(id(p)) for p in param_group["params"]] for param_group in optimizer.param_groups]
         shard_optimizer(optimizer, self.groups)
+        self.plain_layouts.append(layout)
         if self.offload is not None and self.offload.nvme:
             self.offload.wrap_zero_grad(optimizer)
         self.optimizers.append(optimizer)
@@ -730,6 +748,48 @@ class ZeroEngine:
             if self._gathered_depth == 0:  # an enclosing block still wants the exact values
                 self._gather_all([u for u in units if u.persistent])  # back to the compute dtype
 
+    # --- one unit at a time, exactly (state_dict / load_state_dict) ---------------------------------
+    def begin_unit_access(self) -> None:
+        """Finish every collective and swap in flight before code reads or writes parameters unit
+        by unit (:meth:`hold_exact`); call once per traversal, not per unit."""
+        self._settle()
+
+    def hold_exact(self, unit: Unit) -> None:
+        """Gather ``unit`` with its exact values in the parameters' own dtype (the fp32 masters'
+        values under a bf16 policy, as :meth:`gathered`) and keep it gathered until
+        :meth:`drop_exact`. Collective: every rank must hold the same units in the same order
+        (a rank that does not is reported as a divergence, as in :meth:`gathered`)."""
+        unit.forward_depth += 1
+        self._force_check += 1
+        try:
+            self._gather_all([unit], read=True)
+        except BaseException:
+            unit.forward_depth -= 1
+            raise
+        finally:
+            self._force_check -= 1
+
+    def drop_exact(self, unit: Unit, write_back: bool) -> None:
+        """End a :meth:`hold_exact`: with ``write_back``, copy this rank's slice of the (edited or
+        loaded) full values into its shards and fp32 masters first (only the elements that
+        changed: unedited masters keep their fp32 bits); then release the unit unless something
+        else holds it. A persistent unit stays gathered in the parameters' dtype until
+        :meth:`end_unit_access`."""
+        try:
+            if write_back:
+                with self.state_resident(write_back=True, groups=unit.groups):
+                    for group in unit.groups:
+                        group.write_back()
+        finally:
+            unit.forward_depth -= 1
+            self._maybe_release(unit)
+
+    def end_unit_access(self, units: Collection[Unit]) -> None:
+        """After a traversal of :meth:`hold_exact` calls: the persistent ones among ``units`` go back
+        to their compute-dtype gather (collective, as the holds were)."""
+        if self._gathered_depth == 0:  # inside gathered(): its exit does it
+            self._gather_all([u for u in units if u.persistent])
+
     @contextmanager
     def keep_gathered(self, budget: int) -> Iterator[None]:
         """Within the block, a unit that finishes its forward stays gathered while the gathered
@@ -916,7 +976,10 @@ class ZeroEngine:
         if boundary:
             self._backward_end_queued = False  # its callback died with a backward that raised
             self._calls.clear()
-        for unit in self.units:
+        # Between passes every unit's counters are reset; otherwise only units gathered or in flight
+        # (``_live``) have anything to finish, so that a checkpoint's or a state dict's per-unit
+        # calls cost O(1) each, not O(units).
+        for unit in self.units if boundary else list(self._live.values()):
             if boundary:
                 unit.forward_depth, unit.held, unit.reduced_groups, unit.pending_backward = 0, False, 0, 0
                 for group in unit.groups:

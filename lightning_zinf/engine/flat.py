@@ -291,6 +291,15 @@ class FlatGroup:
         for p, offset, numel, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.data = self.active[offset : offset + numel].view(shape)
 
+    def repoint(self) -> None:
+        """Point every parameter back at the buffer it is gathered into, or at the empty tensor of a
+        released group (after code that set ``.data`` to something else for a while: a state dict)."""
+        if self.active.untyped_storage().nbytes():
+            self.finish_gather()
+        else:
+            for p in self.params:
+                p.data = self._empty
+
     def release(self) -> None:
         """Free the gathered buffer; parameters become empty tensors until the next gather."""
         for p in self.params:

@@ -1,0 +1,249 @@
+"""An optimizer's full (unsharded) state dict, out of and into the fp32-shard optimizer.
+
+After :meth:`~lightning_zinf.ZeroEngine.shard_optimizer` the user's optimizer steps 1-D fragments
+of this rank's master shards, so its own ``state_dict()`` describes fragments. The functions here
+give and take the state dict the same optimizer would have over the unpartitioned model, numbered
+as torch numbers it (parameters in param-group order, frozen ones included), with each per-element
+state (Adam's ``exp_avg``...) at the parameter's full shape, so that a checkpoint moves between this
+strategy and DDP, one device, or FSDP's full state dicts. As for FSDP's full optimizer state dict
+(Zhao et al., VLDB'23, §3.4), the state is gathered and scattered one flat group at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zinf.checkpoint import CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.engine.flat import FlatGroup
+
+__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint"]
+
+
+def _position(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> int:
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+    for k, candidate in enumerate(engine.optimizers):
+        if candidate is optimizer:
+            return k
+    raise ValueError("The optimizer was not set up by this engine (ZeroEngine.shard_optimizer), so it has no "
+                     "full state dict; set it up with the model (fabric.setup, or configure_optimizers).")
+
+
+def _numbering(engine: ZeroEngine, k: int) -> tuple[list[list[int]], dict[tuple[int, int], int]]:
+    """Plain indices per param group, and (flat group, position) -> plain index."""
+    ids, where, index = [], {}, 0
+    for entries in engine.plain_layouts[k]:
+        ids.append(list(range(index, index + len(entries))))
+        for i, entry in zip(ids[-1], entries):
+            if entry is not None:
+                where[entry] = i
+        index += len(entries)
+    return ids, where
+
+
+def _fragment_state(group: FlatGroup, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """This rank's per-element state of ``group`` laid out like its shard (``key``, zeros where it
+    owns no element or a fragment has none) and per-parameter scalars (``key.scalar``, NaN where none)."""
+    out: dict[str, Tensor] = {}
+    for j, (fragment, (lo, hi)) in enumerate(zip(group.fragments, group.owned_ranges())):
+        for key, value in optimizer.state.get(fragment, {}).items():
+            if not isinstance(value, Tensor):
+                continue
+            if value.dim() == 0:
+                name = f"{key}.scalar"
+                out.setdefault(name, torch.full((len(group.params),), float("nan"), dtype=torch.float64))[j] = value.double()
+            else:
+                out.setdefault(key, torch.zeros(group.shard_numel, dtype=value.dtype))[lo:hi] = value.cpu()
+    return out
+
+
+def full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimizer, *,
+                              rank0_only: bool = True) -> dict[str, Any]:
+    """The state dict ``optimizer`` would have over the unpartitioned model (collective).
+
+    Args:
+        engine: The engine that sharded ``optimizer``.
+        optimizer: One of ``engine.optimizers`` (or a ``LightningOptimizer`` around it).
+        rank0_only: Only rank 0 keeps the full tensors (the others return the hyper-parameters
+            and no ``state``), so a large model's state is never whole on every rank.
+
+    Returns:
+        ``{"state": {index: {key: tensor}}, "param_groups": [{..., "params": [index, ...]}]}`` as
+        ``torch.optim.Optimizer.state_dict()`` returns it: per-element states at the parameter's
+        full shape on the CPU (fp32 for Adam's moments), scalars (``step``) as 0-d fp32 tensors.
+
+    Raises:
+        ValueError: ``optimizer`` was not sharded by ``engine``.
+    """
+    k = _position(engine, optimizer)
+    optimizer = engine.optimizers[k]
+    ids, where = _numbering(engine, k)
+    param_groups = [{**{key: v for key, v in group.items() if key != "params"}, "params": i}
+                    for group, i in zip(optimizer.param_groups, ids)]
+    comm = engine.comm
+    keep = not rank0_only or comm.rank == 0
+    state: dict[int, dict[str, Tensor]] = {}
+    groups = engine.groups
+    engine.begin_unit_access()
+    for gi, group in enumerate(groups):
+        if not group.trainable:
+            continue
+        with engine.state_resident(write_back=False, groups=[group]):
+            local = _fragment_state(group, optimizer)
+        # Every rank steps the same parameters, so the keys agree; checked, since a mismatch would hang.
+        keys = sorted(local)
+        if comm.world_size > 1 and not comm.all_equal(zlib.crc32(",".join(keys).encode())):
+            raise RuntimeError(f"The ranks hold different optimizer state keys for '{group.names[0]}': their "
+                               "optimizers were not stepped alike.")
+        full: dict[str, Tensor] = {}
+        for key in keys:
+            piece = local[key].to(engine.device)
+            gathered = piece.new_empty(piece.numel() * comm.world_size)
+            comm.all_gather(gathered, piece)
+            full[key] = gathered.view(comm.world_size, -1) if key.endswith(".scalar") else gathered
+        if not keep:
+            continue
+        for j, (p_offset, numel, shape) in enumerate(zip(group.offsets, group.numels, group.shapes)):
+            index = where.get((gi, j))
+            if index is None:
+                continue
+            entry: dict[str, Tensor] = {}
+            for key, value in full.items():
+                if key.endswith(".scalar"):
+                    known = [v for v in value[:, j].tolist() if v == v]  # the first rank that has one
+                    if known:
+                        entry[key.removesuffix(".scalar")] = torch.tensor(known[0], dtype=torch.float32)
+                else:
+                    entry[key] = value[p_offset : p_offset + numel].view(shape).to("cpu", copy=True)
+            if entry:
+                state[index] = entry
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimizer,
+                                   state_dict: dict[str, Any]) -> None:
+    """Load a plain optimizer state dict (what :func:`full_optimizer_state_dict`, DDP or one device
+    save) into ``optimizer``, sharded by ``engine``: each rank keeps its fragments' elements of every
+    per-element state; hyper-parameters are restored per param group. Every rank must pass the same
+    state dict (each reads only its slices). Not collective.
+
+    Raises:
+        ValueError: ``optimizer`` was not sharded by ``engine``, or ``state_dict`` has other param
+            groups or another number of parameters in one (an optimizer built differently), or a
+            state tensor's shape is not its parameter's.
+    """
+    k = _position(engine, optimizer)
+    optimizer = engine.optimizers[k]
+    ids, where = _numbering(engine, k)
+    saved_groups = state_dict.get("param_groups", [])
+    counts = [len(g.get("params", [])) for g in saved_groups]
+    if counts != [len(i) for i in ids]:
+        raise ValueError(
+            f"The optimizer state dict has param groups of {counts} parameters, but the optimizer has "
+            f"{[len(i) for i in ids]}: it was saved from an optimizer built over other parameters (configure "
+            "the optimizer as in the run that saved it)."
+        )
+    plain_of = {i: saved for saved_group, mine in zip(saved_groups, ids) for i, saved in zip(mine, saved_group["params"])}
+    saved_state = state_dict.get("state", {})
+    for gi, group in enumerate(engine.groups):
+        if not group.trainable:
+            continue
+        with engine.state_resident(write_back=True, groups=[group]):
+            flat: dict[str, Tensor] = {}
+            for j, fragment in enumerate(group.fragments):
+                index = where.get((gi, j))
+                entry = saved_state.get(plain_of.get(index)) if index is not None else None
+                if not entry:
+                    optimizer.state.pop(fragment, None)
+                    continue
+                lo, hi = group.owned_ranges()[j]
+                start = group.shard_start + lo - group.offsets[j]  # the fragment's first element in the parameter
+                mine: dict[str, Any] = {}
+                for key, value in entry.items():
+                    if not isinstance(value, Tensor) or value.dim() == 0:
+                        mine[key] = value.to(torch.float32) if isinstance(value, Tensor) else value
+                        continue
+                    if value.shape != group.shapes[j]:
+                        raise ValueError(f"Optimizer state '{key}' of '{group.names[j]}' has shape {tuple(value.shape)}, "
+                                         f"the parameter {tuple(group.shapes[j])}.")
+                    if key not in flat:
+                        flat[key] = torch.zeros(group.shard_numel, dtype=value.dtype, device=group.state_device)
+                    flat[key][lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])
+                    mine[key] = flat[key][lo:hi]
+                optimizer.state[fragment] = mine
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({key: v for key, v in saved.items() if key != "params"})
+
+
+def save_full_checkpoint(checkpoint: dict[str, Any], path: os.PathLike | str, *, writer: bool) -> None:
+    """Write ``checkpoint`` (with full ``state_dict`` and plain optimizer states) as one
+    ``torch.save`` file at ``path``, from the ``writer`` rank alone; the others return at once.
+
+    The file is written beside ``path`` first, flushed to disk (``fsync``), then renamed over it, so
+    ``path`` always holds a complete checkpoint, the previous one until the new one is in place. A
+    sharded checkpoint folder this package wrote at ``path`` is replaced (Lightning's FSDP strategy
+    likewise replaces the other type).
+
+    Raises:
+        FileExistsError: ``path`` is a folder that is not a checkpoint written by this package.
+        OSError: the file cannot be written (full disk, permissions); ``path`` is untouched.
+    """
+    if not writer:
+        return
+    path = Path(path)
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        raise FileExistsError(f"{path} is a folder that is not a lightning_zinf checkpoint; refusing to replace it "
+                              "with a full checkpoint file. Choose another path.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.zinf-partial"
+    try:
+        with open(staging, "wb") as out:
+            torch.save(checkpoint, out)
+            out.flush()
+            os.fsync(out.fileno())
+        if path.is_dir():
+            shutil.rmtree(path)
+        os.replace(staging, path)
+    finally:
+        if staging.exists():
+            staging.unlink()
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself is durable
+    finally:
+        os.close(folder)
+
+
+def load_full_checkpoint(path: os.PathLike | str, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A single-file checkpoint (DDP's, one device's, or :func:`save_full_checkpoint`'s), memory-
+    mapped: its tensors are read from disk as they are used, one unit's at a time by
+    ``load_state_dict``, so no rank reads the whole model into memory at once.
+
+    Args:
+        path: The file.
+        weights_only: ``None``/``True``: torch's weights-only unpickler (with Lightning's checkpoint
+            classes allowed); ``False``: the full unpickler, for a file the user trusts.
+
+    Raises:
+        CheckpointError: the file does not exist, cannot be read, or is not a checkpoint dict.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is neither a checkpoint file nor a lightning_zinf checkpoint folder (no "
+                              f"{META_FILE} in it).")
+    try:
+        with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
+    except Exception as error:
+        raise CheckpointError(f"{path} cannot be read as a checkpoint file ({error}). If it names classes you "
+                              "trust, load it with weights_only=False.") from error
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
+    return checkpoint
