@@ -323,13 +323,17 @@ def save_sharded(
     staging = _staging(path, comm)
 
     engine.release_all()
-    checksum = _write_shard(engine, _owner_of(list(optimizers)), staging / shard_file(comm.rank), exclude_frozen)
+    optimizers = list(optimizers)
+    checksum = _write_shard(engine, _owner_of(optimizers), staging / shard_file(comm.rank), exclude_frozen)
     checksums = comm.all_gather_object(checksum)
 
     if comm.rank == 0:
         groups = [{**layout, "excluded": exclude_frozen and not layout["trainable"]} for layout in _layout(engine)]
+        # Per optimizer saved, where each parameter it was given went (ZeroEngine.plain_layouts): what
+        # consolidation needs to number its state as the plain optimizer would.
+        layouts = [engine.plain_layouts[k] for o in optimizers for k, mine in enumerate(engine.optimizers) if mine is o]
         zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
-                "groups": groups, "sha256": checksums}
+                "groups": groups, "sha256": checksums, "optimizers": layouts}
         torch.save({**meta, "zinf": zinf}, staging / META_FILE, pickle_module=_META_PICKLE)
         _put_in_place(staging, path)
     comm.barrier()

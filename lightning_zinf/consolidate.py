@@ -1,9 +1,11 @@
 """Consolidate a sharded checkpoint into one full state dict, streaming one tensor at a time.
 
     python -m lightning_zinf.consolidate CKPT_DIR OUT.safetensors [--strip-prefix model.]
-    zinf-consolidate CKPT_DIR OUT.pt [--no-weights-only]
+    zinf-consolidate CKPT_DIR OUT.pth [--no-weights-only]
+    zinf-consolidate CKPT_DIR last.ckpt --format lightning
 
-The output loads with ``load_state_dict`` on the plain (unpartitioned) model. A tied parameter is
+The output loads with ``load_state_dict`` on the plain (unpartitioned) model; with ``--format
+lightning`` it is a checkpoint DDP or one device resumes (``trainer.fit(ckpt_path=...)``). A tied parameter is
 written under every name the model's ``state_dict()`` has. Either format is laid out first (the
 safetensors header, or a ``torch.save`` archive with empty records) and then each tensor is
 assembled from the rank files and written before the next is read, so peak memory is about the
@@ -18,6 +20,7 @@ The checkpoint's ``meta.pt`` is read without running code from it; ``--no-weight
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import struct
@@ -38,7 +41,7 @@ from lightning_zinf.checkpoint import (
     read_meta,
 )
 
-__all__ = ["consolidate", "main"]
+__all__ = ["consolidate", "main", "FORMATS"]
 
 _Item = tuple[list[str], torch.dtype, list[int]]  # every name of one tensor, its dtype and shape
 # Where an item's values are: (group index, offset in the flat group, piece shape, piece start in the
@@ -138,40 +141,130 @@ def _tensors(path: Path, zinf: dict[str, Any], items: list[_Item], pieces: list[
         yield iter([value])
 
 
+#: Output formats: the suffix picks one unless ``fmt`` names it.
+FORMATS = ("safetensors", "torch", "lightning")
+
+
 def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str = "",
-                weights_only: Optional[bool] = None) -> Path:
-    """Write the full state dict of a sharded checkpoint to ``output`` (``.safetensors`` or ``.pt``),
-    one tensor at a time: peak memory is about the largest tensor (twice it), not the model.
+                weights_only: Optional[bool] = None, fmt: Optional[str] = None) -> Path:
+    """Write the full state dict of a sharded checkpoint to ``output``, one tensor at a time: peak
+    memory is about the largest tensor (twice it), not the model.
 
     Args:
         checkpoint: A directory written by the ``zero_infinity`` strategy (any world size).
-        output: Target file; its suffix picks the format.
+        output: Target file, of any name (``model.pth``, ``last.ckpt``...).
         strip_prefix: Removed from names that start with it (``"model."`` turns a LightningModule's
-            ``model.wte.weight`` into the plain model's ``wte.weight``).
+            ``model.wte.weight`` into the plain model's ``wte.weight``); not with ``"lightning"``.
         weights_only: ``None``/``True``: read ``meta.pt`` without running code from it; ``False``:
             unpickle it fully (a file you trust). As ``torch.load``'s argument of that name.
+        fmt: ``"safetensors"``; ``"torch"`` (a ``torch.save`` state dict, what ``.pt``/``.pth``/``.bin``
+            files hold); or ``"lightning"``: a checkpoint DDP or one device resumes with
+            ``trainer.fit(ckpt_path=...)``: Lightning's state from ``meta.pt`` (loops, callbacks,
+            schedulers, hyper-parameters), the ``state_dict``, and each optimizer's plain state dict
+            (per-element states at each parameter's shape, numbered as the optimizer numbers its
+            parameters). Default: ``"safetensors"`` for a ``.safetensors`` name, else ``"torch"``.
 
     Returns:
         ``output`` as a ``Path``.
 
     Raises:
-        CheckpointError: not a checkpoint, a missing or corrupt shard file, or a ``meta.pt`` naming
-            code the safe load refuses (nothing is written then).
-        ValueError: ``output`` has another suffix.
+        CheckpointError: not a checkpoint, a missing or corrupt shard file, a ``meta.pt`` naming
+            code the safe load refuses, or (``"lightning"``) a checkpoint that records no optimizer
+            layout (written before this version; resave it) (nothing is written then).
+        ValueError: an unknown ``fmt``, or ``strip_prefix`` with ``"lightning"``.
     """
     checkpoint, output = Path(checkpoint), Path(output)
-    if output.suffix not in (".safetensors", ".pt"):
-        raise ValueError(f"Output {output} must end in .safetensors or .pt.")
+    fmt = fmt or ("safetensors" if output.suffix == ".safetensors" else "torch")
+    if fmt not in FORMATS:
+        raise ValueError(f"Unknown output format {fmt!r}: use one of {', '.join(FORMATS)}.")
+    if fmt == "lightning" and strip_prefix:
+        raise ValueError("A Lightning checkpoint keeps the LightningModule's names: drop strip_prefix.")
     items, pieces, zinf, buffers = _items(checkpoint, strip_prefix, weights_only=weights_only)
     tensors = _tensors(checkpoint, zinf, items, pieces, buffers)
     partial = output.with_name(output.name + ".partial")
     try:
-        (_write_pt if output.suffix == ".pt" else _write_safetensors)(partial, items, tensors)
+        if fmt == "lightning":
+            _write_lightning(partial, checkpoint, zinf, items, tensors, weights_only)
+        else:
+            (_write_pt if fmt == "torch" else _write_safetensors)(partial, items, tensors)
     except BaseException:
         partial.unlink(missing_ok=True)  # a corrupt or missing shard found midway: no half-written file
         raise
     partial.rename(output)
     return output
+
+
+def _optimizer_items(path: Path, zinf: dict[str, Any]) -> tuple[list[_Item], Iterator[Iterator[Tensor]],
+                                                                 list[dict[int, dict[str, Any]]]]:
+    """The per-element optimizer states of a sharded checkpoint: one item per (optimizer, plain
+    parameter index, key) at the parameter's shape, named ``"o.index.key"``, with their values read
+    one at a time as they are consumed; and per optimizer the plain ``state`` with its scalars
+    (Adam's ``step``) and ``None`` where an item's tensor goes."""
+    layouts = zinf.get("optimizers")
+    if layouts is None:
+        raise CheckpointError(f"{path} does not record which parameter each optimizer state belongs to (saved by an "
+                              "older lightning_zinf): resume it with the strategy and save it again to consolidate "
+                              "it as a Lightning checkpoint.")
+    reader = ShardReader(path, zinf)
+    keys = reader.keys()
+    items: list[_Item] = []
+    spans: list[tuple[str, int, int, int, list[int]]] = []  # key, flat range, group, shape
+    states: list[dict[int, dict[str, Any]]] = []
+    for o, layout in enumerate(layouts):
+        state: dict[int, dict[str, Any]] = {}
+        entries = [entry for param_group in layout for entry in param_group]
+        for index, entry in enumerate(entries):
+            if entry is None:
+                continue  # a frozen parameter: in the numbering, never stepped
+            i, j = entry
+            group = zinf["groups"][i]
+            offset, shape = group["offsets"][j], group["shapes"][j]
+            prefix = f"{i}.opt{o}."
+            for key in (k for k in keys if k.startswith(prefix)):
+                name = key[len(prefix):]
+                if name.endswith(".scalar"):
+                    value = reader.read(key, j, j + 1, len(group["names"]))[0]
+                    if not torch.isnan(value):
+                        state.setdefault(index, {})[name.removesuffix(".scalar")] = value.to(torch.float32)
+                    continue
+                state.setdefault(index, {})[name] = None
+                dtype = reader.read(key, 0, 0, reader.shard_numel(i)).dtype  # from the file header
+                items.append(([f"{o}.{index}.{name}"], dtype, list(shape)))
+                spans.append((key, offset, offset + torch.Size(shape).numel(), i, list(shape)))
+        states.append(state)
+
+    def values() -> Iterator[Iterator[Tensor]]:
+        for key, lo, hi, i, shape in spans:
+            yield iter([reader.read(key, lo, hi, reader.shard_numel(i)).reshape(shape)])
+
+    return items, values(), states
+
+
+def _write_lightning(path: Path, checkpoint: Path, zinf: dict[str, Any], items: list[_Item],
+                     tensors: Iterator[Iterator[Tensor]], weights_only: Optional[bool]) -> None:
+    """A Lightning checkpoint file, streamed: the weights and optimizer states go into a scratch
+    ``torch.save`` file one tensor at a time (:func:`_write_pt`), which is then memory-mapped and
+    saved again inside Lightning's nested dict, so memory holds the pages of about one tensor."""
+    meta = read_meta(checkpoint, weights_only)
+    opt_items, opt_values, states = _optimizer_items(checkpoint, zinf)
+    scratch = path.with_name(path.name + ".tensors")
+    try:
+        _write_pt(scratch, items + opt_items, itertools.chain(tensors, opt_values))
+        flat = torch.load(scratch, mmap=True, weights_only=True)
+        state_dict = {name: flat[name] for names, _, _ in items for name in names}
+        optimizer_states = []
+        for o, (state, hyper) in enumerate(zip(states, meta.get("optimizer_states", []))):
+            for index, entry in state.items():
+                entry.update({name: flat[f"{o}.{index}.{name}"] for name, value in entry.items() if value is None})
+            groups, start = [], 0
+            for saved, layout in zip(hyper["param_groups"], zinf["optimizers"][o]):
+                groups.append({**saved, "params": list(range(start, start + len(layout)))})
+                start += len(layout)
+            optimizer_states.append({"state": dict(sorted(state.items())), "param_groups": groups})
+        rest = {k: v for k, v in meta.items() if k not in ("zinf", "state_dict", "optimizer_states")}
+        torch.save({**rest, "state_dict": state_dict, "optimizer_states": optimizer_states}, path)
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 def _write_safetensors(path: Path, items: list[_Item], tensors: Iterator[Iterator[Tensor]]) -> None:
@@ -230,16 +323,22 @@ def _write_pt(path: Path, items: list[_Item], tensors: Iterator[Iterator[Tensor]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Command line: ``python -m lightning_zinf.consolidate CKPT_DIR OUT [--strip-prefix P] [--no-weights-only]``."""
+    """Command line: ``python -m lightning_zinf.consolidate CKPT_DIR OUT [--format F] [--strip-prefix P]
+    [--no-weights-only]``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory")
-    parser.add_argument("output", type=Path, help="output file, .safetensors or .pt")
+    parser.add_argument("output", type=Path, help="output file, any name (model.safetensors, model.pth, last.ckpt)")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="safetensors; torch (a torch.save state dict: .pt, .pth, .bin); lightning (a checkpoint "
+                             "DDP or one device resumes: loops, optimizer states, state_dict). Default: safetensors "
+                             "for a .safetensors name, else torch")
     parser.add_argument("--strip-prefix", default="", help="remove this prefix from names (e.g. 'model.')")
     parser.add_argument("--weights-only", action=argparse.BooleanOptionalAction, default=True,
                         help="read meta.pt with torch's weights-only unpickler (default); --no-weights-only "
                              "unpickles it fully, which runs any code it names: only for a file you trust")
     args = parser.parse_args(argv)
-    print(consolidate(args.checkpoint, args.output, strip_prefix=args.strip_prefix, weights_only=args.weights_only))
+    print(consolidate(args.checkpoint, args.output, strip_prefix=args.strip_prefix, weights_only=args.weights_only,
+                      fmt=args.format))
 
 
 if __name__ == "__main__":

@@ -128,3 +128,31 @@ def test_a_checkpoint_with_another_number_of_optimizers_is_refused(tmp_path: Pat
     """A checkpoint of two optimizers resumed by a run with one is an error naming both counts
     (its second optimizer's state was once dropped without a word)."""
     assert run_distributed(_two_into_one, 2, str(tmp_path), init_pg=False) == ["ok", "ok"]
+
+
+def _consolidated(rank: int, world: int, folder: str) -> list[float]:
+    from lightning_zinf.consolidate import consolidate
+
+    sharded, resumable = Path(folder) / "sharded.ckpt", Path(folder) / "consolidated.ckpt"
+    lit = Lit(GLOBAL_BATCH // world)
+    trainer = _trainer("zero_infinity", 2)
+    trainer.fit(lit)
+    trainer.save_checkpoint(sharded)
+    if rank == 0:
+        consolidate(sharded, resumable, fmt="lightning")
+        consolidate(sharded, Path(folder) / "model.pth", strip_prefix="model.")  # LitGPT's name: a torch state dict
+    trainer.strategy.barrier()
+    resumed = Lit(GLOBAL_BATCH // world)
+    _trainer("ddp", 3).fit(resumed, ckpt_path=resumable)
+    return lit.losses + resumed.losses
+
+
+def test_a_consolidated_sharded_checkpoint_resumes_under_ddp(tmp_path: Path) -> None:
+    """``zinf-consolidate --format lightning`` turns a sharded checkpoint into one DDP resumes
+    (weights, AdamW's state, scheduler, loops): the losses continue the uninterrupted DDP run's;
+    any output name takes a state dict (``model.pth`` holds the plain model's)."""
+    want = run_distributed(_uninterrupted, 2, init_pg=False)[0]
+    got = run_distributed(_consolidated, 2, str(tmp_path), init_pg=False)[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    plain = models.GPT()
+    plain.load_state_dict(torch.load(tmp_path / "model.pth", weights_only=True))

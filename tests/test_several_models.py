@@ -24,12 +24,15 @@ from tests.harness import run_distributed
 BATCH = 8  # global
 
 
-def _models(fabric: Fabric | None = None):
+def _models(fabric: Fabric | None = None, one_stream: bool = False):
     """Each model from a seed of its own (on the meta device each is initialised from the random
-    state at its first parameter, and building the student there draws nothing)."""
+    state at its first parameter, and building the student there draws nothing), or both from one
+    random stream, the teacher's draws after the student's (``one_stream``: what a single engine
+    materialising both, in module order, draws)."""
     built = []
     for layers, seed in ((2, 0), (3, 1)):
-        torch.manual_seed(seed)
+        if not (one_stream and built):
+            torch.manual_seed(seed)
         if fabric is None:
             built.append(models.GPT(layers=layers))
         else:
@@ -60,10 +63,10 @@ def _steps(student, teacher, optimizer, steps, rank: int = 0, world: int = 1, fa
     return losses
 
 
-def _reference() -> list[float]:
-    student, teacher = _models()
+def _reference(one_stream: bool = False, batches=range(6)) -> list[float]:
+    student, teacher = _models(one_stream=one_stream)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-2)
-    return _steps(student, teacher, optimizer, range(6))
+    return _steps(student, teacher, optimizer, batches)
 
 
 def _set_up(strategy):
@@ -130,4 +133,70 @@ def test_a_frozen_model_alone_is_stored_quantized_with_frozen_bits() -> None:
     want = _reference()[:3]
     got = run_distributed(_frozen_bits, 2, init_pg=False)[0]
     assert all(got["stored"]) and not any(got["student_stored"])
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=2e-2, atol=0)
+
+
+class _Distill(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
+    """The student and its frozen teacher in one LightningModule: the Trainer's one model holds both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = self.teacher = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.student is None:
+            self.student, self.teacher = _models(one_stream=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = _loss(self.student, self.teacher, x, y)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach()).item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.student.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+        # One epoch of three steps: a resumed run starts the next epoch (Lightning replays an
+        # epoch it resumes in the middle of, without a stateful loader).
+        batches = [models.make_batch("gpt", step, BATCH) for step in range(3)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        share = BATCH // world
+        index = [i for step in range(3) for i in range(step * BATCH + rank * share, step * BATCH + (rank + 1) * share)]
+        return DataLoader(TensorDataset(x[index], y[index]), batch_size=share)
+
+
+def _trainer_run(rank: int, world: int, folder: str) -> dict:
+    import lightning.pytorch as L
+
+    from lightning_zinf import ZeroInfinityStrategy
+
+    def trainer(epochs: int) -> L.Trainer:
+        return L.Trainer(strategy=ZeroInfinityStrategy(zero_pp={"frozen_bits": 8}), accelerator="cpu", devices=2,
+                         max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+
+    first, lit = trainer(1), _Distill()
+    first.fit(lit)
+    first.save_checkpoint(folder)
+    engine = first.strategy.engine
+    frozen = [g.codes is not None for g in engine.groups if not g.trainable]
+    keys = list(lit.state_dict())
+    resumed = _Distill()
+    trainer(2).fit(resumed, ckpt_path=folder)
+    return {"losses": lit.losses + resumed.losses, "frozen": frozen, "keys": keys}
+
+
+def test_trainer_student_and_frozen_teacher_in_one_module(tmp_path: Path) -> None:
+    """With the Trainer, the models live in the one LightningModule: its engine stores the frozen
+    teacher as INT8 codes (``frozen_bits=8``), ``state_dict()`` covers both models, and a resumed
+    run continues the losses (within the quantized teacher's error of the fp32 reference)."""
+    want = _reference(one_stream=True, batches=[0, 1, 2, 0, 1, 2])
+    got = run_distributed(_trainer_run, 2, str(tmp_path / "ckpt"), init_pg=False)[0]
+    assert got["frozen"] and all(got["frozen"])
+    assert {k.split(".")[0] for k in got["keys"]} == {"student", "teacher"}
+    assert len(got["losses"]) == 6
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=2e-2, atol=0)
