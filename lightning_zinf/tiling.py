@@ -393,6 +393,8 @@ def tile_linear_layers(root: nn.Module, config: TilingConfig) -> list[str]:
             if start is not None:
                 for p in tiled.parameters():
                     p._zinf_init_rng_state = start  # type: ignore[attr-defined]
+            if "_zinf_created" in child.__dict__:  # the tiles draw the layer's values in its place
+                tiled.__dict__["_zinf_created"] = child.__dict__["_zinf_created"]
             done[id(child)] = tiled
             parent._modules[child_name] = tiled
             replaced.append(name)

@@ -217,3 +217,28 @@ def test_litgpt_model_gets_torchs_init_not_a_transformers_one(neox_init: bool) -
     fc = got["transformer.h.0.mlp.fc_1.weight"]
     expected = (2 / 5 / config.n_embd) ** 0.5 if neox_init else (1 / 3 / config.n_embd) ** 0.5  # kaiming-uniform's
     assert abs(fc.std() / expected - 1) < 0.05
+
+
+@pytest.mark.parametrize("units", ["modules", "blocks"])
+def test_litgpt_lora_model_on_meta_draws_eagers_values_exactly(units: str) -> None:
+    """LitGPT's LoRA ``GPT``: each ``LoRALinear`` builds its ``nn.Linear`` before its own
+    ``lora_A`` (``modules()`` lists it first), and its blocks build plain layers that the LoRA
+    ones then replace. Built on the meta device and partitioned, every parameter equals the eager
+    model's bit for bit: initialised in creation order, the dropped layers' draws replayed (they
+    once came out shifted: adapters and base layers all different from DDP's)."""
+    from litgpt.lora import GPT, Config
+
+    config = Config(block_size=64, vocab_size=512, padded_vocab_size=512, n_layer=2, n_head=4, n_embd=64,
+                    bias=True, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=128,
+                    lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_projection=True, lora_mlp=True,
+                    lora_head=True)
+    torch.manual_seed(1337)
+    eager = GPT(config)
+    torch.manual_seed(1337)
+    with meta_parameters():
+        model = GPT(config)
+    engine = ZeroEngine(model, block_classes=["Block"] if units == "blocks" else (),
+                        prefetch=PrefetchConfig(persistence_threshold=0))
+    got = _gathered(model, engine)
+    for name, value in eager.named_parameters():
+        assert torch.equal(got[name], value.detach()), name

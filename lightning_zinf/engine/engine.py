@@ -48,8 +48,8 @@ from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
-from lightning_zinf.engine.partition import (UnitSpec, init_rng_state, materialize, parameter_slots, parent_modules,
-                                             plan_units)
+from lightning_zinf.engine.partition import (Replay, UnitSpec, creation_order, init_rng_state, materialize,
+                                             parameter_slots, parent_modules, plan_units)
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import HeldUntilWait, Transfers, resolve_device
@@ -304,22 +304,30 @@ class ZeroEngine:
         if on_meta:
             start = init_rng_state(specs)
             torch.set_rng_state(self.comm.broadcast((own_rng if start is None else start).clone()))
-        units = []
+        units: list[Optional[Unit]] = [None] * len(specs)
         done: set[int] = set()  # parameters materialised so far, over the units
+        # Materialised in the order eager construction draws (a unit's first module's creation), so
+        # the random stream is consumed as it would be; kept in plan order (the trace's unit ids).
+        order = creation_order([spec.modules[creation_order(spec.modules)[0]] if spec.modules else spec.module
+                                for spec in specs]) if on_meta else range(len(specs))
+        replay = Replay(specs, list(self.module.modules())) if on_meta else None
         try:
-            for index, spec in enumerate(specs):
+            for index in order:
+                spec = specs[index]
                 if on_meta:
-                    materialize(spec, names, slots, shapes, parents, built_real, preloaded, done)
+                    materialize(spec, names, slots, shapes, parents, built_real, preloaded, done, replay)
                 # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
                 # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
                 groups = [self._flat_group(members, any(id(p) in built_real for _, p in members))
                           for members in _split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.prefetch.persistence_threshold
-                units.append(Unit(index, spec.name, groups, persistent, spec.module))
+                units[index] = Unit(index, spec.name, groups, persistent, spec.module)
+            if replay is not None:
+                replay.until(float("inf"))  # dropped after the last module: the stream ends as eager's
         finally:
             if on_meta:
                 torch.set_rng_state(own_rng)
-        return units
+        return units  # type: ignore[return-value]  # every index filled
 
     def _stored_quantized(self, trainable: bool) -> bool:
         # Codes are a fraction of the shard: they stay in memory, not in a swap file.

@@ -11,6 +11,7 @@ their values.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from torch import nn
 
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "parameter_slots",
+__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "creation_order", "Replay", "parameter_slots",
            "parent_modules", "resolve_block_classes", "matches_classes"]
 
 
@@ -196,13 +197,19 @@ def meta_parameters() -> Iterator[None]:
     """
     original = nn.Module.register_parameter
     first_state: list[torch.Tensor] = []
+    created: list[nn.Module] = []  # every module that made parameters here, in order (see Replay)
 
     def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and "_zinf_created" not in self.__dict__:
+            # When the module made its first parameter: eager construction draws in this order.
+            self.__dict__["_zinf_created"] = next(_CREATED)
+            created.append(self)
         if param is not None and not param.is_meta:
             if not first_state:
                 first_state.append(torch.get_rng_state())
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
             param._zinf_init_rng_state = first_state[0]  # type: ignore[attr-defined]
+            param._zinf_created_modules = created  # type: ignore[attr-defined]
         original(self, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
@@ -210,6 +217,61 @@ def meta_parameters() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+#: Numbers modules in the order they register their first parameter inside :func:`meta_parameters`.
+_CREATED = itertools.count()
+
+
+def creation_order(modules: Sequence[nn.Module]) -> list[int]:
+    """Positions of ``modules`` in the order eager construction would have initialised them: by
+    when each registered its first parameter inside :func:`meta_parameters` (a LoRA layer that
+    builds its wrapped ``nn.Linear`` before its own ``lora_A`` draws the Linear's values first,
+    although ``modules()`` lists the LoRA layer first). A module with no record (built outside the
+    context, or a tile made later by the tiling transform) keeps its place after the one before it.
+    """
+    keys = []
+    previous = -1
+    for position, module in enumerate(modules):
+        previous = module.__dict__.get("_zinf_created", previous)
+        keys.append((previous, position))
+    return sorted(range(len(modules)), key=keys.__getitem__)
+
+
+class Replay:
+    """The initialisations of modules that construction made and then dropped (a LoRA model that
+    builds a plain ``nn.Linear`` and replaces it with its own layer; LitGPT's LoRA blocks do): eager
+    construction drew their initial values too, so the random stream only matches eager's if their
+    draws are replayed, on scratch tensors, at their place in the creation order.
+
+    Args:
+        specs: The units of the model being materialised (their meta parameters name the modules
+            that :func:`meta_parameters` saw made).
+        alive: The model's modules now; one that took a dropped module's place and its creation
+            number (a ``TiledLinear`` for the ``nn.Linear`` it tiles) draws its values itself.
+    """
+
+    def __init__(self, specs: list[UnitSpec], alive: list[nn.Module]) -> None:
+        created: list[nn.Module] = next((p._zinf_created_modules for spec in specs for _, p in spec.params
+                                         if hasattr(p, "_zinf_created_modules")), [])
+        taken = {m.__dict__.get("_zinf_created") for m in alive}
+        self._pending = [m for m in created if m.__dict__["_zinf_created"] not in taken]
+
+    def until(self, created: float) -> None:
+        """Replay the dropped modules made before the module numbered ``created`` (``inf``: all)."""
+        while self._pending and self._pending[0].__dict__["_zinf_created"] < created:
+            module = self._pending.pop(0)
+            reset = getattr(module, "reset_parameters", None)
+            if reset is None:
+                continue
+            kept = {n: p for n, p in module._parameters.items() if p is not None}
+            for n, p in kept.items():
+                module._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+            try:
+                with torch.no_grad():
+                    reset()
+            finally:
+                module._parameters.update(kept)
 
 
 def init_rng_state(specs: list[UnitSpec]) -> Optional[torch.Tensor]:
@@ -316,9 +378,12 @@ def materialize(
     built_real: frozenset[int] = frozenset(),
     preloaded: frozenset[int] = frozenset(),
     done: Optional[set[int]] = None,
+    replay: Optional[Replay] = None,
 ) -> None:
     """Give a unit's meta parameters real CPU memory and initialise them by their library's
-    route (:func:`_initialize`); real parameters keep their values.
+    route (:func:`_initialize`); real parameters keep their values. Modules are initialised in
+    creation order (:func:`creation_order`), with the draws of dropped modules made before each
+    replayed first (``replay``).
 
     Each meta parameter is replaced by a new ``nn.Parameter`` in every module that registers it
     (``slots``: parameter id -> ``(module, name)`` pairs) and in ``spec.params``; ``shapes`` holds
@@ -345,7 +410,7 @@ def materialize(
     replaced: dict[int, nn.Parameter] = {}
     materialized: set[int] = set()
     to_load: set[int] = set()
-    for module in spec.modules:
+    for module in (spec.modules[i] for i in creation_order(spec.modules)):
         params = {n: p for n, p in module._parameters.items() if p is not None}
         fresh: set[int] = set()
         for p in params.values():
@@ -368,6 +433,8 @@ def materialize(
             continue  # built with real values: they stay
         if fresh and fresh <= to_load:
             continue  # loaded next
+        if replay is not None:
+            replay.until(module.__dict__.get("_zinf_created", -1))
         kept = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in fresh}
         for n, p in kept.items():
             module._parameters[n] = nn.Parameter(torch.zeros(shapes.get(id(p), p.shape), dtype=p.dtype), p.requires_grad)
