@@ -211,8 +211,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         init_distributed(self.cluster_environment, self.root_device, self._process_group_backend, self._timeout)
         # Fabric has no exception hook: the watch reports the script's uncaught exceptions itself.
         if self._watch is None:
-            self._watch = start_watch(self.global_rank, self.world_size, self._timeout,
-                                      lambda: self._engines[-1] if self._engines else None)
+            self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engines)
 
     # --- model and optimizers ---------------------------------------------------------------------
     @override
@@ -359,7 +358,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier()
+        barrier(self._watch)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

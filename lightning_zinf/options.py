@@ -306,12 +306,14 @@ def restore_hyperparameters(optimizers: Sequence[torch.optim.Optimizer], saved: 
 
 # --- failures that reach every rank -------------------------------------------------------------------
 def start_watch(rank: int, world_size: int, timeout: timedelta,
-                engine: Callable[[], Optional[ZeroEngine]]) -> Optional[RankWatch]:
+                engines: Callable[[], Sequence[ZeroEngine]]) -> Optional[RankWatch]:
     """Start this rank's :class:`~lightning_zinf.comm.watch.RankWatch` (nothing on one rank, or
     without a rendezvous store in the environment). A rank is declared dead, and an unmatched
     departure from the agreed trace a divergence, after half the collectives' ``timeout`` (at most
-    a minute), so both end the run before the backend would; ``engine()`` supplies the progress
-    quoted in messages, and is told of departures once built. ``LIGHTNING_ZINF_WATCH=0`` turns it
+    a minute), so both end the run before the backend would; two ranks blocked in different calls
+    (an engine's agreement check, the strategy's :func:`barrier`) are a deadlock after a few
+    seconds. ``engines()`` (the strategy's, once built) supply the progress quoted in messages and
+    the agreement check this rank waits in, and are told of departures. ``LIGHTNING_ZINF_WATCH=0`` turns it
     off (then a failing rank leaves the others to the backend's timeout, and NCCL's own timeout
     diagnostics, such as its flight recorder, run as without this package)."""
     if (world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ
@@ -319,14 +321,17 @@ def start_watch(rank: int, world_size: int, timeout: timedelta,
         return None
 
     def progress() -> str:
-        current = engine()
-        return current.progress() if current is not None else ""
+        current = engines()
+        return current[-1].progress() if current else ""
+
+    def waiting() -> Optional[str]:
+        return next((e.waiting_in for e in engines() if e.waiting_in is not None), None)
 
     # Each watcher reads every rank's beat once per interval: W^2 store reads per interval in all.
     interval = max(1.0, world_size / 32)
     stale = max(min(timeout.total_seconds() / 2, 60.0), 10 * interval)
     try:
-        watch = RankWatch(rank, world_size, interval=interval, stale=stale, progress=progress)
+        watch = RankWatch(rank, world_size, interval=interval, stale=stale, progress=progress, waiting=waiting)
         watch.start()
     except Exception as error:  # the run goes on without it, as before it existed
         rank_zero_warn(f"lightning_zinf: no failure watch for this run ({error}); a failing rank may leave the "
@@ -423,10 +428,19 @@ def init_distributed(environment: ClusterEnvironment, device: torch.device, back
     _init_dist_connection(environment, backend or _get_default_process_group_backend_for_device(device), **kwargs)
 
 
-def barrier() -> None:
-    """Wait for every rank (nothing without ``torch.distributed``)."""
-    if _distributed_is_initialized():
+def barrier(watch: Optional[RankWatch] = None) -> None:
+    """Wait for every rank (nothing without ``torch.distributed``); while it waits, ``watch``
+    publishes it (a rank that meanwhile waits elsewhere, in the model's forward say, is a deadlock
+    the watch reports)."""
+    if not _distributed_is_initialized():
+        return
+    if watch is not None:
+        watch.blocked_in = "a barrier (trainer.strategy.barrier / fabric.barrier)"
+    try:
         torch.distributed.barrier()
+    finally:
+        if watch is not None:
+            watch.blocked_in = None
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:

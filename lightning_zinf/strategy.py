@@ -274,7 +274,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         assert self.cluster_environment is not None
         init_distributed(self.cluster_environment, self.root_device, self._process_group_backend, self._timeout)
         if self._watch is None:
-            self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engine)
+            self._watch = start_watch(self.global_rank, self.world_size, self._timeout,
+                                      lambda: [self._engine] if self._engine is not None else [])
 
     # --- model ------------------------------------------------------------------------------------
     # ``model_sharded_context`` is deliberately not overridden: ``trainer.init_module()`` warns that it
@@ -411,7 +412,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     # --- collectives ------------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        barrier()
+        barrier(self._watch)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:

@@ -8,7 +8,8 @@ unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever 
 alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
 (the same in validation / in ``trainer.predict``),
 ``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
-save ``OUT/ckpt``), ``fabric_raise`` (a Fabric loop whose rank 1 raises).
+save ``OUT/ckpt``), ``fabric_raise`` (a Fabric loop whose rank 1 raises), ``fabric_rank0_forward`` (a
+Fabric loop whose rank 0 alone runs the model while rank 1 waits in ``fabric.barrier()``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Lit(L.LightningModule):
 
 def fabric_main() -> None:
     """``fabric_raise``: a Fabric loop whose rank 1 raises at step 2 (no Trainer: the uncaught
-    exception reaches the watch's ``sys.excepthook``)."""
+    exception reaches the watch's ``sys.excepthook``); ``fabric_rank0_forward``: at step 2 rank 0
+    alone runs the model, then every rank enters ``fabric.barrier()``."""
     from lightning.fabric import Fabric
 
     from lightning_zinf import ZeroInfinityFabricStrategy
@@ -84,8 +86,14 @@ def fabric_main() -> None:
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(4):
-        if fabric.global_rank == 1 and step == 2:
+        if SCENARIO == "fabric_raise" and fabric.global_rank == 1 and step == 2:
             raise ValueError("boom in rank 1's Fabric loop")
+        if SCENARIO == "fabric_rank0_forward" and step == 2:
+            # LitGPT's finetune scripts: generate_example on rank 0 alone, then fabric.barrier()
+            if fabric.global_rank == 0:
+                with torch.no_grad():
+                    model(torch.randn(1, 8))
+            fabric.barrier()
         fabric.backward(model(torch.randn(4, 8)).square().mean())
         optimizer.step()
         optimizer.zero_grad()

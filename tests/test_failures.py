@@ -110,6 +110,21 @@ def test_an_exception_in_a_fabric_loop_ends_every_rank_with_its_message(tmp_path
     assert wall < 45
 
 
+def test_a_forward_on_rank_0_alone_while_rank_1_waits_in_a_barrier_is_named(tmp_path: Path) -> None:
+    """LitGPT's fine-tuning scripts run ``generate_example`` on rank 0 alone and then
+    ``fabric.barrier()``: under ZeRO-3 rank 0 waits for rank 1 in the forward's agreement check
+    while rank 1 waits in the barrier, forever. The watch sees both ranks blocked in different
+    calls and ends both within seconds, naming each call, before the 20 s collective timeout would
+    (which would only say that a collective timed out)."""
+    results, wall = _run_ranks("fabric_rank0_forward", tmp_path)
+    for code, err in results:
+        assert code == 1, err[-3000:]
+        assert "Ranks deadlocked" in err and "a barrier (trainer.strategy.barrier / fabric.barrier)" in err, err[-3000:]
+        assert "the agreement check at the start of a forward pass" in err and "generate_example" in err
+        assert "timed out" not in err.lower()
+    assert wall < 40  # start-up included
+
+
 def test_a_corrupt_shard_file_is_named_on_every_rank(tmp_path: Path) -> None:
     results, _ = _run_ranks("save", tmp_path)
     assert all(code == 0 for code, _ in results), results[0][1][-2000:]

@@ -20,7 +20,12 @@ independently of the process groups:
 - a rank that leaves the order of collectives every rank agreed on posts a notice
   (:meth:`RankWatch.note_departure`) before it waits for the others to agree on the way; a notice
   that no other rank matches within ``stale`` seconds means the others did not take that branch
-  (they are waiting in the agreed collective): the divergence is posted as the failure.
+  (they are waiting in the agreed collective): the divergence is posted as the failure;
+- each watcher publishes, with its beat, the blocking call its rank waits in, if it is one the
+  engine or the strategy names (an agreement check of the engine, the strategy's barrier): two
+  ranks waiting in different ones for ``deadlock_after`` seconds can never both return (each
+  waits for the other to join its own), so the deadlock is posted as the failure, naming both
+  (a model run on rank 0 alone while rank 1 waits in a barrier: LitGPT's ``generate_example``).
 
 The normal end: :meth:`RankWatch.stop` marks the rank done and rank 0 waits (at most ``grace``)
 for every rank's mark, so the store outlives every watcher.
@@ -55,6 +60,13 @@ class RankWatch:
         progress: Returns a short description of where this rank is (the engine's last
             collective); published with each beat and quoted when a rank is found behind.
         store: The store to use (default: a client of ``MASTER_ADDR:MASTER_PORT``).
+        waiting: Returns the blocking call of the engine this rank waits in, or None (published
+            with each beat; see the module docstring).
+        deadlock_after: Seconds two ranks must wait in different calls before it is a deadlock
+            (default: three intervals, at least 3 s; published labels may lag one interval).
+
+    Attributes:
+        blocked_in: The strategy's own blocking call this rank waits in (its barrier), or None.
 
     Raises:
         RuntimeError: no store (``MASTER_ADDR``/``MASTER_PORT`` unset and none given).
@@ -62,10 +74,16 @@ class RankWatch:
 
     def __init__(self, rank: int, world_size: int, *, interval: float = 1.0, grace: float = 5.0,
                  stale: float = 30.0, progress: Optional[Callable[[], str]] = None,
-                 store: Optional[dist.Store] = None) -> None:
+                 store: Optional[dist.Store] = None, waiting: Optional[Callable[[], Optional[str]]] = None,
+                 deadlock_after: Optional[float] = None) -> None:
         self.rank, self.world_size = rank, world_size
         self.interval, self.grace, self.stale = interval, grace, stale
         self.progress = progress or (lambda: "")
+        self.waiting = waiting or (lambda: None)
+        self.deadlock_after = deadlock_after if deadlock_after is not None else max(3.0, 3 * interval)
+        self.blocked_in: Optional[str] = None
+        self._published = ""  # the label of the blocking call last published
+        self._stalls: dict[int, tuple[tuple[str, str], float]] = {}  # rank -> ((ours, theirs), since)
         if store is None:
             if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
                 raise RuntimeError("RankWatch needs MASTER_ADDR and MASTER_PORT (set by Lightning and torchrun).")
@@ -204,6 +222,16 @@ class RankWatch:
     def _beat(self) -> None:
         self._beats += 1
         self.store.set(f"beat/{self.rank}", f"{self._beats} {socket.gethostname()} {os.getpid()} {self.progress()}")
+        label = self._waiting_in() or ""
+        if label != self._published or self._beats == 1:
+            self.store.set(f"waiting/{self.rank}", label)
+            self._published = label
+
+    def _waiting_in(self) -> Optional[str]:
+        try:
+            return self.blocked_in or self.waiting()
+        except Exception:  # the engine is being built or torn down
+            return self.blocked_in
 
     def _run(self) -> None:
         posted_at: Optional[float] = None
@@ -218,7 +246,8 @@ class RankWatch:
             last = time.monotonic()
             try:
                 self._beat()
-                failure = self.first_failure() or self._find_dead() or self._find_divergence()
+                failure = (self.first_failure() or self._find_dead() or self._find_divergence()
+                           or self._find_deadlock())
                 self._zero_done = self.store.check(["done/0"])
                 lost_since = None
             except Exception:  # the store is unreachable: its host (rank 0) is gone, or overloaded
@@ -272,6 +301,33 @@ class RankWatch:
                     f"{what}), and rank {self.rank} did not (it is at {self.progress() or 'its start'}). Every rank "
                     "must run the same modules in the same order (decide data-dependent branches on rank 0 and "
                     "broadcast the decision)."
+                )
+                return self.first_failure()
+        return None
+
+    def _find_deadlock(self) -> Optional[str]:
+        mine = self._waiting_in()
+        others = [r for r in range(self.world_size) if r != self.rank]
+        keys = [f"waiting/{r}" for r in others]
+        if not mine or not self.store.check(keys):
+            self._stalls.clear()
+            return None
+        now = time.monotonic()
+        for rank, value in zip(others, self.store.multi_get(keys)):
+            theirs = bytes(value).decode()
+            if not theirs or theirs == mine:
+                self._stalls.pop(rank, None)
+                continue
+            pair, since = self._stalls.get(rank, (None, now))
+            if pair != (mine, theirs):
+                self._stalls[rank] = ((mine, theirs), now)
+            elif now - since >= self.deadlock_after:
+                self.post_failure(
+                    f"Ranks deadlocked: rank {self.rank} waits in {mine}, while rank {rank} waits in {theirs}; neither "
+                    "can return. Every rank must run every forward pass of a model lightning_zinf partitions (each "
+                    "unit is gathered from all ranks): code that runs the model on one rank alone (LitGPT's "
+                    "finetune scripts call generate_example on rank 0 only; a callback that samples on rank 0) must "
+                    "run it on every rank, printing on rank 0."
                 )
                 return self.first_failure()
         return None

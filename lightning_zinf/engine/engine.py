@@ -179,6 +179,9 @@ class ZeroEngine:
             optimizer's plain, unsharded state dict numbers them in this order).
         state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
+        waiting_in: The agreement check this rank is blocked in, waiting for the other ranks (a
+            description), or None; the strategies' watch publishes it, so that two ranks waiting
+            in different calls are reported as a deadlock (:mod:`lightning_zinf.comm.watch`).
         on_departure: Called with a description of the next collective when this rank leaves the
             agreed trace (before it checks with the other ranks), and with ``None`` once they agreed;
             the strategies point it at their :class:`~lightning_zinf.comm.watch.RankWatch`.
@@ -267,6 +270,7 @@ class ZeroEngine:
         # left it there, the divergence is reported on every rank without waiting for the timeout).
         self.on_departure: Optional[Any] = None
         self._force_check = 0  # inside gathered(): user code, so its gathers are checked too
+        self.waiting_in: Optional[str] = None  # the agreement check this rank waits in (for the watch)
         self._departure_agreed = False  # this pass left its trace and every rank agreed on the branch
         self.optimizers: list[torch.optim.Optimizer] = []
         self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
@@ -403,7 +407,7 @@ class ZeroEngine:
                 group.free_consumed_grads()
         self._check_requires_grad()
         if not self._keep_budget:  # inside keep_gathered(): checked once, at its end
-            self.verify_ranks_agree()
+            self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
         self.tracer.begin_pass(kind)
         self._departure_agreed = False
 
@@ -481,7 +485,7 @@ class ZeroEngine:
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
-        self.verify_ranks_agree()
+        self.verify_ranks_agree("the agreement check before an optimizer step")
         if self.offload is not None:
             if self._shard_device != self.device:
                 self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read
@@ -577,12 +581,15 @@ class ZeroEngine:
     def _is_gathered(self, tensor: Tensor) -> bool:
         return any(g.holds_storage_of(tensor) for u in self._live.values() for g in u.groups)
 
-    def verify_ranks_agree(self) -> None:
+    def verify_ranks_agree(self, where: str = "an agreement check of the engine") -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
         the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
         Run at every pass boundary and before every optimizer step, so a rank whose control flow
         diverged (a different branch over units of the same size, which the collectives
         themselves cannot notice) stops training before a wrong update is applied.
+
+        Args:
+            where: What this check is, for :attr:`waiting_in` while it waits for the other ranks.
 
         Raises:
             RuntimeError: the ranks' sequences differ; the message gives the first difference.
@@ -591,7 +598,9 @@ class ZeroEngine:
         if self.comm.world_size == 1:
             return
         digest = zlib.crc32(",".join(map(str, issued)).encode())
-        if self.comm.all_equal(digest):
+        with self._waiting(where):
+            agreed = self.comm.all_equal(digest)
+        if agreed:
             return
         # Every rank saw the mismatch: gather the sequences (only now) to say where they part.
         sequences = self.comm.all_gather_object(issued[:4096])
@@ -638,7 +647,8 @@ class ZeroEngine:
         if departed and self.on_departure is not None:
             self.on_departure(f"collective #{self.collectives_issued}: {what}")
         try:
-            agreed = self.comm.all_equal(zlib.crc32(f"{issued}:{self._numel_of(issued)}".encode()))
+            with self._waiting(f"the agreement check before its {what}"):
+                agreed = self.comm.all_equal(zlib.crc32(f"{issued}:{self._numel_of(issued)}".encode()))
         except Exception as error:
             if not departed:
                 raise
@@ -663,6 +673,14 @@ class ZeroEngine:
             + ". Every rank must run the same modules in the same order (a module run on some ranks only, or "
             "control flow that depends on rank-local data, must be decided on rank 0 and broadcast)."
         )
+
+    @contextmanager
+    def _waiting(self, what: str) -> Iterator[None]:
+        self.waiting_in = what
+        try:
+            yield
+        finally:
+            self.waiting_in = None
 
     def _numel_of(self, issued: int) -> int:
         return self.units[issued].numel if issued >= 0 else self.groups[-1 - issued].numel
