@@ -475,6 +475,8 @@ class _RangeFile:
     """
 
     def __init__(self, path: Path) -> None:
+        self._path = path
+        self._mapped: Optional[torch.UntypedStorage] = None
         self._fd = os.open(path, os.O_RDONLY)
         (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
         header = json.loads(os.pread(self._fd, size, 8))
@@ -496,6 +498,20 @@ class _RangeFile:
         start = self._base + entry["data_offsets"][0] + lo * item
         data = bytearray(os.pread(self._fd, (hi - lo) * item, start))
         return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+    def tensor(self, key: str) -> Tensor:
+        """The whole tensor ``key``, memory-mapped (copy-on-write): its bytes are read from disk
+        only where it is used, so a state dict of every tensor of the file costs no memory."""
+        entry = self._entries[key]
+        dtype = _DTYPE_OF[entry["dtype"]]
+        if self._mapped is None:
+            self._mapped = torch.UntypedStorage.from_file(str(self._path), shared=False,
+                                                          nbytes=os.fstat(self._fd).st_size)
+        start, end = (self._base + at for at in entry["data_offsets"])
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._mapped, start, (end - start,))
+        if start % raw.new_empty(0, dtype=dtype).element_size():
+            raw = raw.clone()  # a misaligned record (the format does not promise alignment): read it
+        return raw.view(dtype).reshape(entry["shape"])
 
     def __del__(self) -> None:
         os.close(self._fd)
@@ -682,6 +698,10 @@ class _TorchFile:
     def read(self, key: str, lo: int, hi: int) -> Tensor:
         return self._tensors[key].reshape(-1)[lo:hi].clone()
 
+    def tensor(self, key: str) -> Tensor:
+        """The whole tensor ``key`` (memory-mapped unless the file's format cannot be)."""
+        return self._tensors[key]
+
 
 #: What a Hugging Face model folder may hold, in the order they are looked for.
 _HF_CHECKPOINTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
@@ -785,9 +805,9 @@ class _Source:
             return self._mapping[key].reshape(-1)[lo:hi]
         return self._file_of[key].read(key, lo, hi)
 
-    def full(self, key: str) -> Tensor:
-        """The whole tensor (for small entries such as buffers)."""
-        return self.flat_range(key, 0, torch.Size(self.shape(key)).numel()).reshape(self.shape(key))
+    def tensor(self, key: str) -> Tensor:
+        """The whole tensor, memory-mapped from a file (read only where it is used)."""
+        return self._mapping[key] if self._mapping is not None else self._file_of[key].tensor(key)
 
 
 def load_full_state_dict(
@@ -797,21 +817,25 @@ def load_full_state_dict(
     prefix: str = "",
     strict: bool = True,
 ) -> list[str]:
-    """Load a plain, unpartitioned state dict into the partitioned model; each rank reads only the
-    elements of its own shards (from a ``.safetensors`` file, only the byte ranges that hold them), so no
-    rank ever holds the whole model. For starting fine-tuning from pretrained weights.
+    """Load a plain, unpartitioned state dict into the partitioned model, through the model's own
+    ``load_state_dict`` (each module's ``_load_from_state_dict`` and load pre-hooks run, as on the
+    plain model: a :class:`~lightning_zinf.TiledLinear` cuts the untiled ``weight`` into its tiles,
+    a LoRA layer remaps its keys), one unit at a time: each rank gathers a unit, takes the values
+    and keeps its slice (:mod:`lightning_zinf.engine.state_dict`). Files are memory-mapped, so a
+    rank reads a tensor's bytes when its unit loads and never holds the whole model. For starting
+    fine-tuning from pretrained weights.
 
-    Collective only in its last step (persistent units are re-gathered): call it on every rank. With
-    NVMe offload one flat group's state is in memory at a time.
+    Collective: call it on every rank. With NVMe offload one flat group's state is in memory at a
+    time.
 
     Args:
         engine: The engine partitioning the model.
         source: A Hugging Face model folder (what ``save_pretrained`` writes: ``model.safetensors``,
             or shards with ``model.safetensors.index.json``, or ``pytorch_model.bin``, sharded or
-            not), a ``.safetensors`` file (read by byte range, one shard-sized piece at a time), a
-            ``torch.save`` file of a state dict (memory-mapped), or a mapping of names to full
-            tensors. Values are converted to each parameter's dtype (a bf16 checkpoint into fp32
-            masters exactly); a tied parameter takes any of its names.
+            not), a ``.safetensors`` file, a ``torch.save`` file of a state dict, or a mapping of
+            names to full tensors. Values are converted to each parameter's dtype (a bf16
+            checkpoint into fp32 masters exactly); a tied parameter takes any of its names; a
+            PEFT-wrapped layer's ``base_layer`` takes the layer's name.
         prefix: Where the pretrained model sits inside ``engine.module``: parameter ``prefix + key``
             of the partitioned model takes ``source[key]`` (e.g. ``"model."`` for a LightningModule
             holding the network as ``self.model``). Parameters outside the prefix are left as they are.
@@ -819,72 +843,68 @@ def load_full_state_dict(
             entries matching no parameter or buffer.
 
     Returns:
-        The keys of ``source`` that matched nothing (empty when ``strict``).
+        The keys of ``source`` that no module took (empty when ``strict``).
 
     Raises:
         CheckpointError: the file does not exist, a shape differs, or (``strict``) keys are missing
-            or unexpected; the message names them. Nothing is loaded then. A :class:`TiledLinear`'s
-            tiles read their parts of the untiled ``weight``/``bias`` entries.
+            or unexpected by name (checked before anything is loaded, so a model whose modules
+            rename keys themselves loads with ``strict=False``); the message names them.
     """
     src = _Source(source)
     available = src.keys()
-    aliases: dict[int, list[str]] = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    module = engine.module
+    aliases: dict[int, list[str]] = {}  # parameter id -> its names in the model (tied: several)
+    for name, p in module.named_parameters(remove_duplicate=False):
         if name.startswith(prefix):
-            aliases.setdefault(id(p), []).extend(_checkpoint_names(name[len(prefix):]))
-    # A tile of a TiledLinear reads its part of the untiled layer's entry ("fc.weight").
-    views = {i: v._replace(name=v.name[len(prefix):]) for i, v in tile_views(engine.module).items() if v.name.startswith(prefix)}
+            aliases.setdefault(id(p), []).append(name)
+    shapes = {id(p): shape for g in engine.groups for p, shape in zip(g.params, g.shapes)}
+    # A TiledLinear loads as the nn.Linear it replaces ("fc.weight"): its own pre-hook cuts the tiles.
+    views = tile_views(module)
+    tiled = {view.name: view for view in views.values() if view.name.startswith(prefix)}
+    mapping: dict[str, Tensor] = {}
     used: set[str] = set()
     missing: list[str] = []
-    # Match every parameter first, so a mismatch raises before anything is changed.
-    plan: list[tuple[FlatGroup, list[tuple[int, int, torch.Size, str, Any]]]] = []
-    for group in engine.groups:
-        entries = []
-        for p, offset, numel, shape in zip(group.params, group.offsets, group.numels, group.shapes):
-            view = views.get(id(p))
-            names = [view.name] if view is not None else aliases.get(id(p), [])
-            key = next((n for n in names if n in available), None)
-            if key is None:
-                missing.extend(names[:1])
-                continue
-            used.update(n for n in names if n in available)
-            expected = list(view.shape) if view is not None else list(shape)
-            if src.shape(key) != expected:
-                raise CheckpointError(
-                    f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {expected}."
-                )
-            entries.append((offset, numel, shape, key, view))
-        plan.append((group, entries))
-    buffers = {key: n for n, _ in engine.module.named_buffers() if n.startswith(prefix)
-               for key in _checkpoint_names(n[len(prefix):])}
-    matched_buffers = available & set(buffers)
-    unexpected = sorted(available - used - matched_buffers)
-    if strict and (missing or unexpected):
+    for p_id, names in aliases.items():
+        if p_id in views:
+            continue  # a tile: loaded by its layer's entry below
+        keys = [k for n in names for k in _checkpoint_names(n[len(prefix):])]
+        key = next((k for k in keys if k in available), None)
+        if key is None:
+            missing.append(names[0])
+            continue
+        used.update(k for k in keys if k in available)
+        expected = list(shapes.get(p_id, ()))
+        if src.shape(key) != expected:
+            raise CheckpointError(f"{src.where}: '{key}' has shape {src.shape(key)} but the model's parameter has {expected}.")
+        for name in names:
+            mapping[name] = src.tensor(key)
+    for name, view in tiled.items():
+        key = name[len(prefix):]
+        if key not in available:
+            missing.append(name)
+            continue
+        if src.shape(key) != list(view.shape):
+            raise CheckpointError(f"{src.where}: '{key}' has shape {src.shape(key)} but the model's layer has "
+                                  f"{list(view.shape)}.")
+        used.add(key)
+        mapping[name] = src.tensor(key)
+    buffers = {key: n for n, _ in module.named_buffers() if n.startswith(prefix) for key in _checkpoint_names(n[len(prefix):])}
+    saved = {f"{m}.{b}" if m else b for m, owner in module.named_modules() for b in owner._buffers
+             if b not in owner._non_persistent_buffers_set}
+    for key in available & set(buffers):
+        used.add(key)  # a buffer the model does not save (BERT's position_ids) is matched, not loaded
+        if buffers[key] in saved:
+            mapping[buffers[key]] = src.tensor(key)
+    unmatched = sorted(available - used)
+    if strict and (missing or unmatched):
         raise CheckpointError(
             f"{src.where} does not match the model under prefix {prefix!r}: missing {missing[:10]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''}. Pass strict=False to load what matches."
+            f"{' ...' if len(missing) > 10 else ''}, unexpected {unmatched[:10]}"
+            f"{' ...' if len(unmatched) > 10 else ''}. Pass strict=False to load what matches (a model whose "
+            "modules rename keys in their own _load_from_state_dict, as LitGPT's LoRA layers do, loads that way)."
         )
-    for group, entries in plan:
-        if not entries:
-            continue
-        # Shards and fp32 masters may be on NVMe: one group's state in memory at a time.
-        with engine.state_resident(write_back=True, groups=[group]):
-            lo_shard = group.shard_start
-            for offset, numel, shape, key, view in entries:
-                lo = min(max(offset, lo_shard), lo_shard + group.shard_numel)
-                hi = max(min(offset + numel, lo_shard + group.shard_numel), lo)
-                if hi <= lo:
-                    continue
-                runs = (view_segments(view, tuple(shape), lo - offset, hi - offset) if view is not None
-                        else [(lo - offset, lo - offset, hi - lo)])
-                for at, full_at, length in runs:
-                    values = src.flat_range(key, full_at, full_at + length)
-                    start = offset + at - lo_shard
-                    group.shard[start : start + length].copy_(values)
-                    if group.master is not None and group.master is not group.shard:
-                        group.master[start : start + length].copy_(values)
-    if matched_buffers:
-        engine.module.load_state_dict({buffers[k]: src.full(k) for k in matched_buffers}, strict=False)
-    engine.after_step()  # the shards changed: re-gather persistent units
-    return unexpected
+    # Entries that match no name go in too, under the prefix: a module may rename them to its own
+    # in its _load_from_state_dict (LitGPT's LoRA layers); what nobody takes is torch's to report.
+    mapping.update({prefix + key: src.tensor(key) for key in unmatched})
+    result = module.load_state_dict(mapping, strict=False)
+    return sorted(k[len(prefix):] for k in result.unexpected_keys if k.startswith(prefix) and k[len(prefix):] in available)

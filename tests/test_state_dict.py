@@ -244,3 +244,29 @@ def test_sharded_state_dict_is_dtensors_that_dcp_saves_and_loads(tmp_path) -> No
             if rows is not None:
                 assert result["locals"][key][0] == rows, key
         _assert_same(result["loaded"], want)
+
+
+def _full_file_remapped(rank: int, world: int, path: str) -> dict:
+    from lightning_zinf import load_full_state_dict
+
+    torch.manual_seed(1)
+    model = models.MLP()
+    model.fc2 = _Remapped(48, 48)
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+    left = load_full_state_dict(engine, path, strict=False)
+    return {"left": left, "state": model.state_dict()}
+
+
+def test_load_full_state_dict_takes_the_modules_route_too(tmp_path) -> None:
+    """``load_full_state_dict`` (``load_full_weights``, ``fabric.load_raw`` of a safetensors file)
+    goes through the model's ``load_state_dict``: a module's own key remapping receives the file's
+    ``fc2.weight`` (memory-mapped); nothing is left over."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    plain = models.MLP()
+    save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, tmp_path / "plain.safetensors")
+    for result in run_distributed(_full_file_remapped, 2, str(tmp_path / "plain.safetensors")):
+        assert result["left"] == []
+        assert torch.equal(result["state"]["fc2.linear.weight"], plain.fc2.weight)
+        assert torch.equal(result["state"]["fc1.weight"], plain.fc1.weight)
