@@ -9,6 +9,7 @@ with one saves checkpoints the other loads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -44,6 +45,7 @@ from lightning_zinf.config import (
     coerce_config,
 )
 from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.tiling import tile_views
 
 __all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "report_failure", "finish_run", "PRESETS",
@@ -284,10 +286,14 @@ def register_presets(registry: Any, cls: type) -> None:
 # --- the checkpoint entries outside the shard files ---------------------------------------------------
 def module_buffers(module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` without its parameters (replicated buffers, extra state): what a
-    checkpoint's ``state_dict`` entry holds, since the parameters are in the shard files."""
+    checkpoint's ``state_dict`` entry holds, since the parameters are in the shard files. The
+    partitioned parameters are not gathered for it (:func:`~lightning_zinf.state_dict_options`)."""
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     params.update(view.name for view in tile_views(module).values())  # a TiledLinear's "weight"
-    return {k: v for k, v in module.state_dict().items() if k not in params}
+    engine = getattr(module, "_zinf_engine", None)
+    with state_dict_options(module, parameters=False) if engine is not None else contextlib.nullcontext():
+        state = module.state_dict()
+    return {k: v for k, v in state.items() if k not in params}
 
 
 def optimizer_hyperparameters(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -59,7 +59,10 @@ def _roundtrip(rank: int, world: int, case: str) -> None:
     plain = _model(kind, 0)
     model = copy.deepcopy(plain)
     engine = ZeroEngine(model, **options)
-    _assert_same(model.state_dict(), plain.state_dict())
+    first = model.state_dict()
+    _assert_same(first, plain.state_dict())
+    if kind == "gpt":  # tied, as in the plain model's: one tensor's storage under both names, gathered once
+        assert first["head.weight"].data_ptr() == first["wte.weight"].data_ptr()
     # Released again afterwards: the values were copies, the parameters are back to their shards.
     assert all(p.numel() == 0 for u in engine.units if not u.persistent for g in u.groups for p in g.params)
 
@@ -159,13 +162,19 @@ def _errors(rank: int, world: int) -> None:
     assert list(only) == (list(plain.state_dict()) if rank == 0 else [])
     keep = model.state_dict(keep_vars=True)
     assert all(v.numel() > 0 for v in keep.values())
+    # What a sharded checkpoint keeps beside its shard files gathers nothing.
+    engine = model._zinf_engine
+    before = engine.collectives_issued
+    with state_dict_options(model, parameters=False):
+        assert list(model.state_dict()) == []
+    assert engine.collectives_issued == before
 
 
 def test_strict_errors_partial_loads_and_options_are_torchs() -> None:
     """``strict=False`` returns the plain model's missing and unexpected keys and loads the rest;
     ``strict=True`` raises torch's message; a wrong shape names the full shapes (never
     ``torch.Size([0])``); ``assign=True`` is refused; with ``rank0_only`` the other ranks get no
-    parameters; ``keep_vars=True`` returns full values."""
+    parameters; ``keep_vars=True`` returns full values; ``parameters=False`` gathers nothing."""
     run_distributed(_errors, 2)
 
 

@@ -54,13 +54,16 @@ class StateDictHooks:
         sharded: ``state_dict()`` returns each partitioned parameter as a ``DTensor`` sharded on
             dim 0 over the engine's ranks (``Shard(0)``, torch.chunk's split), holding this rank's
             rows only, on the compute device: what ``torch.distributed.checkpoint`` saves and
-            reshards. Set both through :func:`state_dict_options`.
+            reshards.
+        parameters: ``False``: ``state_dict()`` leaves the partitioned parameters out and gathers
+            nothing (buffers and extra state only). Set these through :func:`state_dict_options`.
     """
 
     def __init__(self, engine: "ZeroEngine") -> None:
         self._engine = weakref.ref(engine)
         self.rank0_only = False
         self.sharded = False
+        self.parameters = True
         self._mesh: Any = None
         owner: dict[int, Unit] = {id(p): u for u in engine.units for g in u.groups for p in g.params}
         self._full_shapes = {id(p): shape for u in engine.units for g in u.groups for p, shape in zip(g.params, g.shapes)}
@@ -90,6 +93,7 @@ class StateDictHooks:
         self._depth = 0
         self._touched: dict[int, Unit] = {}
         self._copies: dict[int, nn.Module] = {}  # unit index -> module whose post-hook restores it
+        self._made: dict[int, list[list[Any]]] = {}  # unit index -> its copies, for one traversal
         self._held: dict[int, tuple[Unit, nn.Module]] = {}  # loading: unit index -> (unit, holder)
 
     def install(self) -> list[Any]:
@@ -116,7 +120,7 @@ class StateDictHooks:
         for index in self._copies:
             for group in engine.units[index].groups:
                 group.repoint()
-        self._depth, self._touched, self._copies, self._held = 0, {}, {}, {}
+        self._depth, self._touched, self._copies, self._held, self._made = 0, {}, {}, {}, {}
 
     # --- traversal bookkeeping -----------------------------------------------------------------------
     def _enter(self, engine: "ZeroEngine") -> None:
@@ -128,25 +132,28 @@ class StateDictHooks:
         self._depth -= 1
         if self._depth == 0:
             self._flush(engine, owner=None)
-            touched, self._touched = list(self._touched.values()), {}
+            touched, self._touched, self._made = list(self._touched.values()), {}, {}
             engine.end_unit_access(touched)
 
     # --- state_dict ------------------------------------------------------------------------------------
     def _save_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         engine = self._engine()
-        if engine is None:
+        if engine is None or not self.parameters:
             return
         self._enter(engine)
         keep = not self.rank0_only or engine.comm.rank == 0
         for unit in self._needs.get(module, ()):
             if unit.index in self._copies:
                 continue  # copied at its block, which is still saving
-            engine.hold_exact(unit)
-            self._touched[unit.index] = unit
-            try:
-                copies = [[self._copy(p.detach(), engine) if keep else None for p in g.params] for g in unit.groups]
-            finally:
-                engine.drop_exact(unit, write_back=False)
+            copies = self._made.get(unit.index)  # a tied parameter met again: the same tensors
+            if copies is None:
+                engine.hold_exact(unit)
+                self._touched[unit.index] = unit
+                try:
+                    copies = [[self._copy(p.detach(), engine) if keep else None for p in g.params] for g in unit.groups]
+                finally:
+                    engine.drop_exact(unit, write_back=False)
+                self._made[unit.index] = copies
             if keep:
                 for group, values in zip(unit.groups, copies):
                     for p, value in zip(group.params, values):
@@ -157,6 +164,10 @@ class StateDictHooks:
     def _save_post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         engine = self._engine()
         if engine is None:
+            return
+        if not self.parameters:
+            for name, _ in self._direct.get(module, ()):
+                state_dict.pop(prefix + name, None)
             return
         keep = not self.rank0_only or engine.comm.rank == 0
         for name, p in self._direct.get(module, ()):
@@ -240,7 +251,8 @@ class StateDictHooks:
 
 
 @contextmanager
-def state_dict_options(module: nn.Module, *, sharded: bool = False, rank0_only: bool = False) -> Iterator[None]:
+def state_dict_options(module: nn.Module, *, sharded: bool = False, rank0_only: bool = False,
+                       parameters: bool = True) -> Iterator[None]:
     """Within the block, ``module.state_dict()`` (of a model partitioned by a
     :class:`~lightning_zinf.ZeroEngine`) returns, for the partitioned parameters:
 
@@ -252,7 +264,9 @@ def state_dict_options(module: nn.Module, *, sharded: bool = False, rank0_only: 
       (FSDP's ``SHARDED_STATE_DICT``): ``torch.distributed.checkpoint.save`` writes them in
       parallel and ``torch.distributed.checkpoint.load`` reshards them to any world size; the
       loaded dict goes back in with ``module.load_state_dict``, which accepts ``DTensor`` values
-      (each is gathered, one parameter at a time, and written into the shards).
+      (each is gathered, one parameter at a time, and written into the shards);
+    - ``parameters=False``: no partitioned parameter, and nothing gathered (buffers and extra
+      state only: what a sharded checkpoint keeps beside its shard files).
 
     Raises:
         ValueError: ``module`` is not partitioned by a ZeroEngine, or both options are set.
@@ -263,9 +277,9 @@ def state_dict_options(module: nn.Module, *, sharded: bool = False, rank0_only: 
     if sharded and rank0_only:
         raise ValueError("state_dict_options: rank0_only applies to full state dicts; a sharded one is every rank's.")
     hooks = engine.state_dict_hooks
-    previous = hooks.sharded, hooks.rank0_only
-    hooks.sharded, hooks.rank0_only = sharded, rank0_only
+    previous = hooks.sharded, hooks.rank0_only, hooks.parameters
+    hooks.sharded, hooks.rank0_only, hooks.parameters = sharded, rank0_only, parameters
     try:
         yield
     finally:
-        hooks.sharded, hooks.rank0_only = previous
+        hooks.sharded, hooks.rank0_only, hooks.parameters = previous
