@@ -279,3 +279,23 @@ def test_load_full_state_dict_takes_the_modules_route_too(tmp_path) -> None:
         assert result["left"] == []
         assert torch.equal(result["state"]["fc2.linear.weight"], plain.fc2.weight)
         assert torch.equal(result["state"]["fc1.weight"], plain.fc1.weight)
+
+
+def _one_rank_reads(rank: int, world: int) -> str:
+    model = _model("mlp", 0)
+    ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+    with pytest.raises(RuntimeError, match="Ranks diverged") as error:
+        if rank == 0:
+            model.state_dict()  # rank 0 alone, while rank 1 starts a forward pass
+        else:
+            model(torch.randn(2, 16))
+    return str(error.value)
+
+
+def test_a_state_dict_on_one_rank_is_named_on_every_rank() -> None:
+    """``state_dict()`` on rank 0 while rank 1 runs a forward: their agreement checks meet, and
+    each rank raises naming where every rank was (it once failed with a TypeError inside the
+    divergence report, the two checks' payloads mixed up)."""
+    for message in run_distributed(_one_rank_reads, 2):
+        assert "rank 0 was at about to issue a gather of unit 'fc1'" in message, message
+        assert "rank 1 was at the agreement check at the start of a forward pass" in message, message

@@ -324,10 +324,11 @@ class RankWatch:
             elif now - since >= self.deadlock_after:
                 self.post_failure(
                     f"Ranks deadlocked: rank {self.rank} waits in {mine}, while rank {rank} waits in {theirs}; neither "
-                    "can return. Every rank must run every forward pass of a model lightning_zinf partitions (each "
-                    "unit is gathered from all ranks): code that runs the model on one rank alone (LitGPT's "
-                    "finetune scripts call generate_example on rank 0 only; a callback that samples on rank 0) must "
-                    "run it on every rank, printing on rank 0."
+                    "can return. Every rank must make the same calls on a model lightning_zinf partitions (each unit "
+                    "is gathered from all ranks): every forward pass, state_dict()/load_state_dict(), checkpoint "
+                    "saves. Code that makes them on one rank alone (LitGPT's finetune scripts call generate_example "
+                    "on rank 0 only; a callback that samples or saves on rank 0) must make them on every rank, "
+                    "printing or writing on rank 0."
                 )
                 return self.first_failure()
         return None

@@ -603,7 +603,9 @@ class ZeroEngine:
         if agreed:
             return
         # Every rank saw the mismatch: gather the sequences (only now) to say where they part.
-        sequences = self.comm.all_gather_object(issued[:4096])
+        entries = self.comm.all_gather_object(("sequence", where, issued[:4096]))
+        self._raise_if_elsewhere(entries)
+        sequences = [entry[2] for entry in entries]
         first = next(i for i in range(max(map(len, sequences))) if len({tuple(q[i:i + 1]) for q in sequences}) > 1)
         seen = ", ".join(f"rank {r}: {self._describe(q[first]) if first < len(q) else 'end'}"
                          for r, q in enumerate(sequences))
@@ -666,13 +668,32 @@ class ZeroEngine:
                 if self.on_departure is not None:
                     self.on_departure(None)
             return
-        seen = self.comm.all_gather_object(what)
+        entries = self.comm.all_gather_object(("next", f"about to issue a {what}", what))
+        self._raise_if_elsewhere(entries)
+        seen = [entry[2] for entry in entries]
         raise RuntimeError(
             f"Ranks diverged: at collective #{self.collectives_issued} "
             + ", ".join(f"rank {r} was about to issue a {w}" for r, w in enumerate(seen))
             + ". Every rank must run the same modules in the same order (a module run on some ranks only, or "
             "control flow that depends on rank-local data, must be decided on rank 0 and broadcast)."
         )
+
+    @staticmethod
+    def _raise_if_elsewhere(entries: list[tuple[str, str, Any]]) -> None:
+        """The ranks' ``(kind, where, payload)`` of a failed agreement check: when they were at
+        different kinds of check (one at a pass boundary, another before a gather), the all-reduce
+        paired calls that do not correspond, so say where each rank was.
+
+        Raises:
+            RuntimeError: the kinds differ; names each rank's place.
+        """
+        if len({entry[0] for entry in entries}) > 1:
+            raise RuntimeError(
+                "Ranks diverged: " + ", ".join(f"rank {r} was at {entry[1]}" for r, entry in enumerate(entries))
+                + ". Every rank must make the same calls on a partitioned model, in the same order: every forward "
+                "pass, state_dict()/load_state_dict(), optimizer steps (code that runs them on one rank only must "
+                "run them on every rank)."
+            )
 
     @contextmanager
     def _waiting(self, what: str) -> Iterator[None]:
