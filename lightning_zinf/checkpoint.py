@@ -47,7 +47,7 @@ from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.tiling import tile_views, view_segments
 
-__all__ = ["save_sharded", "save_sharded_models", "MODELS_KEY", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "read_meta",
+__all__ = ["save_sharded", "save_sharded_models", "MODELS_KEY", "OPTIMIZER_KEYS", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "read_meta",
            "CheckpointError", "CHECKPOINT_GLOBALS", "META_FILE"]
 
 META_FILE = "meta.pt"
@@ -255,11 +255,14 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
 
 
 # --- save -------------------------------------------------------------------------------------------
-def _owner_of(optimizers: list[torch.optim.Optimizer]) -> dict[int, tuple[int, torch.optim.Optimizer]]:
-    """Fragment id -> (optimizer index, optimizer)."""
+def _owner_of(optimizers: Iterable[torch.optim.Optimizer] | dict[int, torch.optim.Optimizer]
+              ) -> dict[int, tuple[int, torch.optim.Optimizer]]:
+    """Fragment id -> (optimizer index in the checkpoint, optimizer); ``optimizers`` in the saved
+    order, or a mapping from the saved index to the optimizer that takes that state."""
+    indexed = optimizers.items() if isinstance(optimizers, dict) else enumerate(optimizers)
     return {
         id(fragment): (o, optimizer)
-        for o, optimizer in enumerate(optimizers)
+        for o, optimizer in indexed
         for param_group in optimizer.param_groups
         for fragment in param_group["params"]
     }
@@ -366,6 +369,8 @@ def _staging(path: Path, comm: Any) -> Path:
 
 #: ``meta.pt`` of a checkpoint of several models: model key -> the keys of its optimizers.
 MODELS_KEY = "zinf_models"
+#: ``meta.pt`` of a Fabric checkpoint of one model: the keys its optimizers' states were saved under.
+OPTIMIZER_KEYS = "zinf_optimizer_keys"
 
 
 def save_sharded_models(
@@ -573,7 +578,8 @@ class ShardReader:
 
 
 def load_sharded(
-    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, load_optimizer: bool = True,
+    engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer] | dict[int, torch.optim.Optimizer],
+    path: os.PathLike, load_optimizer: bool = True,
     *, weights_only: Optional[bool] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_sharded`, at this or any other world size.
@@ -583,7 +589,8 @@ def load_sharded(
 
     Args:
         engine: The engine partitioning the same model.
-        optimizers: The engine's sharded optimizers, in the order they were saved.
+        optimizers: The engine's sharded optimizers, in the order they were saved, or a mapping
+            from the index an optimizer's state was saved at to the optimizer that takes it.
         path: The checkpoint directory.
         load_optimizer: Restore optimizer state (and fp32 masters); ``False`` loads weights only.
         weights_only: How ``meta.pt`` is unpickled (:func:`read_meta`): ``None``/``True`` runs no
@@ -616,7 +623,7 @@ def load_sharded(
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
     reader = ShardReader(path, zinf)
     _check_layout(zinf["groups"], _layout(engine), path)
-    owners = _owner_of(list(optimizers))
+    owners = _owner_of(optimizers if isinstance(optimizers, dict) else list(optimizers))
     engine.release_all()
     for i, group in enumerate(engine.groups):
         if zinf["groups"][i].get("excluded", False):

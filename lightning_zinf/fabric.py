@@ -32,7 +32,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import (MODELS_KEY, CheckpointError, is_sharded_checkpoint, load_full_state_dict,
+from lightning_zinf.checkpoint import (MODELS_KEY, OPTIMIZER_KEYS, CheckpointError, is_sharded_checkpoint, load_full_state_dict,
                                       load_sharded, read_meta, save_sharded, save_sharded_models)
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
@@ -429,6 +429,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 "pytorch-lightning_version": lightning.__version__})  # the Trainer checks it
         if len(module_keys) == 1:
             engine, optimizers, own = per_model[module_keys[0]]
+            # Which key each optimizer state was saved under: a load takes them by key, not position.
+            own[OPTIMIZER_KEYS] = list(optimizers)
             save_sharded(engine, list(optimizers.values()), path, {**own, **meta},
                          exclude_frozen=self.options.exclude_frozen_parameters)
         else:
@@ -497,7 +499,9 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             saved_models: dict[str, list[str]] = top.pop(MODELS_KEY)
             folders = {key: Path(path) / key for key in saved_models}
         elif len(module_keys) == 1:
-            saved_models = {module_keys[0]: [k for k in optimizer_keys][: len(top.get("optimizer_states", []))]}
+            # A Trainer's checkpoint names no optimizer: its states are taken in order.
+            saved = top.get(OPTIMIZER_KEYS, optimizer_keys[: len(top.get("optimizer_states", []))])
+            saved_models = {module_keys[0]: saved}
             folders = {module_keys[0]: Path(path)}
         else:
             raise CheckpointError(f"{path} holds one model, but {len(module_keys)} were asked for: {module_keys}.")
@@ -507,19 +511,22 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         meta = top
         for key in module_keys:
             mine = [k for k in optimizer_keys if self.engine_of(state[k]) is self.engine_of(state[key])]
-            optimizers = [state[k] for k in mine]
-            if mine != saved_models[key]:
-                if strict and any(k not in saved_models[key] for k in mine):
-                    raise KeyError(
-                        f"The requested state contains optimizer(s) {mine} of model '{key}' but the checkpoint {path} "
-                        f"holds the state of {len(saved_models[key])} ({saved_models[key]}): it was saved without them. "
-                        "Pass strict=False to load the model's weights alone."
-                    )
-                optimizers = []
+            absent = [k for k in mine if k not in saved_models[key]]
+            if absent and strict:
+                raise KeyError(
+                    f"The requested state contains optimizer(s) {absent} of model '{key}' but the checkpoint {path} "
+                    f"holds the state of {len(saved_models[key])} ({saved_models[key]}): it was saved without them. "
+                    "Pass strict=False to load the model's weights alone."
+                )
+            # Each requested optimizer takes the state saved under its key (at that index).
+            optimizers = {saved_models[key].index(k): state[k] for k in mine if k in saved_models[key]}
             loaded = load_sharded(self.engine_of(state[key]), optimizers, folders[key],
                                   load_optimizer=bool(optimizers), weights_only=weights_only)
+            loaded.pop(OPTIMIZER_KEYS, None)
             state[key].load_state_dict(loaded.pop("state_dict", {}), strict=False)  # buffers
-            restore_hyperparameters(optimizers, loaded.pop("optimizer_states", []))
+            hyper = loaded.pop("optimizer_states", [])
+            for index, optimizer in optimizers.items():
+                restore_hyperparameters([optimizer], hyper[index:index + 1])
             if folders[key] == Path(path):
                 meta = loaded
         meta.pop("zinf", None)

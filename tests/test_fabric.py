@@ -393,3 +393,33 @@ def test_fabric_full_checkpoints_move_a_run_between_ddp_and_zero_infinity(tmp_pa
     assert saved["step"] == 4 and set(saved) == {"model", "optimizer", "step"}
     blocks = torch.load(tmp_path / "blocks.ckpt", weights_only=True)["model"]
     assert blocks and all(k.startswith("blocks.0") and v.numel() > 0 for k, v in blocks.items())
+
+
+def _by_key(rank: int, world: int, folder: str) -> bool:
+    fabric = _fabric("zero_infinity")
+
+    def build():
+        torch.manual_seed(0)
+        with fabric.init_module():
+            model = models.GPT()
+        blocks = set(map(id, model.blocks.parameters()))
+        opt_a = torch.optim.AdamW(model.blocks.parameters(), lr=1e-2)
+        opt_b = torch.optim.AdamW([p for p in model.parameters() if id(p) not in blocks], lr=1e-3)
+        return fabric.setup(model, opt_a, opt_b)
+
+    model, opt_a, opt_b = build()
+    x, y = models.make_batch("gpt", 0, 4)
+    fabric.backward(models.loss_fn(model, x, y))
+    opt_a.step()
+    opt_b.step()
+    saved = _exp_avg(opt_b)
+    fabric.save(folder, {"model": model, "opt_a": opt_a, "opt_b": opt_b})
+    model, opt_a, opt_b = build()
+    assert fabric.load(folder, {"model": model, "opt_b": opt_b}) == {}
+    return all(torch.equal(a, b) for a, b in zip(_exp_avg(opt_b), saved)) and len(saved) > 0 and _exp_avg(opt_a) == []
+
+
+def test_fabric_load_takes_each_optimizer_by_its_key(tmp_path: Path) -> None:
+    """Two optimizers saved, the second alone asked for: it gets its own state (by key), not the
+    first one's (by position, as it once did)."""
+    assert run_distributed(_by_key, 2, str(tmp_path / "ckpt"), init_pg=False) == [True, True]
