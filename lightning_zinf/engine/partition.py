@@ -312,9 +312,10 @@ def _library_model(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> Op
 
     Recognised by type, not by attribute names: other libraries' models have a ``config`` and an
     ``_init_weights`` too (LitGPT's ``GPT``), with another meaning; they get torch's route.
-    ``transformers`` is not imported here: a model of its classes exists only once it is.
+    ``transformers`` is not imported here (its lazy ``PreTrainedModel`` costs 0.7 s to load): a
+    model of its classes exists only once ``transformers.modeling_utils`` is.
     """
-    library = sys.modules.get("transformers")
+    library = sys.modules.get("transformers.modeling_utils")
     pretrained = getattr(library, "PreTrainedModel", None) if library is not None else None
     if pretrained is None:
         return None
@@ -457,10 +458,13 @@ def materialize(
             candidates.setdefault(node, None)
             node = parents.get(node)
     for module in sorted(candidates, key=lambda m: -names.get(m, "").count(".") - bool(names.get(m))):
-        below = list(module.parameters())
+        # The cheap tests first: listing an ancestor's parameters (the root's are the model's) for
+        # every unit made setup quadratic in the number of units.
         library = _library_model(module, parents)
-        if (library is None or any(p is not None for p in module._parameters.values()) or not below
-                or not any(id(p) in materialized for p in below)
+        if library is None or any(p is not None for p in module._parameters.values()):
+            continue
+        below = list(module.parameters())
+        if (not below or not any(id(p) in materialized for p in below)
                 or not all(id(p) in done and id(p) not in to_load for p in below)):
             continue
         scratch = [(owner, name, p) for owner in module.modules() for name, p in owner._parameters.items()
