@@ -1,0 +1,114 @@
+"""Setup time against the number of units: lightning_zinf's ``ZeroEngine`` beside FSDP2's
+``fully_shard``, on the same model, in one process (a world of one, gloo).
+
+    python examples/benchmarks/setup_time.py [--units 1000 4000 16000] [--width 16]
+
+The model is ``nn.Sequential`` of ``units`` ``nn.Linear(width, width)`` layers, so every layer is a
+unit (zinf's default: a module's own parameters; FSDP2: ``fully_shard`` on each layer, then on the
+root). Each is built twice: on the meta device (zinf: ``meta_parameters()``, initialised unit by
+unit at setup; FSDP2: ``torch.device("meta")``, then ``to_empty`` and ``reset_parameters`` per
+layer, its documented meta-device recipe) and with real weights. Printed: seconds per setup, and
+the growth exponent between consecutive sizes (``log(t2/t1) / log(n2/n1)``: 1 is linear, 2
+quadratic), for each contender. Writes ``results/setup_time.json`` beside this script.
+
+Issue 28 asked for setup linear in the number of units (it was quadratic: 2,000 units took 20.9 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+
+def _model(units: int, width: int, meta: bool) -> nn.Module:
+    if meta:
+        from lightning_zinf import meta_parameters
+
+        with meta_parameters():
+            return nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
+
+
+def _zinf(units: int, width: int, meta: bool) -> float:
+    from lightning_zinf import PrefetchConfig, ZeroEngine
+
+    model = _model(units, width, meta)
+    start = time.perf_counter()
+    ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+    return time.perf_counter() - start
+
+
+def _fsdp2(units: int, width: int, meta: bool) -> float:
+    from torch.distributed.fsdp import fully_shard
+
+    if meta:
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
+    else:
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
+    start = time.perf_counter()
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    if meta:
+        model.to_empty(device="cpu")
+        for layer in model:
+            layer.reset_parameters()
+    return time.perf_counter() - start
+
+
+CONTENDERS = {"zinf": _zinf, "fsdp2": _fsdp2}
+
+
+def _exponents(sizes: list[int], times: list[float]) -> list[float]:
+    return [math.log(t2 / t1) / math.log(n2 / n1) for (n1, t1), (n2, t2) in zip(zip(sizes, times), zip(sizes[1:], times[1:]))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--units", type=int, nargs="+", default=[1000, 4000, 16000], help="default: %(default)s")
+    parser.add_argument("--width", type=int, default=16, help="features of each Linear (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "setup_time.json",
+                        help="JSON results path (default: results/setup_time.json beside this script)")
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        for name, setup in CONTENDERS.items():
+            for meta in (True, False):
+                key = f"{name}-{'meta' if meta else 'real'}"
+                results[key] = {"seconds": []}
+                for units in args.units:
+                    seconds = setup(units, args.width, meta)
+                    results[key]["seconds"].append(seconds)
+                    print(f"[setup_time] {key:11s} {units:6d} units: {seconds:7.2f} s", flush=True)
+                results[key]["exponents"] = _exponents(args.units, results[key]["seconds"])
+    finally:
+        dist.destroy_process_group()
+    print(f"\n| contender | {' | '.join(f'{n:,} units s' for n in args.units)} | growth exponents | zinf/FSDP2 at {args.units[-1]:,} |")
+    print("|---|" + "---|" * (len(args.units) + 2))
+    for key, row in results.items():
+        peer = results[key.replace("zinf", "fsdp2")]["seconds"][-1]
+        ratio = f"{row['seconds'][-1] / peer:.2f}" if key.startswith("zinf") else ""
+        print(f"| {key} | {' | '.join(f'{s:.2f}' for s in row['seconds'])} | "
+              f"{', '.join(f'{e:.2f}' for e in row['exponents'])} | {ratio} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"units": args.units, "width": args.width, "results": results}, indent=2))
+    print(f"\nresults: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
