@@ -45,10 +45,10 @@ from torch import Tensor, nn
 
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
-from lightning_zinf.tiling import tile_views, view_segments
+from lightning_zinf.tiling import tile_views
 
-__all__ = ["save_sharded", "save_sharded_models", "MODELS_KEY", "OPTIMIZER_KEYS", "load_sharded", "load_full_state_dict", "is_sharded_checkpoint", "read_meta",
-           "CheckpointError", "CHECKPOINT_GLOBALS", "META_FILE"]
+__all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state", "MODELS_KEY", "OPTIMIZER_KEYS", "load_sharded", "load_full_state_dict",
+           "is_sharded_checkpoint", "read_meta", "CheckpointError", "CHECKPOINT_GLOBALS", "META_FILE"]
 
 META_FILE = "meta.pt"
 FORMAT = "lightning_zinf.sharded"
@@ -255,10 +255,11 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
 
 
 # --- save -------------------------------------------------------------------------------------------
-def _owner_of(optimizers: Iterable[torch.optim.Optimizer] | dict[int, torch.optim.Optimizer]
+def optimizer_owners(optimizers: Iterable[torch.optim.Optimizer] | dict[int, torch.optim.Optimizer]
               ) -> dict[int, tuple[int, torch.optim.Optimizer]]:
-    """Fragment id -> (optimizer index in the checkpoint, optimizer); ``optimizers`` in the saved
-    order, or a mapping from the saved index to the optimizer that takes that state."""
+    """Fragment id -> ``(optimizer index in the checkpoint, optimizer)``, for the fragments of the
+    fp32 master shards the optimizers step; ``optimizers`` in the saved order, or a mapping from
+    the index an optimizer's state is saved at to the optimizer that takes it."""
     indexed = optimizers.items() if isinstance(optimizers, dict) else enumerate(optimizers)
     return {
         id(fragment): (o, optimizer)
@@ -268,12 +269,21 @@ def _owner_of(optimizers: Iterable[torch.optim.Optimizer] | dict[int, torch.opti
     }
 
 
-def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]]) -> dict[str, Tensor]:
-    tensors = {f"{i}.param": group.shard}
-    # An fp32 master that is the shard's own memory (NVMe offload shares one record) is not saved
-    # twice: loading takes the master from ".param" when ".master" is absent.
-    if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
-        tensors[f"{i}.master"] = group.master
+def shard_layout_state(group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]]) -> dict[str, Tensor]:
+    """This rank's optimizer state for ``group``, laid out like its shard, as checkpoints and full
+    optimizer state dicts take it.
+
+    Args:
+        group: A trainable flat group whose fragments the optimizers step.
+        owners: Fragment id -> ``(optimizer index, optimizer)`` (:func:`optimizer_owners`).
+
+    Returns:
+        ``"opt<o>.<key>"``: per-element state ``key`` of optimizer ``o``, ``shard_numel`` elements of
+        its dtype, on the state's device, zeros where this rank owns no element or a fragment has no
+        state; ``"opt<o>.<key>.scalar"``: per-parameter scalar state (Adam's ``step``), one float64
+        per parameter of the group, NaN where a parameter has none.
+    """
+    tensors: dict[str, Tensor] = {}
     ranges = group.owned_ranges()
     for j, fragment in enumerate(group.fragments):
         if id(fragment) not in owners:
@@ -283,16 +293,26 @@ def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.
             if not isinstance(value, Tensor):
                 continue
             if value.dim() == 0:
-                name = f"{i}.opt{o}.{key}.scalar"
+                name = f"opt{o}.{key}.scalar"
                 if name not in tensors:
                     tensors[name] = torch.full((len(group.params),), float("nan"), dtype=torch.float64)
                 tensors[name][j] = value.double()
             elif value.shape == fragment.shape:
-                name = f"{i}.opt{o}.{key}"
+                name = f"opt{o}.{key}"
                 if name not in tensors:
                     tensors[name] = torch.zeros(group.shard_numel, dtype=value.dtype, device=value.device)
                 lo, hi = ranges[j]
                 tensors[name][lo:hi] = value
+    return tensors
+
+
+def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]]) -> dict[str, Tensor]:
+    tensors = {f"{i}.param": group.shard}
+    # An fp32 master that is the shard's own memory (NVMe offload shares one record) is not saved
+    # twice: loading takes the master from ".param" when ".master" is absent.
+    if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
+        tensors[f"{i}.master"] = group.master
+    tensors.update({f"{i}.{name}": value for name, value in shard_layout_state(group, owners).items()})
     return tensors
 
 
@@ -327,7 +347,7 @@ def save_sharded(
 
     engine.release_all()
     optimizers = list(optimizers)
-    checksum = _write_shard(engine, _owner_of(optimizers), staging / shard_file(comm.rank), exclude_frozen)
+    checksum = _write_shard(engine, optimizer_owners(optimizers), staging / shard_file(comm.rank), exclude_frozen)
     checksums = comm.all_gather_object(checksum)
 
     if comm.rank == 0:
@@ -623,7 +643,7 @@ def load_sharded(
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
     reader = ShardReader(path, zinf)
     _check_layout(zinf["groups"], _layout(engine), path)
-    owners = _owner_of(optimizers if isinstance(optimizers, dict) else list(optimizers))
+    owners = optimizer_owners(optimizers if isinstance(optimizers, dict) else list(optimizers))
     engine.release_all()
     for i, group in enumerate(engine.groups):
         if zinf["groups"][i].get("excluded", False):
@@ -648,6 +668,16 @@ def load_sharded(
     return meta
 
 
+def placed_scalar_state(value: Tensor, fragment: Tensor, optimizer: torch.optim.Optimizer) -> Tensor:
+    """A restored per-parameter scalar state (Adam's ``step``) placed as torch's own
+    ``Optimizer.load_state_dict`` places it: fp32, on the fragment's device for a ``fused`` or
+    ``capturable`` param group (their kernels read it there), else on the CPU; always a copy (not a
+    view of a memory-mapped checkpoint)."""
+    group = next(g for g in optimizer.param_groups if any(p is fragment for p in g["params"]))
+    on_device = group.get("fused") or group.get("capturable")
+    return value.to(dtype=torch.float32, device=fragment.device if on_device else "cpu", copy=True)
+
+
 def _load_group_state(
     i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]], reader: ShardReader,
     lo: int, hi: int, old_shard: int,
@@ -668,7 +698,7 @@ def _load_group_state(
             if name.endswith(".scalar"):
                 value = reader.read(key, 0, len(group.params), len(group.params))[j]
                 if not torch.isnan(value):
-                    state[name.removesuffix(".scalar")] = value.to(torch.float32)
+                    state[name.removesuffix(".scalar")] = placed_scalar_state(value, fragment, optimizer)
                 continue
             if name not in flat:
                 data = reader.read(key, lo, hi, old_shard)
@@ -701,9 +731,6 @@ class _TorchFile:
 
     def shape(self, key: str) -> list[int]:
         return list(self._tensors[key].shape)
-
-    def read(self, key: str, lo: int, hi: int) -> Tensor:
-        return self._tensors[key].reshape(-1)[lo:hi].clone()
 
     def tensor(self, key: str) -> Tensor:
         """The whole tensor ``key`` (memory-mapped unless the file's format cannot be)."""
@@ -784,9 +811,8 @@ def provided_parameters(module: nn.Module, keys: set[str], prefix: str) -> list[
 
 
 class _Source:
-    """Read parameter slices from a checkpoint (a ``.safetensors`` file read by byte range, a
-    ``torch.save`` file memory-mapped, a Hugging Face model folder of either, sharded or not) or
-    from an in-memory mapping."""
+    """The tensors of a checkpoint, memory-mapped (a ``.safetensors`` or ``torch.save`` file, a
+    Hugging Face model folder of either, sharded or not), or of an in-memory mapping."""
 
     def __init__(self, source: os.PathLike | str | dict[str, Tensor]) -> None:
         self._mapping: Optional[dict[str, Tensor]] = None
@@ -805,12 +831,6 @@ class _Source:
 
     def shape(self, key: str) -> list[int]:
         return list(self._mapping[key].shape) if self._mapping is not None else self._file_of[key].shape(key)
-
-    def flat_range(self, key: str, lo: int, hi: int) -> Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor, in the checkpoint's dtype."""
-        if self._mapping is not None:
-            return self._mapping[key].reshape(-1)[lo:hi]
-        return self._file_of[key].read(key, lo, hi)
 
     def tensor(self, key: str) -> Tensor:
         """The whole tensor, memory-mapped from a file (read only where it is used)."""

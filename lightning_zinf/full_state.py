@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zinf.checkpoint import CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_zinf.checkpoint import (CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint,
+                                      optimizer_owners, placed_scalar_state, shard_layout_state)
 from lightning_zinf.engine import ZeroEngine
-from lightning_zinf.engine.flat import FlatGroup
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint"]
 
@@ -46,22 +46,6 @@ def _numbering(engine: ZeroEngine, k: int) -> tuple[list[list[int]], dict[tuple[
                 where[entry] = i
         index += len(entries)
     return ids, where
-
-
-def _fragment_state(group: FlatGroup, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
-    """This rank's per-element state of ``group`` laid out like its shard (``key``, zeros where it
-    owns no element or a fragment has none) and per-parameter scalars (``key.scalar``, NaN where none)."""
-    out: dict[str, Tensor] = {}
-    for j, (fragment, (lo, hi)) in enumerate(zip(group.fragments, group.owned_ranges())):
-        for key, value in optimizer.state.get(fragment, {}).items():
-            if not isinstance(value, Tensor):
-                continue
-            if value.dim() == 0:
-                name = f"{key}.scalar"
-                out.setdefault(name, torch.full((len(group.params),), float("nan"), dtype=torch.float64))[j] = value.double()
-            else:
-                out.setdefault(key, torch.zeros(group.shard_numel, dtype=value.dtype))[lo:hi] = value.cpu()
-    return out
 
 
 def full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimizer, *,
@@ -96,34 +80,36 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimiz
         if not group.trainable:
             continue
         with engine.state_resident(write_back=False, groups=[group]):
-            local = _fragment_state(group, optimizer)
+            local = {k.removeprefix("opt0."): v for k, v in shard_layout_state(group, optimizer_owners([optimizer])).items()}
         # Every rank steps the same parameters, so the keys agree; checked, since a mismatch would hang.
         keys = sorted(local)
         if comm.world_size > 1 and not comm.all_equal(zlib.crc32(",".join(keys).encode())):
             raise RuntimeError(f"The ranks hold different optimizer state keys for '{group.names[0]}': their "
                                "optimizers were not stepped alike.")
-        full: dict[str, Tensor] = {}
+        # One key at a time, its gathered buffer sliced to the CPU and dropped before the next: the
+        # device holds one state tensor of one group at once, whatever rank keeps the result.
         for key in keys:
-            piece = local[key].to(engine.device)
+            piece = local.pop(key).to(engine.device)
             gathered = piece.new_empty(piece.numel() * comm.world_size)
             comm.all_gather(gathered, piece)
-            full[key] = gathered.view(comm.world_size, -1) if key.endswith(".scalar") else gathered
-        if not keep:
-            continue
-        for j, (p_offset, numel, shape) in enumerate(zip(group.offsets, group.numels, group.shapes)):
-            index = where.get((gi, j))
-            if index is None:
+            del piece
+            if not keep:
+                del gathered
                 continue
-            entry: dict[str, Tensor] = {}
-            for key, value in full.items():
-                if key.endswith(".scalar"):
-                    known = [v for v in value[:, j].tolist() if v == v]  # the first rank that has one
+            scalar = key.endswith(".scalar")
+            values = gathered.view(comm.world_size, -1).cpu() if scalar else gathered
+            for j, (p_offset, numel, shape) in enumerate(zip(group.offsets, group.numels, group.shapes)):
+                index = where.get((gi, j))
+                if index is None:
+                    continue
+                if scalar:
+                    known = [v for v in values[:, j].tolist() if v == v]  # the first rank that has one
                     if known:
-                        entry[key.removesuffix(".scalar")] = torch.tensor(known[0], dtype=torch.float32)
+                        state.setdefault(index, {})[key.removesuffix(".scalar")] = torch.tensor(known[0],
+                                                                                               dtype=torch.float32)
                 else:
-                    entry[key] = value[p_offset : p_offset + numel].view(shape).to("cpu", copy=True)
-            if entry:
-                state[index] = entry
+                    state.setdefault(index, {})[key] = values[p_offset : p_offset + numel].view(shape).to("cpu", copy=True)
+            del gathered, values
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
 
 
@@ -168,13 +154,16 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Op
                 mine: dict[str, Any] = {}
                 for key, value in entry.items():
                     if not isinstance(value, Tensor) or value.dim() == 0:
-                        mine[key] = value.to(torch.float32) if isinstance(value, Tensor) else value
+                        mine[key] = placed_scalar_state(value, fragment, optimizer) if isinstance(value, Tensor) else value
                         continue
                     if value.shape != group.shapes[j]:
                         raise ValueError(f"Optimizer state '{key}' of '{group.names[j]}' has shape {tuple(value.shape)}, "
                                          f"the parameter {tuple(group.shapes[j])}.")
                     if key not in flat:
-                        flat[key] = torch.zeros(group.shard_numel, dtype=value.dtype, device=group.state_device)
+                        # As torch's load_state_dict casts floating state to its parameter's dtype (a bf16
+                        # model's moments go with the fp32 masters as fp32).
+                        dtype = fragment.dtype if value.is_floating_point() else value.dtype
+                        flat[key] = torch.zeros(group.shard_numel, dtype=dtype, device=group.state_device)
                     flat[key][lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])
                     mine[key] = flat[key][lo:hi]
                 optimizer.state[fragment] = mine

@@ -431,29 +431,3 @@ def tile_views(root: nn.Module) -> dict[int, TileView]:
             views[id(module.tile_bias.bias)] = TileView(f"{prefix}bias", (module.out_features,), (0,))
     return views
 
-
-def view_segments(view: TileView, piece_shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """Elements ``[lo, hi)`` of a tile's flattened parameter, as runs that are contiguous in the
-    full flattened tensor: ``(tile offset, full offset, length)`` triples, in order.
-
-    Raises:
-        ValueError: a view of more than two dimensions (tiles are 1-D or 2-D).
-    """
-    if hi <= lo:
-        return []
-    if len(view.shape) == 1:
-        return [(lo, view.start[0] + lo, hi - lo)]
-    if len(view.shape) != 2:
-        raise ValueError(f"view_segments handles 1-D and 2-D tiles, got a {len(view.shape)}-D view of {view.name}.")
-    cols, full_cols = piece_shape[1], view.shape[1]
-    origin = view.start[0] * full_cols + view.start[1]
-    if cols == full_cols:  # whole rows: one run
-        return [(lo, origin + lo, hi - lo)]
-    runs = []
-    at = lo
-    while at < hi:
-        r, c = divmod(at, cols)
-        length = min(cols - c, hi - at)
-        runs.append((at, origin + r * full_cols + c, length))
-        at += length
-    return runs

@@ -156,3 +156,39 @@ def test_a_consolidated_sharded_checkpoint_resumes_under_ddp(tmp_path: Path) -> 
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     plain = models.GPT()
     plain.load_state_dict(torch.load(tmp_path / "model.pth", weights_only=True))
+
+
+def test_plain_optimizer_state_loads_as_torch_places_it() -> None:
+    """A plain AdamW state dict whose moments are bf16 (a bf16 model's, under DDP) loads into the
+    sharded optimizer as torch's own ``load_state_dict`` loads it into the fp32 model: moments cast
+    to the parameters' fp32, ``step`` an fp32 CPU tensor; the next step then runs and matches
+    torch's. (The moments once kept bf16 next to fp32 masters: the step failed on mixed dtypes.)"""
+    import copy
+
+    from lightning_zinf import PrefetchConfig, ZeroEngine
+    from lightning_zinf.full_state import full_optimizer_state_dict, load_full_optimizer_state_dict
+
+    torch.manual_seed(0)
+    plain = models.MLP()
+    model = copy.deepcopy(plain)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x, y = models.make_batch("mlp", 0, 4)
+    models.loss_fn(plain, x, y).backward()
+    reference.step()
+    saved = reference.state_dict()
+    for entry in saved["state"].values():
+        entry["exp_avg"], entry["exp_avg_sq"] = entry["exp_avg"].bfloat16(), entry["exp_avg_sq"].bfloat16()
+    reference.load_state_dict(copy.deepcopy(saved))
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0))
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model.load_state_dict(plain.state_dict())  # the stepped weights
+    load_full_optimizer_state_dict(engine, optimizer, saved)
+    for net, opt in ((model, optimizer), (plain, reference)):
+        opt.zero_grad()
+        models.loss_fn(net, *models.make_batch("mlp", 1, 4)).backward()
+        opt.step()
+    mine, theirs = full_optimizer_state_dict(engine, optimizer)["state"], reference.state_dict()["state"]
+    for index, entry in theirs.items():
+        assert mine[index]["exp_avg"].dtype == torch.float32 and mine[index]["step"].device.type == "cpu"
+        torch.testing.assert_close(mine[index]["exp_avg"], entry["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(mine[index]["step"], entry["step"])

@@ -120,6 +120,29 @@ def self_launched_rank(script: str, contender: str, script_args: list[str], time
         return data, ""
 
 
+def add_self_launch_options(parser, contenders, default_out: Path, timeout: float = 900) -> None:
+    """The options of a driver that is also its own rank program (:func:`self_launched_rank`):
+    ``--only`` (among ``contenders``), ``--out`` (the JSON results path), ``--timeout`` (seconds per
+    contender), and the hidden ``--rank-of``/``--result`` its torchrun jobs are started with."""
+    import argparse
+
+    parser.add_argument("--only", default=",".join(contenders),
+                        help="comma-separated contenders to run (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=default_out,
+                        help=f"JSON results path (default: results/{default_out.name} beside this script)")
+    parser.add_argument("--timeout", type=float, default=timeout,
+                        help="seconds before a contender is killed (default: %(default)s)")
+    parser.add_argument("--rank-of", choices=contenders, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+
+
+def chosen_contenders(parser, args, contenders) -> None:
+    """Turn ``args.only`` into a list of contender names; ``parser.error`` on an empty or unknown one."""
+    args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+    if not args.only or set(args.only) - set(contenders):
+        parser.error(f"--only must name some of {tuple(contenders)}")
+
+
 def run_record(**fields) -> dict:
     """What was run, where and when (command, UTC date, machine), with ``fields``, for a results file."""
     import datetime

@@ -65,7 +65,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from measure import run_record, self_launched_rank  # noqa: E402
+from measure import add_self_launch_options, chosen_contenders, run_record, self_launched_rank  # noqa: E402
 
 CONTENDERS = ("zinf", "fsdp2", "ddp")
 MIB = 1 << 20
@@ -500,24 +500,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16, help="default: %(default)s")
     parser.add_argument("--vocab", type=int, default=8192, help="default: %(default)s")
     parser.add_argument("--seq-len", type=int, default=128, help="default: %(default)s")
-    parser.add_argument("--only", default=",".join(CONTENDERS),
-                        help="comma-separated contenders (default: %(default)s)")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "state_dict_bench",
                         help="scratch folder for the full-dict files and DCP checkpoints (default: %(default)s)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch files")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "state_dict.json",
-                        help="JSON results path (default: results/state_dict.json beside this script)")
-    parser.add_argument("--timeout", type=float, default=900,
-                        help="seconds before a contender is killed (default: %(default)s)")
-    parser.add_argument("--rank-of", choices=CONTENDERS, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    add_self_launch_options(parser, CONTENDERS, HERE / "results" / "state_dict.json")
     args = parser.parse_args()
     if args.rank_of:
         run_rank(args.rank_of, args)
         return
-    args.only = [n.strip() for n in args.only.split(",") if n.strip()]
-    if not args.only or set(args.only) - set(CONTENDERS):
-        parser.error(f"--only must name some of {CONTENDERS}")
+    chosen_contenders(parser, args, CONTENDERS)
     drive(args)
 
 

@@ -32,7 +32,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from measure import run_record, self_launched_rank  # noqa: E402
+from measure import add_self_launch_options, chosen_contenders, run_record, self_launched_rank  # noqa: E402
 CONTENDERS = ("zinf", "fsdp2", "ddp")
 WARMUP = 3
 WIDTH, BATCH = 100, 8
@@ -137,21 +137,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=500, help="Linear layers, each its own unit (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per contender (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD's learning rate (default: %(default)s)")
-    parser.add_argument("--only", default=",".join(CONTENDERS),
-                        help="comma-separated contenders to run (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "unit_cost.json",
-                        help="JSON results path (default: results/unit_cost.json beside this script)")
-    parser.add_argument("--timeout", type=float, default=900,
-                        help="seconds before a contender is killed (default: %(default)s)")
-    parser.add_argument("--rank-of", choices=CONTENDERS, help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    add_self_launch_options(parser, CONTENDERS, HERE / "results" / "unit_cost.json")
     args = parser.parse_args()
     if args.rank_of:
         run_rank(args.rank_of, args.layers, args.steps, args.lr, args.result)
         return
-    args.only = [n.strip() for n in args.only.split(",") if n.strip()]
-    if not args.only or set(args.only) - set(CONTENDERS):
-        parser.error(f"--only must name some of {CONTENDERS}")
+    chosen_contenders(parser, args, CONTENDERS)
     if args.steps <= WARMUP:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     drive(args)

@@ -312,8 +312,8 @@ class ZeroEngine:
         done: set[int] = set()  # parameters materialised so far, over the units
         # Materialised in the order eager construction draws (a unit's first module's creation), so
         # the random stream is consumed as it would be; kept in plan order (the trace's unit ids).
-        order = creation_order([spec.modules[creation_order(spec.modules)[0]] if spec.modules else spec.module
-                                for spec in specs]) if on_meta else range(len(specs))
+        first_made = [spec.modules[creation_order(spec.modules)[0]] if spec.modules else spec.module for spec in specs]
+        order = creation_order(first_made) if on_meta else range(len(specs))
         replay = Replay(specs, list(self.module.modules())) if on_meta else None
         try:
             for index in order:
@@ -804,8 +804,14 @@ class ZeroEngine:
     def hold_exact(self, unit: Unit) -> None:
         """Gather ``unit`` with its exact values in the parameters' own dtype (the fp32 masters'
         values under a bf16 policy, as :meth:`gathered`) and keep it gathered until
-        :meth:`drop_exact`. Collective: every rank must hold the same units in the same order
-        (a rank that does not is reported as a divergence, as in :meth:`gathered`)."""
+        :meth:`drop_exact`. Collective: every rank must hold the same units in the same order.
+        The per-unit counterpart of :meth:`gathered` (FSDP's full state dict gathers one
+        FlatParameter at a time the same way; Zhao et al., VLDB'23, §3.4).
+
+        Raises:
+            RuntimeError: the ranks are about to gather different units, or are in different calls
+                (:meth:`_agree_on`'s check, which every gather here makes); nothing stays held.
+        """
         unit.forward_depth += 1
         self._force_check += 1
         try:

@@ -11,6 +11,7 @@ their values.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 from contextlib import contextmanager
@@ -22,8 +23,8 @@ from torch import nn
 
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "creation_order", "Replay", "parameter_slots",
-           "parent_modules", "resolve_block_classes", "matches_classes"]
+__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "creation_order", "Replay",
+           "parameter_slots", "parent_modules", "resolve_block_classes", "matches_classes"]
 
 
 @dataclass
@@ -255,12 +256,12 @@ class Replay:
         created: list[nn.Module] = next((p._zinf_created_modules for spec in specs for _, p in spec.params
                                          if hasattr(p, "_zinf_created_modules")), [])
         taken = {m.__dict__.get("_zinf_created") for m in alive}
-        self._pending = [m for m in created if m.__dict__["_zinf_created"] not in taken]
+        self._pending = collections.deque(m for m in created if m.__dict__["_zinf_created"] not in taken)
 
     def until(self, created: float) -> None:
         """Replay the dropped modules made before the module numbered ``created`` (``inf``: all)."""
         while self._pending and self._pending[0].__dict__["_zinf_created"] < created:
-            module = self._pending.pop(0)
+            module = self._pending.popleft()
             reset = getattr(module, "reset_parameters", None)
             if reset is None:
                 continue
