@@ -198,6 +198,11 @@ class TilingConfig:
     hold at most ``tile_numel`` weight elements each. Each tile is its own unit, so gathering the
     layer needs memory for one tile (two with prefetch) instead of the whole weight.
 
+    A tiling that would cut a layer into more than 1024 tiles (tiles under 1/1024 of their layer)
+    or the model into more than 65,536 is refused when the engine applies it, naming the layer and
+    the smallest ``tile_numel`` within the bound (:func:`~lightning_zinf.tiling.tile_linear_layers`,
+    whose module explains the bounds).
+
     Attributes:
         tile_numel: Most weight elements in one tile (a count, not bytes). Layers are split along
             their output features into nearly equal row blocks; only a layer with more than

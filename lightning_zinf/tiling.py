@@ -25,7 +25,24 @@ from torch import Tensor, nn
 
 from lightning_zinf.config import TilingConfig
 
-__all__ = ["TiledLinear", "LinearTile", "TileBias", "TileView", "tile_linear_layers", "tile_splits", "tile_views"]
+__all__ = ["TiledLinear", "LinearTile", "TileBias", "TileView", "tile_linear_layers", "tile_splits", "tile_views",
+           "MAX_TILES_PER_LAYER", "MAX_TILES"]
+
+# The most tiles :func:`tile_linear_layers` cuts one layer into, and a model into. Every tile is a
+# unit: a module with its own hooks, flat buffer and shard, two all-gathers (forward, backward) and
+# one reduce-scatter per step, a trace entry, a checkpoint entry. Tiling exists so that a layer too
+# large to gather on one rank is gathered a piece at a time; the paper's tiling factors are tens
+# (§5.1.3: a 64K-hidden layer in 16 tiles), and DeepSpeed's TiledLinear takes explicit split counts
+# of that order. A tile below 1/1024 of its layer saves no memory worth having (the layer's shards
+# and the prefetched units already dwarf it) while multiplying those per-unit costs: that is a
+# tile_numel typed in the wrong unit, not a plan (tile_numel=1 made 12,288 tiles of a small model,
+# and setup ran for minutes without a word). The minimum tile size is therefore relative, 1/1024 of
+# its layer, not an absolute count of elements: a test model's layer of 64 elements may be cut in
+# 8 tiles of 8. In total, 65,536 tiles are several times what a trillion-parameter model cut into
+# tiles of tens of millions of elements needs (tens of thousands), and already some minutes of setup
+# and three collectives each per step.
+MAX_TILES_PER_LAYER = 1024
+MAX_TILES = 65_536
 
 
 def _ranges(size: int, splits: int) -> list[tuple[int, int]]:
@@ -346,6 +363,11 @@ def tile_linear_layers(root: nn.Module, config: TilingConfig) -> list[str]:
     A layer whose weight or bias is also registered in another module (a tied output embedding)
     cannot be tiled: it is left alone with a warning naming it.
 
+    A tiling that would cut one layer into more than :data:`MAX_TILES_PER_LAYER` (1024) tiles, i.e.
+    tiles smaller than 1/1024 of their layer, or the model into more than :data:`MAX_TILES`
+    (65,536), is refused before any layer is replaced (see the comment at those constants for why
+    these bounds).
+
     Args:
         root: The model.
         config: The size threshold and the tile budget.
@@ -355,7 +377,9 @@ def tile_linear_layers(root: nn.Module, config: TilingConfig) -> list[str]:
 
     Raises:
         ValueError: ``root`` itself is an ``nn.Linear`` above the threshold (wrap it in a module so
-            it can be replaced).
+            it can be replaced); the tiling would exceed :data:`MAX_TILES_PER_LAYER` tiles in a layer
+            or :data:`MAX_TILES` in all (the message names the layer, its shape, the tiles it would
+            get and their size, the bound, and the smallest ``tile_numel`` within it).
     """
     if type(root) is nn.Linear and root.weight.numel() > config.threshold:
         raise ValueError(
@@ -367,16 +391,17 @@ def tile_linear_layers(root: nn.Module, config: TilingConfig) -> list[str]:
         for p in module._parameters.values():
             if p is not None:
                 registrations[id(p)] = registrations.get(id(p), 0) + 1
-    done: dict[int, TiledLinear] = {}
-    replaced: list[str] = []
+    # First the plan, checked against the bounds; then the replacements (a refused tiling changes nothing).
+    plan: list[tuple[nn.Module, str, nn.Linear, str]] = []  # (parent, child name, layer, qualified name)
+    planned: dict[int, str] = {}  # id(layer) -> its name, for a layer registered twice
     for parent_name, parent in list(root.named_modules()):
         for child_name, child in list(parent._modules.items()):
             if type(child) is not nn.Linear:
                 continue
-            if id(child) in done:  # the same layer registered twice
-                parent._modules[child_name] = done[id(child)]
-                continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if id(child) in planned:  # the same layer registered twice
+                plan.append((parent, child_name, child, name))
+                continue
             if child.weight.numel() <= config.threshold:
                 continue
             if any(registrations[id(p)] > 1 for p in child.parameters()):
@@ -386,19 +411,87 @@ def tile_linear_layers(root: nn.Module, config: TilingConfig) -> list[str]:
                     stacklevel=2,
                 )
                 continue
-            in_splits, out_splits = tile_splits(child.in_features, child.out_features, config.tile_numel)
-            tiled = TiledLinear.from_linear(child, in_splits=in_splits, out_splits=out_splits)
-            # Meta construction records where eager construction started drawing; the tiles keep it.
-            start = getattr(child.weight, "_zinf_init_rng_state", None)
-            if start is not None:
-                for p in tiled.parameters():
-                    p._zinf_init_rng_state = start  # type: ignore[attr-defined]
-            if "_zinf_created" in child.__dict__:  # the tiles draw the layer's values in its place
-                tiled.__dict__["_zinf_created"] = child.__dict__["_zinf_created"]
-            done[id(child)] = tiled
-            parent._modules[child_name] = tiled
-            replaced.append(name)
+            planned[id(child)] = name
+            plan.append((parent, child_name, child, name))
+    _check_tile_counts({name: (layer.in_features, layer.out_features) for _, _, layer, name in plan
+                        if planned[id(layer)] == name}, config)
+    done: dict[int, TiledLinear] = {}
+    replaced: list[str] = []
+    for parent, child_name, child, name in plan:
+        if id(child) in done:
+            parent._modules[child_name] = done[id(child)]
+            continue
+        in_splits, out_splits = tile_splits(child.in_features, child.out_features, config.tile_numel)
+        tiled = TiledLinear.from_linear(child, in_splits=in_splits, out_splits=out_splits)
+        # Meta construction records where eager construction started drawing; the tiles keep it.
+        start = getattr(child.weight, "_zinf_init_rng_state", None)
+        if start is not None:
+            for p in tiled.parameters():
+                p._zinf_init_rng_state = start  # type: ignore[attr-defined]
+        if "_zinf_created" in child.__dict__:  # the tiles draw the layer's values in its place
+            tiled.__dict__["_zinf_created"] = child.__dict__["_zinf_created"]
+        done[id(child)] = tiled
+        parent._modules[child_name] = tiled
+        replaced.append(name)
     return replaced
+
+
+def _tile_count(in_features: int, out_features: int, tile_numel: int) -> int:
+    in_splits, out_splits = tile_splits(in_features, out_features, tile_numel)
+    return in_splits * out_splits
+
+
+def _smallest_tile_numel(fits: Any, upper: int) -> int:
+    """The smallest ``tile_numel`` in ``[1, upper]`` for which ``fits(tile_numel)`` (monotone: a
+    larger tile never makes more tiles)."""
+    low, high = 1, max(upper, 1)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle + 1, high)
+    return low
+
+
+def _check_tile_counts(layers: dict[str, tuple[int, int]], config: TilingConfig) -> None:
+    """Refuse a plan with more than :data:`MAX_TILES_PER_LAYER` tiles in a layer, or
+    :data:`MAX_TILES` in all. ``layers``: name -> ``(in_features, out_features)``.
+
+    Raises:
+        ValueError: naming the layer, its shape, its tiles and their size, the bound, and the fix.
+    """
+    counts = {name: _tile_count(i, o, config.tile_numel) for name, (i, o) in layers.items()}
+    setting = f"TilingConfig(tile_numel={config.tile_numel:_}, min_numel={config.min_numel})"
+    over = [name for name, count in counts.items() if count > MAX_TILES_PER_LAYER]
+    if over:
+        name = max(over, key=counts.__getitem__)
+        i, o = layers[name]
+        need = _smallest_tile_numel(lambda t: _tile_count(i, o, t) <= MAX_TILES_PER_LAYER, i * o)
+        others = f" ({len(over) - 1} more layer{'s' * (len(over) > 2)} also exceed{'s' * (len(over) == 2)} it)" \
+            if len(over) > 1 else ""
+        size = min(config.tile_numel, i * o)
+        raise ValueError(
+            f"{setting} would cut layer '{name}' (nn.Linear({i}, {o}): weight ({o}, {i}), {i * o:,} elements) into "
+            f"{counts[name]:,} tiles of at most {size:,} element{'s' * (size != 1)}; a layer may have at most "
+            f"{MAX_TILES_PER_LAYER} tiles{others}. Each tile is a unit with its own gathers, reduce-scatter and hooks "
+            f"every step, so tiles under 1/{MAX_TILES_PER_LAYER} of their layer are pure overhead. Set tile_numel to "
+            f"at least {need:_} (tile_numel counts weight elements per tile: typically tens of millions, what one "
+            f"rank can gather at once), or min_numel to at least {i * o:_} to leave this layer whole."
+        )
+    total = sum(counts.values())
+    if total > MAX_TILES:
+
+        def within(t: int) -> bool:
+            threshold = t if config.min_numel is None else config.min_numel
+            return sum(_tile_count(i, o, t) for i, o in layers.values() if i * o > threshold) <= MAX_TILES
+
+        need = _smallest_tile_numel(within, max(i * o for i, o in layers.values()))
+        name = max(counts, key=counts.__getitem__)
+        i, o = layers[name]
+        raise ValueError(
+            f"{setting} would cut {len(layers)} layers into {total:,} tiles in all (the most, {counts[name]:,}, of "
+            f"'{name}': nn.Linear({i}, {o}), weight ({o}, {i})); a model may have at most {MAX_TILES:,} tiles, each "
+            f"a unit with its own gathers, reduce-scatter and hooks every step. Set tile_numel to at least {need:_}, "
+            "or raise min_numel to leave the smaller layers whole."
+        )
 
 
 class TileView(NamedTuple):

@@ -4,7 +4,9 @@
 
 Each process writes its pid to ``OUT/pid<rank>`` first. Scenarios (rank 1 misbehaves, at step 2
 unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever in its step),
-``killed`` (SIGKILL to itself; ``killed_quiet``: while rank 0 sleeps outside any collective), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
+``killed`` (SIGKILL to itself; ``killed_quiet``: while rank 0 sleeps outside any collective;
+``killed_zero``: rank 0, which hosts the rendezvous store, is killed instead; ``killed_zero_quiet``:
+while rank 1 sleeps outside any collective), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
 alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
 (the same in validation / in ``trainer.predict``),
 ``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
@@ -55,6 +57,11 @@ class Lit(L.LightningModule):
                 time.sleep(10**6)
             if SCENARIO in ("killed", "killed_quiet"):
                 os.kill(os.getpid(), signal.SIGKILL)
+        if SCENARIO.startswith("killed_zero") and self.global_rank == 0 and self.global_step == 2:
+            (OUT / "killed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)  # the store's host: the survivors lose the store too
+        if SCENARIO == "killed_zero_quiet" and self.global_rank == 1 and self.global_step == 2:
+            time.sleep(120)
         if SCENARIO == "killed_quiet" and self.global_rank == 0 and self.global_step == 2:
             time.sleep(120)  # not in a collective: only the watch can notice rank 1 is gone
         extra = (SCENARIO == "rank_only_first" and self._rank_only(0)) or (

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -10,6 +13,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests import models
+
+ROOT = Path(__file__).resolve().parents[1]
 from tests.harness import run_distributed
 
 
@@ -92,3 +97,45 @@ def test_zinf_fit_from_yaml(tmp_path: Path, text: str, blocks: list, bucket: int
     assert seen["compute"] == ["torch.bfloat16" if by_class_path else "torch.float32"]
     assert seen["checkpointed"] == (["model.fc1", "model.fc3"] if by_class_path else [])
     assert len(seen["losses"]) == 3 and all(torch.isfinite(torch.tensor(seen["losses"])))
+
+
+_BAD = """trainer:
+  strategy:
+    class_path: lightning_zinf.ZeroInfinityStrategy
+    init_args:
+      {option}
+  accelerator: cpu
+  devices: 1
+  max_steps: 1
+  logger: false
+model:
+  class_path: tests.test_cli.TinyLit
+"""
+
+
+@pytest.mark.parametrize("option, last", [
+    # a value a config class refuses when jsonargparse builds it (its own check, buried in the union tree)
+    ("prefetch: {bucket_size: -1}", "zinf: error: PrefetchConfig.bucket_size=-1 is invalid: allowed values are an "
+                                    "integer >= 0"),
+    ("tiling: {tile_numel: 0}", "zinf: error: TilingConfig.tile_numel=0 is invalid: allowed values are an integer > 0"),
+    ("state_dict_type: shards", "zinf: error: state_dict_type='shards': use 'sharded'"),
+    # a value of the wrong type (jsonargparse's own check against the dataclass field)
+    ("zero_pp: {hpz: 3}", "zinf: error: trainer.strategy.init_args.zero_pp.hpz: Expected a <class 'bool'>. Got value: 3"),
+    # unknown keys, nested and in the strategy
+    ("prefetch: {bucket_sise: 10}", "zinf: error: trainer.strategy.init_args.prefetch.bucket_sise=10: PrefetchConfig "
+                                    "has no option 'bucket_sise'; did you mean 'bucket_size'?"),
+    ("prefech: {bucket_size: 10}", "zinf: error: trainer.strategy.init_args.prefech={'bucket_size': 10}: "
+                                   "ZeroInfinityStrategy has no option 'prefech'; did you mean 'prefetch'?"),
+], ids=["refused-value", "refused-tiling", "refused-strategy-option", "wrong-type", "unknown-field", "unknown-option"])
+def test_a_config_error_ends_with_its_cause(tmp_path: Path, option: str, last: str) -> None:
+    """``zinf fit --config bad.yaml``: whatever jsonargparse prints above it (the usage, the tree of
+    union members it tried), the last line names the option, the value and what is allowed, and
+    the command exits with argparse's status 2, without a traceback."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(_BAD.format(option=option))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "lightning_zinf.cli", "fit", "--config", str(config)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(last), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr

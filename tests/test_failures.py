@@ -10,6 +10,7 @@ through Lightning's own launcher (rank 0 starts rank 1).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -161,6 +162,28 @@ def test_a_dead_rank_is_noticed_without_a_collective(tmp_path: Path) -> None:
     assert results[0][0] == 1
     assert "rank 1 died or froze: no sign of life for" in results[0][1], results[0][1][-3000:]
     assert wall < 60
+
+
+@pytest.mark.parametrize("scenario", ["killed_zero", "killed_zero_quiet"])
+def test_a_dead_rank_0_that_hosts_the_store_is_named_by_the_survivor(scenario: str, tmp_path: Path) -> None:
+    """Rank 0 hosts the rendezvous store (as under Lightning's launcher): when it is killed, the
+    failure channel goes with it. Rank 1, in a collective that breaks (``killed_zero``) or computing
+    outside any (``killed_zero_quiet``), still ends within the watch's interval and grace period,
+    its last line naming rank 0 and its pid, with no C++ stack trace of the lost store."""
+    results, _ = _run_ranks(scenario, tmp_path)
+    ended = time.time()
+    assert results[0][0] == -signal.SIGKILL
+    code, err = results[1]
+    assert code == 1, err[-3000:]
+    pid0 = (tmp_path / "pid0").read_text()
+    named = f"rank 0 (pid {pid0} on {socket.gethostname()}; it hosts the rendezvous store at 127.0.0.1:"
+    last = err.strip().splitlines()[-1]
+    assert named in last and "is gone: its process is dead" in last, err[-3000:]
+    assert "TCPStore" not in err and "frame #" not in err, err[-3000:]
+    assert err.count("Traceback") <= 1, err  # the broken collective's own, not a second one at teardown
+    assert ended - float((tmp_path / "killed_at").read_text()) < 1 + 5 + 5  # interval, grace, slack
+    for rank in range(2):
+        assert not _alive(int((tmp_path / f"pid{rank}").read_text())), f"rank {rank} outlived the run"
 
 
 def test_no_process_outlives_the_run_under_lightnings_launcher(tmp_path: Path) -> None:

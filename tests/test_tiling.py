@@ -3,6 +3,7 @@ the engine (training, one tile gathered at a time, checkpoints that move between
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -134,6 +135,38 @@ def test_transform_replaces_large_linears_only() -> None:
         assert tile_linear_layers(nn.Sequential(nn.Linear(8, 8)), TilingConfig(tile_numel=10, min_numel=100)) == []
     with pytest.raises(ValueError, match="wrap it"):
         tile_linear_layers(nn.Linear(8, 8), TilingConfig(tile_numel=10))
+
+
+def test_an_absurd_tiling_is_refused_with_the_numbers() -> None:
+    """``tile_numel=1`` cut each weight element into a tile of its own (12,288 units for a small
+    model, and minutes of setup without a word): refused before any layer is replaced, naming the
+    layer, its shape, the tiles it would get, the bound and the smallest tile_numel within it."""
+    model = nn.Sequential(nn.Linear(1024, 12), nn.Linear(64, 64))
+    with pytest.raises(ValueError) as refused:
+        tile_linear_layers(model, TilingConfig(tile_numel=1, min_numel=0))
+    message = str(refused.value)
+    assert "TilingConfig(tile_numel=1, min_numel=0) would cut layer '0' (nn.Linear(1024, 12): weight (12, 1024), " \
+           "12,288 elements) into 12,288 tiles of at most 1 element; a layer may have at most 1024 tiles" in message
+    assert "(1 more layer also exceeds it)" in message  # '1': 4096 tiles
+    # 13 is the smallest tile that cuts the layer into at most 1024 tiles: 12 rows x ceil(1024 / 13) = 948.
+    assert "Set tile_numel to at least 13" in message and "min_numel to at least 12_288" in message
+    assert tile_splits(1024, 12, 13)[0] * 12 <= 1024 < tile_splits(1024, 12, 12)[0] * 12
+    assert all(type(layer) is nn.Linear for layer in model)  # nothing replaced
+    # In total: 80 layers of 1024 tiles each (each within the per-layer bound).
+    many = nn.Sequential(*[nn.Linear(256, 256, device="meta") for _ in range(80)])
+    with pytest.raises(ValueError, match=r"would cut 80 layers into 81,920 tiles in all .* at most 65,536 tiles.*"
+                                         r"Set tile_numel to at least 86"):
+        tile_linear_layers(many, TilingConfig(tile_numel=64))
+    tiles = {t: 80 * tile_splits(256, 256, t)[0] * 256 for t in (85, 86)}
+    assert tiles[85] > 65_536 >= tiles[86]  # the smallest within the bound
+
+
+def test_an_absurd_tiling_is_refused_by_the_engine_at_once() -> None:
+    model = nn.Sequential(nn.Linear(1024, 12), nn.Tanh(), nn.Linear(12, 4))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="would cut layer '0'.*into 12,288 tiles"):
+        ZeroEngine(model, tiling=TilingConfig(tile_numel=1, min_numel=0))
+    assert time.monotonic() - start < 5
 
 
 def test_transform_on_meta_draws_nothing() -> None:

@@ -299,6 +299,35 @@ def test_frozen_weights_stored_quantized_next_to_nvme_offload(tmp_path: Path) ->
         assert all(torch.equal(b["frozen"][k], v) for k, v in a["frozen"].items())
 
 
+def _bad_group_size(rank: int, world: int, zero_pp: dict) -> list[str]:
+    """The errors of an engine and of bare collectives built with ``zero_pp`` on this world."""
+    messages = []
+    with pytest.raises(ValueError) as engine_error:
+        ZeroEngine(models.GPT(), zero_pp=ZeroPPConfig(**zero_pp))
+    messages.append(str(engine_error.value))
+    if zero_pp.get("hpz_partition_size"):
+        with pytest.raises(ValueError) as comm_error:
+            Collectives(hpz_partition_size=zero_pp["hpz_partition_size"])
+        messages.append(str(comm_error.value))
+    return messages
+
+
+@pytest.mark.parametrize("zero_pp, option", [
+    ({"hpz": True, "hpz_partition_size": 3}, "ZeroPPConfig.hpz_partition_size=3"),
+    ({"ranks_per_node": 3}, "ZeroPPConfig.ranks_per_node=3"),
+    ({"hpz": True, "ranks_per_node": 4, "qgz": True}, "ZeroPPConfig.ranks_per_node=4"),
+])
+def test_a_group_size_that_does_not_divide_the_world_names_the_option(zero_pp: dict, option: str) -> None:
+    """On 2 ranks, each group size the user sets is refused naming that option (not the internal
+    ``ranks_per_node`` it flows into), its value, the world size, the divisors allowed and the fix."""
+    for messages in run_distributed(_bad_group_size, 2, zero_pp):
+        engine, *comm = messages
+        assert f"{option} must be a positive divisor of the world size 2: one of 1 or 2" in engine, engine
+        assert f"Set zero_pp.{option.split('.')[1].split('=')[0]} to" in engine
+        for message in comm:  # Collectives' own argument
+            assert "hpz_partition_size=3 must be a positive divisor of the world size 2: one of 1 or 2" in message
+
+
 def _subgroup_timeout(rank: int, world: int) -> float:
     """Rank 1 stays alive without joining rank 0's hpZ gather; rank 0 reports how long it waited."""
     comm = Collectives(hpz_partition_size=2, timeout=timedelta(seconds=1))

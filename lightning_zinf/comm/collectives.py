@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_zinf.comm.topology import NodeGroups, Topology
+from lightning_zinf.comm.topology import NodeGroups, Topology, require_divisor
 from triton_kernels import QgzLayout, dequantize, dequantize_reduce, dequantize_reduce_requantize, quantize, reorder_quantize
 
 __all__ = ["Collectives", "CommBytes", "Handle"]
@@ -242,6 +242,9 @@ class Collectives:
             # Their groups are built from world ranks.
             raise ValueError("hpZ and qgZ need the engine to partition over the world group (group=None).")
         if hpz_partition_size is not None:
+            require_divisor("hpz_partition_size", hpz_partition_size, self.world_size,
+                            "hpZ's secondary partitions are held by groups of that many consecutive ranks",
+                            "Pass one of those (normally the ranks per node).")
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
                 self._hpz_group = NodeGroups(self.hpz, with_inter=False, timeout=timeout).intra

@@ -15,7 +15,31 @@ from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "NodeGroups"]
+__all__ = ["Topology", "NodeGroups", "require_divisor"]
+
+
+def require_divisor(option: str, value: object, world_size: int, meaning: str, fix: str) -> None:
+    """Check that the group size ``value``, set by ``option``, splits the world into equal groups.
+
+    Args:
+        option: The setting as the user wrote it (``"ZeroPPConfig.hpz_partition_size"``), for the message.
+        value: Its value.
+        world_size: Ranks in the world (or the engine's group).
+        meaning: What the size means, why it must divide the world size.
+        fix: What to set instead.
+
+    Raises:
+        ValueError: ``value`` is not a positive integer that divides ``world_size``; the message names
+            ``option``, ``value``, the world size, the divisors allowed and the fix.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and world_size % value == 0:
+        return
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    allowed = ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 else str(divisors[0])
+    raise ValueError(
+        f"{option}={value!r} must be a positive divisor of the world size {world_size}: one of {allowed} "
+        f"({meaning}). {fix}"
+    )
 
 
 @dataclass(frozen=True)
@@ -32,12 +56,10 @@ class Topology:
     ranks_per_node: int
 
     def __post_init__(self) -> None:
-        d, w = self.ranks_per_node, self.world_size
-        if not (isinstance(d, int) and d >= 1 and w % d == 0):
-            raise ValueError(
-                f"ranks_per_node={d!r} must be a positive divisor of the world size {w} (ranks are laid out node by "
-                "node, the same number on each). Set it to the processes per machine, or leave it unset."
-            )
+        w = self.world_size
+        require_divisor("ranks_per_node", self.ranks_per_node, w,
+                        "ranks are laid out node by node, the same number on each",
+                        "Set it to the processes per machine, or leave it unset.")
         if not 0 <= self.rank < w:
             raise ValueError(f"rank {self.rank} is outside the world of {w} ranks.")
 

@@ -15,8 +15,14 @@ independently of the process groups:
   ``stale`` seconds died (killed, crashed): a survivor posts that, naming it;
 - a watcher that sees a posted failure ends its own process after ``grace`` seconds if it has not
   ended by itself by then (blocked in a collective, or stuck in user code), printing the failure
-  first, so no process outlives the run; one that loses the store (rank 0, which hosts it under
-  Lightning's launcher, is gone before it said it was done) does the same;
+  first, so no process outlives the run; one that loses the store does the same. Under
+  Lightning's launcher (and wherever rank 0 creates the store, as ``init_process_group`` does
+  when torchrun's agent does not host it) the store lives in rank 0's process, so a dead rank 0
+  takes the channel with it: its beat said which pid it is, so a survivor on its host sees the
+  pid gone before it touches the store, and any survivor sees the store's connection closed;
+  either way it names rank 0 ("rank 0 (pid ...; it hosts the rendezvous store at ...) is gone")
+  as the run's failure, within an interval, and ends after ``grace`` like for any failure. A
+  lost store is never called again (each call on a closed client prints a C++ stack trace);
 - a rank that leaves the order of collectives every rank agreed on posts a notice
   (:meth:`RankWatch.note_departure`) before it waits for the others to agree on the way; a notice
   that no other rank matches within ``stale`` seconds means the others did not take that branch
@@ -41,7 +47,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -89,11 +95,17 @@ class RankWatch:
                 raise RuntimeError("RankWatch needs MASTER_ADDR and MASTER_PORT (set by Lightning and torchrun).")
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                   is_master=False, timeout=timedelta(seconds=max(interval * 5, 10)))
+            # Who hosts that store: torchrun's agent (which outlives its workers), or rank 0's process.
+            self._zero_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            self._store_address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        else:
+            self._zero_hosts_store, self._store_address = False, ""
         # One namespace per run (torchrun's agent keeps its store across restarts) and per watch
         # started in this process (every rank starts one per fit/validate/... call, in step).
         RankWatch._started += 1
         run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.store = dist.PrefixStore(f"zinf_watch/{run}/{RankWatch._started}/", store)
+        self._pids: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), from its beats
+        self.store = _Store(dist.PrefixStore(f"zinf_watch/{run}/{RankWatch._started}/", store), self._zero_dead)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, monotonic time it changed)
@@ -103,6 +115,8 @@ class RankWatch:
         self._own: Optional[str] = None  # the failure this rank's own error posted
         self._known: Optional[str] = None  # the first failure, once read
         self._departures: dict[int, tuple[str, float]] = {}  # rank -> (its departure notice, when first seen)
+        self._said_gone = False  # this rank printed (or reported) that the store's host is gone
+        self._zero_checked = (-1.0, False)  # (when, whether rank 0's pid was found dead)
 
     _started = 0
 
@@ -113,6 +127,7 @@ class RankWatch:
         if self._thread is not None:
             return
         self._beat()
+        self._learn_pids()
         self._thread = threading.Thread(target=self._run, name=f"zinf-rank-watch-{self.rank}", daemon=True)
         self._thread.start()
         self._previous_hook = sys.excepthook
@@ -172,8 +187,27 @@ class RankWatch:
             if self.store.check(["failed"]):
                 self._known = self.store.get("failed").decode()
         except Exception:
-            pass
+            if self.store.lost is not None and not self._zero_done:
+                self._known = self.store_gone()  # nobody can post anything any more: this is the failure
         return self._known
+
+    def store_gone(self) -> str:
+        """Why the rendezvous store stopped answering, naming its host: rank 0 (with its pid, and
+        whether that pid is known dead) or torchrun's agent."""
+        where = f" at {self._store_address}" if self._store_address else ""
+        why = f" ({self.store.lost})" if self.store.lost else ""
+        noticed = f"noticed by rank {self.rank}"
+        if not self._zero_hosts_store:
+            return f"the rendezvous store{where} stopped answering{why}: its host ended or is unreachable ({noticed})"
+        host, pid = self._pids.get(0, ("", 0))
+        who = f"rank 0 (pid {pid} on {host}; it hosts the rendezvous store{where})" if pid else \
+            f"rank 0 (it hosts the rendezvous store{where})"
+        if self._zero_done:
+            return f"{who} ended before this rank was done ({noticed})"
+        if self._zero_dead():
+            return f"{who} is gone: its process is dead, killed or crashed ({noticed})"
+        return (f"{who} is gone: its store closed the connection{why}; rank 0 was killed or crashed, or its "
+                f"host is unreachable ({noticed})")
 
     def report(self, error: BaseException) -> Optional[str]:
         """Post ``error`` as this rank's failure, unless a failure was posted first (another rank's
@@ -184,6 +218,7 @@ class RankWatch:
         first = self.first_failure()
         collective = _looks_like_a_collective_failure(error)
         if first is not None:
+            self._said_gone = self._said_gone or (collective and self.store.lost is not None)
             return first if collective else None  # an error of its own (every rank's bad file) stays its own
         message = f"rank {self.rank}: {_format_error(error)}"
         behind = self.behind() if collective else ""
@@ -194,7 +229,9 @@ class RankWatch:
             if self.rank == 0:  # its process may host the store: let the others read the failure first
                 time.sleep(2 * self.interval)
             return message if behind else None
-        return self.first_failure() if collective else None  # another rank posted in between
+        first = self.first_failure() if collective else None  # another rank posted in between (or rank 0 died)
+        self._said_gone = self._said_gone or (first is not None and self.store.lost is not None)
+        return first
 
     def behind(self) -> str:
         """Which ranks look dead (no beat for ``stale`` s) or are elsewhere (their published
@@ -236,7 +273,13 @@ class RankWatch:
     def _run(self) -> None:
         posted_at: Optional[float] = None
         lost_since: Optional[float] = None
-        last = time.monotonic()
+        last = started = time.monotonic()
+        # In the first interval, look often for the beats of ranks that start after this one: each
+        # says which pid the rank is (whether rank 0 is alive is then known without the store).
+        while time.monotonic() - started < self.interval and len(self._pids) < self.world_size - 1:
+            if self._stop.wait(0.05):
+                return
+            self._learn_pids()
         while not self._stop.wait(self.interval):
             if time.monotonic() - last > self.stale / 2:
                 # This process was suspended (SIGSTOP, a paused VM): the others' beats look old
@@ -254,14 +297,37 @@ class RankWatch:
                 if self._zero_done:
                     return  # rank 0 ended normally first: nothing left to watch
                 lost_since = lost_since if lost_since is not None else time.monotonic()
-                if time.monotonic() - lost_since >= max(self.grace, self.stale / 2):
-                    self._end("the rendezvous store is gone: rank 0, which hosts it, ended")
+                if self.store.lost is None:  # slow (a timeout), not closed: wait for it a while
+                    if time.monotonic() - lost_since >= max(self.grace, self.stale / 2):
+                        self._end(f"{self.store_gone()}; it did not answer for {time.monotonic() - lost_since:.0f} s")
+                    continue
+                # Closed, or its host's process is dead: nothing can be posted any more, so this
+                # rank says it now (unless its own error already did) and ends after the grace period.
+                failure = self.first_failure() or self.store_gone()
+                if not self._said_gone:
+                    self._said_gone = True
+                    print(f"[rank {self.rank}] lightning_zinf: the run failed: {failure}; this rank ends in "
+                          f"{self.grace:.0f} s unless it ends by itself first", file=sys.stderr, flush=True)
+                if time.monotonic() - lost_since >= self.grace:
+                    self._end(failure)
                 continue
             if failure is None or failure == self._own:
                 continue  # none, or this rank's own error: its process is ending by itself
             posted_at = posted_at if posted_at is not None else time.monotonic()
             if time.monotonic() - posted_at >= self.grace:
                 self._end(failure)
+
+    def _learn_pids(self) -> None:
+        """Note the host and pid of every rank that has beaten already (to know, without the store,
+        whether rank 0's process is alive)."""
+        try:
+            for rank in range(self.world_size):
+                if rank != self.rank and rank not in self._pids and self.store.check([f"beat/{rank}"]):
+                    fields = self.store.get(f"beat/{rank}").decode().split(" ", 3)
+                    if len(fields) >= 3 and fields[2].isdigit():
+                        self._pids[rank] = (fields[1], int(fields[2]))
+        except Exception:
+            pass
 
     def _find_dead(self) -> Optional[str]:
         now = time.monotonic()
@@ -272,7 +338,10 @@ class RankWatch:
         else:
             beats = {r: self.store.get(k) for r, k in zip(others, keys) if self.store.check([k])}
         for rank, value in beats.items():
-            beat = int(bytes(value).decode().split(" ", 1)[0])
+            fields = bytes(value).decode().split(" ", 3)
+            beat = int(fields[0])
+            if len(fields) >= 3 and fields[2].isdigit():
+                self._pids[rank] = (fields[1], int(fields[2]))
             last = self._seen.get(rank)
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
@@ -346,6 +415,58 @@ class RankWatch:
         if first is not None:
             print(f"[rank {self.rank}] lightning_zinf: what the error above follows from: {first}",
                   file=sys.stderr, flush=True)
+
+    def _zero_dead(self) -> bool:
+        """Whether rank 0's process hosts the store and is known dead: it runs on this host (its
+        beat said so) and its pid is gone. Reads no store."""
+        if not self._zero_hosts_store or 0 not in self._pids or self.rank == 0:
+            return False
+        host, pid = self._pids[0]
+        if host != socket.gethostname():
+            return False
+        now = time.monotonic()
+        if now - self._zero_checked[0] > 0.05:  # once per batch of store calls, not per call
+            self._zero_checked = (now, not _alive(pid))
+        return self._zero_checked[1]
+
+
+class StoreLost(RuntimeError):
+    """The watch's rendezvous store is gone (its host's process ended or closed the connection)."""
+
+
+class _Store:
+    """The rendezvous store as a :class:`RankWatch` uses it: the first call that fails with a
+    network error (the server closed the connection) marks it lost, as does ``host_dead()``
+    returning True before a call; a lost store is not called again, every call raises
+    :class:`StoreLost` at once (a call on a closed client prints a C++ warning with a stack trace,
+    and a closed client never reconnects).
+
+    Attributes:
+        lost: Why the store is lost (the first line of the network error), or None.
+    """
+
+    def __init__(self, store: dist.Store, host_dead: Callable[[], bool]) -> None:
+        self._store, self._host_dead = store, host_dead
+        self.lost: Optional[str] = None
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.lost is None and self._host_dead():
+                self.lost = "its host process is dead"
+            if self.lost is not None:
+                raise StoreLost(self.lost)
+            try:
+                return method(*args, **kwargs)
+            except _NETWORK_ERRORS as error:
+                self.lost = str(error).strip().split("\n", 1)[0] or type(error).__name__
+                raise StoreLost(self.lost) from error
+
+        return call
+
+
+_NETWORK_ERRORS = tuple(e for e in (getattr(dist, "DistNetworkError", None), ConnectionError) if e is not None)
 
 
 def _alive(pid: int) -> bool:

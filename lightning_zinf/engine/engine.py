@@ -42,14 +42,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
+from lightning_zinf.comm.topology import require_divisor
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
-from lightning_zinf.engine.partition import (Replay, UnitSpec, creation_order, init_rng_state, materialize,
-                                             parameter_slots, parent_modules, plan_units)
+from lightning_zinf.engine.partition import (LibraryInits, Replay, UnitSpec, creation_order, init_rng_state,
+                                             materialize, parameter_slots, parent_modules, plan_units)
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import HeldUntilWait, Transfers, resolve_device
@@ -189,7 +190,9 @@ class ZeroEngine:
     Raises:
         ValueError: the model has no parameters; a module built on the meta device has no
             ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
-            malformed, or an ``activation_checkpointing`` entry matches no module.
+            malformed, or an ``activation_checkpointing`` entry matches no module;
+            ``zero_pp.ranks_per_node`` or (with hpZ) ``zero_pp.hpz_partition_size`` does not divide
+            the world size (the message names the option, its value and the divisors allowed).
         SwapError: with ``param="nvme"``, the parameter shards' swap files would not fit in the
             free space at ``nvme_path`` (checked on every rank before anything is materialised or
             written: :func:`~lightning_zinf.offload.preflight.ensure_space`), or the swap folder
@@ -227,6 +230,7 @@ class ZeroEngine:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
         ranks_per_node = zero_pp.ranks_per_node or (local if local and world % local == 0 else world)
         hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
+        _check_group_sizes(zero_pp, world, ranks_per_node)
         self.zero_pp = zero_pp
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
@@ -310,6 +314,8 @@ class ZeroEngine:
             torch.set_rng_state(self.comm.broadcast((own_rng if start is None else start).clone()))
         units: list[Optional[Unit]] = [None] * len(specs)
         done: set[int] = set()  # parameters materialised so far, over the units
+        # What the parameter-less modules of a transformers model wait for, counted once.
+        inits = LibraryInits(list(self.module.modules()), parents) if on_meta else None
         # Materialised in the order eager construction draws (a unit's first module's creation), so
         # the random stream is consumed as it would be; kept in plan order (the trace's unit ids).
         first_made = [spec.modules[creation_order(spec.modules)[0]] if spec.modules else spec.module for spec in specs]
@@ -319,7 +325,7 @@ class ZeroEngine:
             for index in order:
                 spec = specs[index]
                 if on_meta:
-                    materialize(spec, names, slots, shapes, parents, built_real, preloaded, done, replay)
+                    materialize(spec, names, slots, shapes, parents, built_real, preloaded, done, replay, inits)
                 # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
                 # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
                 groups = [self._flat_group(members, any(id(p) in built_real for _, p in members))
@@ -1267,6 +1273,30 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         ctx.callback()
         return (None, *grads)
+
+
+def _check_group_sizes(zero_pp: ZeroPPConfig, world: int, ranks_per_node: int) -> None:
+    """Refuse, naming the option the user set, a ``ZeroPPConfig`` group size that does not divide
+    the world into equal groups (before any process group is built from it).
+
+    Raises:
+        ValueError: ``zero_pp.ranks_per_node`` or, with ``hpz=True``, ``zero_pp.hpz_partition_size``
+            does not divide ``world``.
+    """
+    if zero_pp.ranks_per_node is not None:
+        require_divisor(
+            "ZeroPPConfig.ranks_per_node", zero_pp.ranks_per_node, world,
+            "ranks are numbered node by node, the same number on every node",
+            "Set zero_pp.ranks_per_node to the processes per machine, or leave it unset (the strategy's devices "
+            "per node, else LOCAL_WORLD_SIZE, else one node).",
+        )
+    if zero_pp.hpz and zero_pp.hpz_partition_size is not None:
+        require_divisor(
+            "ZeroPPConfig.hpz_partition_size", zero_pp.hpz_partition_size, world,
+            "hpZ's secondary partitions are held by groups of that many consecutive ranks",
+            f"Set zero_pp.hpz_partition_size to one of those, normally the ranks per node ({ranks_per_node}, which "
+            "keeps each group inside a node), or leave it unset (= ranks_per_node).",
+        )
 
 
 def _in_backward() -> bool:

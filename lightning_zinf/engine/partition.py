@@ -16,7 +16,7 @@ import itertools
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Collection, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch import nn
 from lightning_zinf.tiling import LinearTile
 
 __all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "creation_order", "Replay",
-           "parameter_slots", "parent_modules", "resolve_block_classes", "matches_classes"]
+           "parameter_slots", "parent_modules", "resolve_block_classes", "matches_classes", "LibraryInits"]
 
 
 @dataclass
@@ -371,6 +371,56 @@ def parent_modules(root: nn.Module) -> dict[nn.Module, nn.Module]:
     return parents
 
 
+class LibraryInits:
+    """The modules without parameters of their own inside a ``transformers`` model, whose init
+    (``_init_weights``, e.g. GPT-2's rescaling of each block's ``c_proj``) :func:`materialize` runs
+    once every parameter below them is materialised, with how many of those are still waiting.
+
+    Counted once, updated as units are materialised: each unit then costs its own parameters times
+    the model's depth, where listing every ancestor's parameters for every unit (the root's are the
+    whole model's) made setup quadratic in the number of units.
+
+    Args:
+        modules: The model's modules (``root.modules()``).
+        parents: :func:`parent_modules` of the model.
+        done: Ids of the parameters materialised already (they do not wait).
+
+    Attributes:
+        pending: module -> parameters below it (each counted once) not materialised yet.
+        holders: id of a waiting parameter -> the modules counting it.
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], parents: dict[nn.Module, nn.Module],
+                 done: Collection[int] = frozenset()) -> None:
+        self.pending: dict[nn.Module, int] = {}
+        self.holders: dict[int, list[nn.Module]] = {}
+        for module in modules:
+            if any(p is not None for p in module._parameters.values()) or _library_model(module, parents) is None:
+                continue
+            below = [p for p in module.parameters() if id(p) not in done]
+            self.pending[module] = len(below)
+            for p in below:
+                self.holders.setdefault(id(p), []).append(module)
+
+    def materialized(self, replaced: dict[int, nn.Parameter],
+                     to_load: Collection[int] = ()) -> tuple[set[nn.Module], set[nn.Module]]:
+        """Count the parameters of ``replaced`` (id when counted -> the new parameter) as done.
+
+        Returns:
+            The modules that counted any of them, and those that counted one of ``to_load`` (ids
+            of new parameters whose values are loaded next).
+        """
+        touched: set[nn.Module] = set()
+        loading: set[nn.Module] = set()
+        for old, new in replaced.items():
+            for module in self.holders.pop(old, ()):
+                self.pending[module] -= 1
+                touched.add(module)
+                if id(new) in to_load:
+                    loading.add(module)
+        return touched, loading
+
+
 def materialize(
     spec: UnitSpec,
     names: dict[nn.Module, str],
@@ -381,6 +431,7 @@ def materialize(
     preloaded: frozenset[int] = frozenset(),
     done: Optional[set[int]] = None,
     replay: Optional[Replay] = None,
+    library_inits: Optional[LibraryInits] = None,
 ) -> None:
     """Give a unit's meta parameters real CPU memory and initialise them by their library's
     route (:func:`_initialize`); real parameters keep their values. Modules are initialised in
@@ -402,7 +453,9 @@ def materialize(
     whose fresh parameters are all preloaded is not initialised at all). ``done`` collects the ids
     of the parameters materialised over the calls of one partition (units are materialised in
     order), so a library's init of a module without parameters of its own runs once the last unit
-    below it has been materialised.
+    below it has been materialised; ``library_inits`` (:class:`LibraryInits`, one for all the
+    calls of a partition) counts what those modules still wait for, so each call costs its own
+    unit, not the model (``None``: counted afresh from ``done``, over the whole model).
 
     Raises:
         ValueError: a module with meta parameters has no initialisation route (:func:`_initialize`).
@@ -450,6 +503,14 @@ def materialize(
     # children, as its post_init applies it, once the last of the parameters below has been
     # materialised, which may be in this unit or (with a unit per module) in earlier ones, whose
     # parameters are then partitioned already and stand in as scratch tensors.
+    if library_inits is None:  # counted now, over the whole model, with this unit's parameters in place
+        top = spec.module
+        while top in parents:
+            top = parents[top]
+        library_inits = LibraryInits(list(top.modules()), parents, done or set())
+        touched, loading = library_inits.materialized({id(p): p for p in replaced.values()}, to_load)
+    else:
+        touched, loading = library_inits.materialized(replaced, to_load)
     done = done if done is not None else set()
     done |= materialized
     candidates: dict[nn.Module, None] = {}
@@ -459,15 +520,11 @@ def materialize(
             candidates.setdefault(node, None)
             node = parents.get(node)
     for module in sorted(candidates, key=lambda m: -names.get(m, "").count(".") - bool(names.get(m))):
-        # The cheap tests first: listing an ancestor's parameters (the root's are the model's) for
-        # every unit made setup quadratic in the number of units.
+        # Once, when this unit materialised the last of the parameters below it, none to be loaded.
+        if module not in touched or module in loading or library_inits.pending[module] != 0:
+            continue
         library = _library_model(module, parents)
-        if library is None or any(p is not None for p in module._parameters.values()):
-            continue
-        below = list(module.parameters())
-        if (not below or not any(id(p) in materialized for p in below)
-                or not all(id(p) in done and id(p) not in to_load for p in below)):
-            continue
+        assert library is not None  # LibraryInits counts only modules inside a library model
         scratch = [(owner, name, p) for owner in module.modules() for name, p in owner._parameters.items()
                    if p is not None and id(p) not in materialized]
         for owner, name, p in scratch:
