@@ -2,15 +2,20 @@
 
 A checkpoint is a directory::
 
-    meta.pt                   rank 0: the caller's state (Lightning's loops, callbacks, schedulers,
-                              buffers...) plus ``"zinf"``: the layout of every flat group (parameter
-                              names and tied aliases, shapes, offsets in the flat buffer, dtype),
-                              the world size that wrote it and a SHA-256 checksum of every shard file
-    rank_00000.safetensors    rank r's shards: per flat group ``g``, ``g.param`` (its shard in the
-    rank_00001.safetensors    parameter dtype), ``g.master`` (fp32 master, when separate) and
-    ...                       ``g.opt<o>.<key>`` (optimizer ``o``'s per-element state, laid out
-                              like the shard); per-parameter scalar state (Adam's ``step``) as
-                              ``g.opt<o>.<key>.scalar``, one value per parameter
+    meta.pt                        rank 0: the caller's state (Lightning's loops, callbacks,
+                                   schedulers, buffers...) plus ``"zinf"``: the layout of every flat
+                                   group (parameter names and tied aliases, shapes, offsets in the
+                                   flat buffer, dtype), the world size that wrote it, the save's id,
+                                   the folder holding its shards and a SHA-256 checksum of each
+    save-<id>/                     the shard files of the save ``meta.pt`` names
+        rank_00000.safetensors     rank r's shards: per flat group ``g``, ``g.param`` (its shard in
+        rank_00001.safetensors     the parameter dtype), ``g.master`` (fp32 master, when separate)
+        ...                        and ``g.opt<o>.<key>`` (optimizer ``o``'s per-element state, laid
+                                   out like the shard); per-parameter scalar state (Adam's ``step``)
+                                   as ``g.opt<o>.<key>.scalar``, one value per parameter. The header
+                                   records the save's id, the rank and the world size.
+
+(Checkpoints of earlier versions keep the shard files beside ``meta.pt``; they load the same way.)
 
 ``meta.pt`` is a pickle, so reading it could run code the file names. It is read with torch's
 weights-only unpickler, which builds tensors, containers and primitives only, plus the few classes
@@ -19,22 +24,30 @@ caller passes ``weights_only=False`` for a file they trust.
 
 Because every per-element tensor is stored in the flat layout of its group, a rank of any new world
 size computes which elements it owns and reads just those byte ranges of the old files
-(safetensors reads slices without loading whole tensors). Writes go to a temporary directory
-beside the target that is renamed into place only when every rank has written, so a crash during a
-save leaves the previous checkpoint intact.
+(safetensors reads slices without loading whole tensors).
+
+Saves are crash-safe (:mod:`lightning_zinf.durable`): a save writes its shards into a new
+``save-<id>`` folder and flushes them to the disk, then replaces ``meta.pt`` in one atomic step (a
+new checkpoint's whole folder is staged beside it and renamed into place), and only then removes the
+previous save's folder. Whenever a process dies, the checkpoint's name holds the previous complete
+checkpoint or the new one.
 """
 
 from __future__ import annotations
 
 import copyreg
+import errno
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import pickle
-import types
+import secrets
 import shutil
 import struct
+import types
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -43,12 +56,18 @@ from lightning.fabric.utilities.data import AttributeDict as FabricAttributeDict
 from lightning.pytorch.utilities.parsing import AttributeDict
 from torch import Tensor, nn
 
+from lightning_zinf.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale, describe_write_failure, fsync_file,
+                                    fsync_folder, is_torch_file, put_new, replace_file, replace_kind, space_message)
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.offload.preflight import shortfall
 from lightning_zinf.tiling import tile_views
 
-__all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state", "MODELS_KEY", "OPTIMIZER_KEYS", "load_sharded", "load_full_state_dict",
-           "is_sharded_checkpoint", "read_meta", "CheckpointError", "CHECKPOINT_GLOBALS", "META_FILE"]
+log = logging.getLogger(__name__)
+
+__all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state",
+           "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "model_folders", "load_sharded", "load_full_state_dict",
+           "is_sharded_checkpoint", "read_meta", "CheckpointError", "CheckpointWriteError", "CHECKPOINT_GLOBALS", "META_FILE"]
 
 META_FILE = "meta.pt"
 FORMAT = "lightning_zinf.sharded"
@@ -316,14 +335,193 @@ def _group_tensors(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.
     return tensors
 
 
+@dataclass(frozen=True)
+class _Save:
+    """Where one save writes. ``root`` is the folder ``meta.pt`` goes in: the checkpoint itself when
+    one is already at ``path`` (its new ``meta.pt`` replaces the old one in one atomic step), else a
+    staging folder beside it that is renamed to ``path`` once complete. ``data`` (``root / tag``)
+    holds the new shard files; ``tag`` is unique per save."""
+
+    path: Path
+    root: Path
+    tag: str
+
+    @property
+    def data(self) -> Path:
+        return self.root / self.tag
+
+
+def _plan(path: Path) -> _Save:
+    if path.exists() and not is_sharded_checkpoint(path) and not is_torch_file(path):
+        raise FileExistsError(
+            f"{path} exists and is not a checkpoint (neither a lightning_zinf checkpoint folder nor a torch.save "
+            "file); refusing to replace it. Choose another path."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cleaned = clean_stale(path.parent)
+    if cleaned:
+        log.info("Removed what earlier interrupted saves left in %s: %s", path.parent, ", ".join(cleaned))
+    tag = f"save-{secrets.token_hex(6)}"
+    root = path if is_sharded_checkpoint(path) else path.parent / f".{path.name}{STAGING_SUFFIX}"
+    if root != path:
+        root.mkdir()  # (clean_stale removed any earlier one)
+    (root / tag).mkdir()
+    fsync_folder(root)
+    return _Save(path, root, tag)
+
+
+def _begin(path: Path, comm: Any) -> _Save:
+    """Rank 0 checks ``path``, removes debris of interrupted saves beside it and makes the new
+    save's folders; every rank gets the plan, or the same error (collective)."""
+    outcome: _Save | BaseException | None = None
+    if comm.rank == 0:
+        try:
+            outcome = _plan(path)
+        except OSError as error:
+            outcome = error
+    outcome = comm.all_gather_object(outcome)[0]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def _abort(save: _Save, rank: int) -> None:
+    """Remove what a failed save wrote (rank 0): its data folder, or the whole staging folder."""
+    if rank != 0:
+        return
+    try:
+        shutil.rmtree(save.root if save.root != save.path else save.data, ignore_errors=True)
+    except OSError:  # best effort: debris is removed by the next save in the folder
+        pass
+
+
+def _commit(save: _Save, record: Optional[dict[str, Any]], comm: Any, parts: Optional[dict[Path, dict[str, Any]]] = None) -> None:
+    """Rank 0 makes the written save the checkpoint at ``save.path`` in one atomic step (the new
+    ``meta.pt`` replacing the old, or the complete staging folder renamed into place) after every
+    file and folder is on the disk, then removes the previous save's files. ``parts``: more
+    ``meta.pt`` files to write first (one per model of a checkpoint of several). Every rank
+    returns, or raises the same error (collective)."""
+    outcome: Optional[BaseException] = None
+    if comm.rank == 0:
+        assert record is not None
+        staging = save.root / f".{META_FILE}{STAGING_SUFFIX}"
+        try:
+            for file, part in (parts or {}).items():
+                _write_meta(file, part, save.path)
+                fsync_folder(file.parent)
+            fsync_folder(save.data)
+            _write_meta(staging, record, save.path)
+            replace_file(staging, save.root / META_FILE)  # the commit, for a checkpoint already at path
+        except OSError as error:
+            _abort(save, 0)
+            outcome = error
+        if outcome is None:
+            try:
+                if save.root != save.path and save.path.exists():
+                    replace_kind(save.root, save.path)  # a full checkpoint file was there
+                elif save.root != save.path:
+                    put_new(save.root, save.path)  # the commit, for a new name
+                else:
+                    _remove_previous(save)
+            except OSError as error:
+                outcome = error
+    outcome = comm.all_gather_object(outcome)[0]
+    if outcome is not None:
+        raise outcome
+
+
+def _remove_previous(save: _Save) -> None:
+    """Remove everything in the checkpoint folder but ``meta.pt`` and the save it names: the
+    previous save's data folder, or files of the older layout (shards beside ``meta.pt``). A crash
+    here leaves files no ``meta.pt`` names, removed by the next save of this name."""
+    for entry in save.root.iterdir():
+        if entry.name in (META_FILE, save.tag):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    fsync_folder(save.root)
+
+
+def _shard_bytes(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Optimizer]], exclude_frozen: bool) -> int:
+    """About the bytes this rank writes, from the shapes and dtypes alone (nothing is read from
+    NVMe): each group's shard, its fp32 master when separate, and the per-element state of the
+    optimizer stepping it, plus the header's room; on rank 0 also room for ``meta.pt`` (the layout
+    takes about a kilobyte per group, the caller's state usually less than the 64 KiB added)."""
+    total = _HEADER_ROOM_BASE + _HEADER_ROOM_PER_GROUP * len(engine.groups)
+    if engine.comm.rank == 0:
+        total += (64 << 10) + 1024 * len(engine.groups)
+    for group in engine.groups:
+        if exclude_frozen and not group.trainable:
+            continue
+        total += group.shard_numel * group.dtype.itemsize
+        if group.master is not None and group.master is not group.shard:
+            total += group.shard_numel * group.master.dtype.itemsize
+        for fragment in group.fragments:
+            if id(fragment) not in owners:
+                continue
+            state = owners[id(fragment)][1].state.get(fragment, {})
+            total += sum(group.shard_numel * v.dtype.itemsize for v in state.values()
+                         if isinstance(v, Tensor) and v.dim() > 0)
+            break
+    return total
+
+
+def _check_space(save: _Save, comm: Any, need: int) -> None:
+    """Refuse the save on every rank, before anything is written, if the ranks sharing a filesystem
+    need more than it has free."""
+    lack, _ = shortfall(comm, str(save.root), need)
+    if lack is not None:
+        raise CheckpointWriteError(errno.ENOSPC, space_message(save.path, lack.path, lack.needed, lack.free, lack.ranks))
+
+
+def _write_shards(
+    engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], folder: Path, save: _Save, save_id: str,
+    exclude_frozen: bool,
+) -> list[str]:
+    """Every rank writes its shard file into ``folder`` and flushes it to the disk; returns every
+    rank's SHA-256 (collective). The file's header records ``save_id``, the rank and the world size.
+
+    Raises:
+        CheckpointWriteError: on every rank, if any rank's write failed (full disk...), naming it."""
+    file = folder / shard_file(engine.comm.rank)
+    metadata = {"zinf_save": save_id, "zinf_rank": str(engine.comm.rank), "zinf_world_size": str(engine.comm.world_size)}
+    checksum = failure = None
+    try:
+        checksum = _write_shard(engine, optimizer_owners(optimizers), file, exclude_frozen, metadata)
+    except OSError as error:
+        failure = (error.errno, describe_write_failure(error, save.path, file))
+    results = engine.comm.all_gather_object((checksum, failure))
+    failed = [(rank, failure) for rank, (_, failure) in enumerate(results) if failure is not None]
+    if failed:
+        code, text = failed[0][1]
+        ranks = ", ".join(str(rank) for rank, _ in failed)
+        raise CheckpointWriteError(code, f"rank{'s' if len(failed) > 1 else ''} {ranks}: {text}")
+    return [checksum for checksum, _ in results]
+
+
+def _zinf_record(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], checksums: list[str],
+                 exclude_frozen: bool, save_id: str, folder: str) -> dict[str, Any]:
+    groups = [{**layout, "excluded": exclude_frozen and not layout["trainable"]} for layout in _layout(engine)]
+    # Per optimizer saved, where each parameter it was given went (ZeroEngine.plain_layouts): what
+    # consolidation needs to number its state as the plain optimizer would.
+    layouts = [engine.plain_layouts[k] for o in optimizers for k, mine in enumerate(engine.optimizers) if mine is o]
+    return {"format": FORMAT, "version": VERSION, "world_size": engine.comm.world_size, "groups": groups,
+            "sha256": checksums, "optimizers": layouts, "save": save_id, "dir": folder}
+
+
 def save_sharded(
     engine: ZeroEngine, optimizers: Iterable[torch.optim.Optimizer], path: os.PathLike, meta: dict[str, Any],
     *, exclude_frozen: bool = False,
 ) -> None:
     """Write a sharded checkpoint of ``engine``'s model and ``optimizers`` to the directory ``path``.
 
-    Collective: every rank must call it with the same ``path``. An existing checkpoint at ``path``
-    is replaced only after the new one is complete.
+    Collective: every rank must call it with the same ``path``. Crash-safe (:mod:`lightning_zinf.durable`):
+    the shard files go to a new folder and are flushed to the disk (``fsync``), then one atomic step
+    makes them the checkpoint (a new ``meta.pt`` replacing the old one, or a complete staging folder
+    renamed to ``path``); only then is the previous save removed. At every instant ``path`` holds the
+    previous complete checkpoint or the new one. Before writing, the free space is checked.
 
     Args:
         engine: The engine partitioning the model.
@@ -337,60 +535,44 @@ def save_sharded(
             the same frozen values (the same pretrained checkpoint).
 
     Raises:
-        FileExistsError: ``path`` exists and is not a checkpoint written by this package.
-        OSError: the directory cannot be written (full disk, permissions); the previous checkpoint
-            at ``path``, if any, is untouched.
+        FileExistsError: ``path`` exists and is neither a checkpoint written by this package nor a
+            ``torch.save`` file (a full checkpoint, which it replaces).
+        CheckpointWriteError: on every rank: the ranks sharing a filesystem need more room than it
+            has (the message gives the bytes needed and free; nothing is written), or a write failed
+            (full disk, permissions: the rank, file and cause are named; what was written is removed).
+            The previous checkpoint at ``path``, if any, is untouched.
     """
     path = Path(path)
     comm = engine.comm
-    staging = _staging(path, comm)
-
-    engine.release_all()
     optimizers = list(optimizers)
-    checksum = _write_shard(engine, optimizer_owners(optimizers), staging / shard_file(comm.rank), exclude_frozen)
-    checksums = comm.all_gather_object(checksum)
-
-    if comm.rank == 0:
-        groups = [{**layout, "excluded": exclude_frozen and not layout["trainable"]} for layout in _layout(engine)]
-        # Per optimizer saved, where each parameter it was given went (ZeroEngine.plain_layouts): what
-        # consolidation needs to number its state as the plain optimizer would.
-        layouts = [engine.plain_layouts[k] for o in optimizers for k, mine in enumerate(engine.optimizers) if mine is o]
-        zinf = {"format": FORMAT, "version": VERSION, "world_size": comm.world_size,
-                "groups": groups, "sha256": checksums, "optimizers": layouts}
-        torch.save({**meta, "zinf": zinf}, staging / META_FILE, pickle_module=_META_PICKLE)
-        _put_in_place(staging, path)
-    comm.barrier()
-
-
-def _put_in_place(staging: Path, path: Path) -> None:
-    """Replace the checkpoint at ``path`` (if any) by the complete one in ``staging``."""
-    old = path.parent / f".{path.name}.zinf-old"
-    if path.exists():
-        path.rename(old)
-    staging.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _staging(path: Path, comm: Any) -> Path:
-    """An empty staging folder beside ``path`` (made by rank 0; collective)."""
-    if path.exists() and not is_sharded_checkpoint(path):
-        raise FileExistsError(
-            f"{path} exists and is not a lightning_zinf checkpoint; refusing to replace it. Choose another path."
-        )
-    staging = path.parent / f".{path.name}.zinf-partial"
-    if comm.rank == 0:
-        if staging.exists():
-            shutil.rmtree(staging)  # our own leftover from an interrupted save
-        staging.mkdir(parents=True)
-    comm.barrier()
-    return staging
+    save = _begin(path, comm)
+    try:
+        _check_space(save, comm, _shard_bytes(engine, optimizer_owners(optimizers), exclude_frozen))
+        engine.release_all()
+        checksums = _write_shards(engine, optimizers, save.data, save, save.tag, exclude_frozen)
+        record = None
+        if comm.rank == 0:
+            zinf = _zinf_record(engine, optimizers, checksums, exclude_frozen, save.tag, save.tag)
+            record = {**meta, "zinf": zinf}
+    except BaseException:
+        _abort(save, comm.rank)
+        raise
+    _commit(save, record, comm)
 
 
 #: ``meta.pt`` of a checkpoint of several models: model key -> the keys of its optimizers.
 MODELS_KEY = "zinf_models"
+#: ``meta.pt`` of a checkpoint of several models: the folder (inside the checkpoint) holding one
+#: sharded checkpoint per model key.
+MODELS_DIR_KEY = "zinf_dir"
 #: ``meta.pt`` of a Fabric checkpoint of one model: the keys its optimizers' states were saved under.
 OPTIMIZER_KEYS = "zinf_optimizer_keys"
+
+
+def model_folders(path: os.PathLike, meta: dict[str, Any]) -> dict[str, Path]:
+    """Model key -> the folder of its sharded checkpoint, for a checkpoint of several models
+    (:func:`save_sharded_models`) whose ``meta.pt`` holds ``meta``."""
+    return {key: Path(path) / meta.get(MODELS_DIR_KEY, "") / key for key in meta[MODELS_KEY]}
 
 
 def save_sharded_models(
@@ -398,9 +580,10 @@ def save_sharded_models(
     meta: dict[str, Any], *, exclude_frozen: bool = False,
 ) -> None:
     """Write several partitioned models (each with its own engine and optimizers) as one checkpoint
-    folder: each model's sharded checkpoint (:func:`save_sharded`) in a subfolder named by its key,
-    and ``meta.pt`` with ``meta`` and which optimizers belong to which model. The folder replaces an
-    existing checkpoint at ``path`` only once complete. Collective; every rank passes the same keys.
+    folder: each model's sharded checkpoint (:func:`save_sharded`'s layout) in a subfolder named by
+    its key, and ``meta.pt`` with ``meta`` and which optimizers belong to which model. As crash-safe
+    as :func:`save_sharded`: the models change together, in one atomic step. Collective; every rank
+    passes the same keys.
 
     Args:
         models: Model key -> ``(engine, {optimizer key: optimizer}, the model's own meta)``.
@@ -409,25 +592,47 @@ def save_sharded_models(
         exclude_frozen: As :func:`save_sharded`'s.
 
     Raises:
-        FileExistsError: ``path`` exists and is not a checkpoint written by this package.
-        OSError: the directory cannot be written; the previous checkpoint at ``path`` is untouched.
+        FileExistsError: as :func:`save_sharded`.
+        CheckpointWriteError: as :func:`save_sharded`; the previous checkpoint at ``path`` is untouched.
     """
     path = Path(path)
     comm = next(iter(models.values()))[0].comm
-    staging = _staging(path, comm)
-    for key, (engine, optimizers, own_meta) in models.items():
-        save_sharded(engine, list(optimizers.values()), staging / key, own_meta, exclude_frozen=exclude_frozen)
-    if comm.rank == 0:
-        layout = {key: list(optimizers) for key, (_, optimizers, _) in models.items()}
-        torch.save({**meta, MODELS_KEY: layout}, staging / META_FILE, pickle_module=_META_PICKLE)
-        _put_in_place(staging, path)
-    comm.barrier()
+    save = _begin(path, comm)
+    try:
+        need = sum(_shard_bytes(engine, optimizer_owners(list(optimizers.values())), exclude_frozen)
+                   for engine, optimizers, _ in models.values())
+        _check_space(save, comm, need)
+        parts: dict[Path, dict[str, Any]] = {}
+        for key, (engine, optimizers, own_meta) in models.items():
+            folder = save.data / key
+            folder.mkdir(exist_ok=True)
+            engine.release_all()
+            checksums = _write_shards(engine, list(optimizers.values()), folder, save, f"{save.tag}/{key}", exclude_frozen)
+            if comm.rank == 0:
+                zinf = _zinf_record(engine, list(optimizers.values()), checksums, exclude_frozen, f"{save.tag}/{key}", "")
+                parts[folder / META_FILE] = {**own_meta, "zinf": zinf}
+        record = {**meta, MODELS_KEY: {key: list(optimizers) for key, (_, optimizers, _) in models.items()},
+                  MODELS_DIR_KEY: save.tag} if comm.rank == 0 else None
+    except BaseException:
+        _abort(save, comm.rank)
+        raise
+    _commit(save, record, comm, parts)
+
+
+def _write_meta(file: Path, record: dict[str, Any], checkpoint: Path) -> None:
+    """``torch.save`` ``record`` to ``file`` with the safe-load pickler, flushed to the disk."""
+    try:
+        torch.save(record, file, pickle_module=_META_PICKLE)
+        fsync_file(file)
+    except OSError as error:
+        raise CheckpointWriteError(error.errno, describe_write_failure(error, checkpoint, file)) from error
 
 
 def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Optimizer]], target: Path,
-                 exclude_frozen: bool = False) -> str:
+                 exclude_frozen: bool = False, metadata: Optional[dict[str, str]] = None) -> str:
     """Write this rank's shard file (safetensors) one flat group at a time, so that no more than one
-    group's state is in memory (with NVMe offload the rest stays in swap files); returns its SHA-256.
+    group's state is in memory (with NVMe offload the rest stays in swap files), and flush it to the
+    disk; returns its SHA-256. ``metadata`` goes in the header's ``__metadata__`` (which save wrote it).
 
     The header (names, dtypes, shapes, offsets) is known only once every group has been visited, so
     the tensors go straight into ``target`` after room reserved for it; the header then fills that
@@ -437,7 +642,7 @@ def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
     its checksum.
     """
     room = _HEADER_ROOM_BASE + _HEADER_ROOM_PER_GROUP * len(engine.groups)
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     with open(target, "w+b") as out:
         out.seek(8 + room)
@@ -460,6 +665,8 @@ def _write_shard(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
             room += grow
         out.seek(0)
         out.write(struct.pack("<Q", room) + encoded + b" " * (room - len(encoded)))
+        out.flush()
+        os.fsync(out.fileno())
     return _sha256(target)
 
 
@@ -504,8 +711,14 @@ class _RangeFile:
         self._mapped: Optional[torch.UntypedStorage] = None
         self._fd = os.open(path, os.O_RDONLY)
         (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-        header = json.loads(os.pread(self._fd, size, 8))
-        header.pop("__metadata__", None)
+        try:
+            header = json.loads(os.pread(self._fd, size, 8))
+        except (ValueError, MemoryError, OverflowError) as error:
+            os.close(self._fd)
+            self._fd = -1
+            raise CheckpointError(f"{path} is not a safetensors file: its header cannot be read ({error}).") from error
+        #: What the writer recorded (a shard file: ``zinf_save``, ``zinf_rank``, ``zinf_world_size``).
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._base = 8 + size
         self._entries = header
 
@@ -539,7 +752,8 @@ class _RangeFile:
         return raw.view(dtype).reshape(entry["shape"])
 
     def __del__(self) -> None:
-        os.close(self._fd)
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
 
 
 class ShardReader:
@@ -548,7 +762,9 @@ class ShardReader:
     def __init__(self, path: Path, zinf: dict[str, Any]) -> None:
         self._version = check_version(zinf, path)
         self.path = path
+        self.folder = path / zinf.get("dir", "")  # older checkpoints keep the shards beside meta.pt
         self.sha256 = zinf["sha256"]
+        self._save = zinf.get("save")
         self._groups = zinf["groups"]
         self._world_size = zinf["world_size"]
         self._files: dict[int, Any] = {}
@@ -566,13 +782,52 @@ class ShardReader:
 
     def _file(self, rank: int) -> Any:
         if rank not in self._files:
-            file = self.path / shard_file(rank)
+            file = self.folder / shard_file(rank)
+            if not self.folder.is_dir():
+                saves = sorted(p.name for p in self.path.glob("save-*"))
+                raise CheckpointError(
+                    f"{self.path / META_FILE} names the shard folder {self.folder.name}, which is not in {self.path} "
+                    f"(it holds {', '.join(saves) or 'no shard folder'}): {META_FILE} comes from a different save "
+                    f"(of {self._world_size} ranks) than the files beside it. Load each checkpoint folder as its save "
+                    "wrote it.")
             if not file.is_file():
-                raise CheckpointError(f"Shard file {file} is missing: the checkpoint is incomplete.")
+                held = len(list(self.folder.glob("rank_*.safetensors")))
+                raise CheckpointError(f"Shard file {file} is missing: the checkpoint is incomplete ({META_FILE} was "
+                                      f"written by {self._world_size} ranks; the folder holds {held} shard files).")
             if _sha256(file) != self.sha256[rank]:
-                raise CheckpointError(f"Shard file {file} is corrupt or truncated (its SHA-256 does not match meta.pt).")
+                raise CheckpointError(self._mismatch(file, rank))
             self._files[rank] = _RangeFile(file)
         return self._files[rank]
+
+    def _mismatch(self, file: Path, rank: int) -> str:
+        """Why ``file``'s checksum differs from the one ``meta.pt`` records: a file of another save
+        (named by the save, rank and world size recorded in both), one laid out for another model
+        or world size, or damage."""
+        meta = self.path / META_FILE
+        mixed = (f"{file} and {meta} come from different saves, so they cannot be loaded together: a checkpoint's "
+                 "files were mixed with another's (copied over each other, or a folder merged). Load each "
+                 "checkpoint folder as its save wrote it.")
+        try:
+            reader = _RangeFile(file)
+        except (CheckpointError, OSError):
+            return f"Shard file {file} is corrupt or truncated (its SHA-256 does not match {META_FILE}; its header cannot be read)."
+        saved = reader.metadata
+        if saved.get("zinf_save") and self._save and saved["zinf_save"] != self._save:
+            return (f"{mixed} The shard was written by save {saved['zinf_save']} as rank {saved.get('zinf_rank')} of "
+                    f"{saved.get('zinf_world_size')}; {META_FILE} by save {self._save} of {self._world_size} ranks.")
+        for i in range(len(self._groups) + 1):
+            key = f"{i}.param"
+            found = reader.shape(key) if key in reader.keys() else None
+            expected = None if i == len(self._groups) or self._groups[i].get("excluded") else [self.shard_numel(i)]
+            if found != expected:
+                what = "no such group" if expected is None else f"{expected[0]} elements of '{self._groups[i]['names'][0]}'"
+                return (f"{mixed} {META_FILE} describes a model of {len(self._groups)} flat groups saved by "
+                        f"{self._world_size} ranks, but the shard's group {i} has {found} where {META_FILE} expects "
+                        f"{what} (another world size or another model).")
+        if (self.folder / shard_file(self._world_size)).exists():
+            return (f"{mixed} The folder holds shard files of more ranks than the {self._world_size} that wrote "
+                    f"{META_FILE} ({shard_file(self._world_size)} is there).")
+        return f"Shard file {file} is corrupt or truncated (its SHA-256 does not match {META_FILE})."
 
     def keys(self) -> list[str]:
         """The tensor names (every rank's file has the same)."""
@@ -592,9 +847,9 @@ class ShardReader:
             return torch.cat(pieces)
         # This rank owns only padding: an empty tensor of the stored dtype, from a file header
         # (no checksum pass over a whole file this rank does not otherwise read).
-        if 0 in self._files or not (self.path / shard_file(0)).is_file():
+        if 0 in self._files or not (self.folder / shard_file(0)).is_file():
             return self._file(0).read(key, 0, 0)  # (a missing file raises the checkpoint's error)
-        return _RangeFile(self.path / shard_file(0)).read(key, 0, 0)
+        return _RangeFile(self.folder / shard_file(0)).read(key, 0, 0)
 
 
 def load_sharded(
@@ -636,7 +891,7 @@ def load_sharded(
         raise CheckpointError(
             f"{path} holds several models ({', '.join(meta[MODELS_KEY])}), each in a folder of its own: load it with "
             "fabric.load(path, {...}) naming each model, or load one model's folder (e.g. "
-            f"{path / next(iter(meta[MODELS_KEY]))})."
+            f"{next(iter(model_folders(path, meta).values()))})."
         )
     zinf = meta.get("zinf", {})
     if zinf.get("format") != FORMAT:

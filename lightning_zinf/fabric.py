@@ -32,8 +32,9 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import (MODELS_KEY, OPTIMIZER_KEYS, CheckpointError, is_sharded_checkpoint, load_full_state_dict,
-                                      load_sharded, read_meta, save_sharded, save_sharded_models)
+from lightning_zinf.checkpoint import (MODELS_DIR_KEY, MODELS_KEY, OPTIMIZER_KEYS, CheckpointError, is_sharded_checkpoint, load_full_state_dict,
+                                      load_sharded, model_folders, read_meta, save_sharded,
+                                      save_sharded_models)
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
@@ -414,8 +415,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                     value = value.state_dict()
                 keep = (filter or {}).get(key)
                 full[key] = {k: v for k, v in value.items() if keep(k, v)} if keep and isinstance(value, dict) else value
-            save_full_checkpoint(full, path, writer=self.global_rank == 0)
-            self.barrier()
+            save_full_checkpoint(full, path, writer=self.global_rank == 0, broadcast=self.broadcast)
             return
         meta: dict[str, Any] = {key: value.state_dict() if isinstance(value, _Stateful) else value
                                 for key, value in state.items() if key not in module_keys and key not in optimizer_keys}
@@ -496,8 +496,9 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             return self._load_full(path, state, module_keys, optimizer_keys, strict, weights_only)
         top = read_meta(path, weights_only)
         if MODELS_KEY in top:
+            folders = model_folders(path, top)
             saved_models: dict[str, list[str]] = top.pop(MODELS_KEY)
-            folders = {key: Path(path) / key for key in saved_models}
+            top.pop(MODELS_DIR_KEY, None)
         elif len(module_keys) == 1:
             # A Trainer's checkpoint names no optimizer: its states are taken in order.
             saved = top.get(OPTIMIZER_KEYS, optimizer_keys[: len(top.get("optimizer_states", []))])

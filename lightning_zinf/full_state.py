@@ -11,18 +11,21 @@ strategy and DDP, one device, or FSDP's full state dicts. As for FSDP's full opt
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zinf.checkpoint import (CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint,
                                       optimizer_owners, placed_scalar_state, shard_layout_state)
+from lightning_zinf.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale, describe_write_failure, replace_file,
+                                    replace_kind, space_message)
 from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.offload.errors import free_bytes
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint"]
 
@@ -171,43 +174,76 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Op
         group.update({key: v for key, v in saved.items() if key != "params"})
 
 
-def save_full_checkpoint(checkpoint: dict[str, Any], path: os.PathLike | str, *, writer: bool) -> None:
-    """Write ``checkpoint`` (with full ``state_dict`` and plain optimizer states) as one
-    ``torch.save`` file at ``path``, from the ``writer`` rank alone; the others return at once.
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in a nested checkpoint structure (what ``torch.save`` writes, but for
+    the pickled rest)."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
-    The file is written beside ``path`` first, flushed to disk (``fsync``), then renamed over it, so
-    ``path`` always holds a complete checkpoint, the previous one until the new one is in place. A
-    sharded checkpoint folder this package wrote at ``path`` is replaced (Lightning's FSDP strategy
-    likewise replaces the other type).
 
-    Raises:
-        FileExistsError: ``path`` is a folder that is not a checkpoint written by this package.
-        OSError: the file cannot be written (full disk, permissions); ``path`` is untouched.
-    """
-    if not writer:
-        return
-    path = Path(path)
+def _write_full(checkpoint: dict[str, Any], path: Path) -> None:
     if path.is_dir() and not is_sharded_checkpoint(path):
         raise FileExistsError(f"{path} is a folder that is not a lightning_zinf checkpoint; refusing to replace it "
                               "with a full checkpoint file. Choose another path.")
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.parent / f".{path.name}.zinf-partial"
+    clean_stale(path.parent)
+    need = _tensor_bytes(checkpoint)
+    free = free_bytes(path.parent)
+    if free is not None and need > free:
+        raise CheckpointWriteError(errno.ENOSPC, space_message(path, str(path.parent), need, free))
+    staging = path.parent / f".{path.name}{STAGING_SUFFIX}"
     try:
         with open(staging, "wb") as out:
             torch.save(checkpoint, out)
             out.flush()
             os.fsync(out.fileno())
-        if path.is_dir():
-            shutil.rmtree(path)
-        os.replace(staging, path)
-    finally:
-        if staging.exists():
-            staging.unlink()
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the rename itself is durable
-    finally:
-        os.close(folder)
+    except OSError as error:
+        staging.unlink(missing_ok=True)
+        raise CheckpointWriteError(error.errno, describe_write_failure(error, path, staging, need)) from error
+    if path.is_dir():
+        replace_kind(staging, path)  # a sharded checkpoint was there
+    else:
+        replace_file(staging, path)
+
+
+def save_full_checkpoint(checkpoint: dict[str, Any], path: os.PathLike | str, *, writer: bool,
+                         broadcast: Callable[[Any], Any]) -> None:
+    """Write ``checkpoint`` (with full ``state_dict`` and plain optimizer states) as one
+    ``torch.save`` file at ``path``, from the ``writer`` rank alone. Collective: every rank calls it
+    and returns when the file is in place, or raises the writer's error.
+
+    Crash-safe (:mod:`lightning_zinf.durable`): the file is written beside ``path``, flushed to the
+    disk (``fsync``), then renamed over it in one atomic step, so ``path`` always holds a complete
+    checkpoint, the previous one until the new one is in place. A sharded checkpoint folder this
+    package wrote at ``path`` is replaced (Lightning's FSDP strategy likewise replaces the other type).
+    The free space is checked first.
+
+    Args:
+        checkpoint: What to save: tensors on the CPU (on the writer; the others' is unused).
+        path: The file to write.
+        writer: This rank writes (rank 0).
+        broadcast: The strategy's ``broadcast(obj, src=0)``, to give every rank the writer's outcome.
+
+    Raises:
+        FileExistsError: ``path`` is a folder that is not a checkpoint written by this package.
+        CheckpointWriteError: the tensors need more room than is free (bytes named; nothing is
+            written), or the write failed (full disk, permissions; the partial file is removed);
+            ``path`` is untouched.
+    """
+    outcome: Optional[BaseException] = None
+    if writer:
+        try:
+            _write_full(checkpoint, Path(path))
+        except OSError as error:
+            outcome = error
+    outcome = broadcast(outcome)
+    if outcome is not None:
+        raise outcome
 
 
 def load_full_checkpoint(path: os.PathLike | str, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, read_meta, save_sharded
+from lightning_zinf.durable import remove_checkpoint
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
@@ -471,8 +472,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
         path = self.broadcast(filepath)
         if self.options.state_dict_type == "full":
-            save_full_checkpoint(checkpoint, path, writer=self.is_global_zero)
-            self.barrier()
+            save_full_checkpoint(checkpoint, path, writer=self.is_global_zero, broadcast=self.broadcast)
             return
         with_optimizer = "optimizer_states" in checkpoint
         save_sharded(self.engine, self.optimizers if with_optimizer else [], path, checkpoint,
@@ -512,6 +512,13 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         meta = load_sharded(self.engine, self.optimizers, path, load_optimizer=fitting, weights_only=weights_only)
         restore_hyperparameters(self.optimizers, meta.get("optimizer_states", []) if fitting else [])
         return meta
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint (rank 0), renamed aside first so that no instant shows a
+        half-removed checkpoint under its name (:func:`~lightning_zinf.durable.remove_checkpoint`)."""
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

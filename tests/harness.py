@@ -60,7 +60,8 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, init_pg: b
 
 
 def run_distributed(
-    fn: Callable[..., Any], world: int, *args: Any, init_pg: bool = True, backend: str = "gloo", timeout: float = 300.0
+    fn: Callable[..., Any], world: int, *args: Any, init_pg: bool = True, backend: str = "gloo", timeout: float = 300.0,
+    grace: float = 10.0,
 ) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` processes and return the results by rank.
 
@@ -71,6 +72,8 @@ def run_distributed(
             runs, which initialise their own from the same environment variables).
         backend: Its backend (``"nccl"`` for the GPU suite).
         timeout: Seconds all ranks together may take.
+        grace: Seconds the other ranks get to end by themselves once the run is over (a rank died
+            or failed) before they are killed.
 
     Raises:
         RankDied: a rank's process ended without a result (the others are killed).
@@ -102,7 +105,18 @@ def run_distributed(
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def fill_disk(folder: str) -> None:
+    """Another writer takes every free byte of ``folder``'s filesystem (a file ``filler`` in it)."""
+    fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:  # ENOSPC: the disk is full
+        pass
+    os.close(fd)

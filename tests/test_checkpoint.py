@@ -94,7 +94,7 @@ def test_resume_is_bit_exact(full_runs, tmp_path: Path, world: int) -> None:
     root, full = full_runs[world]
     step5 = root / "epoch=0-step=5.ckpt"
     assert is_sharded_checkpoint(step5) and is_sharded_checkpoint(root / "epoch=1-step=10.ckpt")
-    assert len(list(step5.glob("rank_*.safetensors"))) == world
+    assert len(list(step5.glob("save-*/rank_*.safetensors"))) == world
     resumed = run_distributed(_fit, world, str(tmp_path), str(step5), None)[0]
     assert len(full["losses"]) == 2 * EPOCH_STEPS and len(resumed["losses"]) == EPOCH_STEPS
     assert resumed["losses"] == full["losses"][EPOCH_STEPS:]
@@ -226,10 +226,12 @@ def test_shard_files_are_safetensors_whatever_the_header_room(tmp_path: Path, mo
     save_sharded(engine, [optimizer], tmp_path / "tight", {})
     fragment = engine.groups[0].fragments[0]
     for name in ("roomy", "tight"):
-        with safe_open(str(tmp_path / name / "rank_00000.safetensors"), "pt") as f:
+        (data,) = (tmp_path / name).glob("save-*")
+        with safe_open(str(data / "rank_00000.safetensors"), "pt") as f:
             assert torch.equal(f.get_tensor("0.param"), engine.groups[0].shard)
             assert torch.equal(f.get_tensor("0.opt0.exp_avg")[: fragment.numel()], optimizer.state[fragment]["exp_avg"])
-        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["meta.pt", "rank_00000.safetensors"]
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["meta.pt", data.name]
+        assert sorted(p.name for p in data.iterdir()) == ["rank_00000.safetensors"]
     torch.manual_seed(1)
     other_model = models.MLP()
     other = ZeroEngine(other_model)
@@ -247,7 +249,7 @@ def test_different_model_is_rejected(tmp_path: Path) -> None:
 
 def test_missing_and_truncated_shard_files(tmp_path: Path) -> None:
     engine, _ = _saved_engine(tmp_path / "ckpt")
-    shard = tmp_path / "ckpt" / "rank_00000.safetensors"
+    (shard,) = (tmp_path / "ckpt").glob("save-*/rank_00000.safetensors")
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"rank_00000.safetensors is corrupt or truncated"):
@@ -263,7 +265,7 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"plain is not a lightning_zinf checkpoint"):
         load_sharded(engine, [], tmp_path / "plain")
     (tmp_path / "file.ckpt").write_text("x")
-    with pytest.raises(FileExistsError, match="not a lightning_zinf checkpoint; refusing to replace"):
+    with pytest.raises(FileExistsError, match="is not a checkpoint .*refusing to replace it"):
         save_sharded(engine, [], tmp_path / "file.ckpt", {})
 
 
@@ -284,7 +286,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> N
     load_sharded(engine, [optimizer], tmp_path / "ckpt")
     for group, old in zip(engine.groups, before):
         assert torch.equal(group.shard, old)
-    assert sorted(os.listdir(tmp_path)) == [".ckpt.zinf-partial", "ckpt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the failed save's files are removed
+    assert len(list((tmp_path / "ckpt").glob("save-*"))) == 1
 
 
 # --- format versions ---------------------------------------------------------------------------------
@@ -533,7 +536,7 @@ def test_exclude_frozen_parameters_saves_the_adapters_only_and_resumes_exactly(t
     full = run_distributed(_fit_lora, 2, str(tmp_path / "full"), None)[0]
     step5 = tmp_path / "full" / "epoch=0-step=5.ckpt"
     params = 0
-    for shard in step5.glob("rank_*.safetensors"):
+    for shard in step5.glob("save-*/rank_*.safetensors"):
         with safe_open(shard, "pt") as f:
             params += sum(f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith(".param"))
     assert params == full["trainable"]  # each rank's adapter shards, nothing of the frozen base
@@ -545,3 +548,34 @@ def test_exclude_frozen_parameters_saves_the_adapters_only_and_resumes_exactly(t
 
     with pytest.raises(CheckpointError, match="saved with exclude_frozen_parameters"):
         consolidate(step5, tmp_path / "whole.safetensors")
+
+
+def _two_saves(rank: int, world: int, root: str) -> None:
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = ZeroEngine(model)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    models.loss_fn(model, *models.make_batch("mlp", 0, 4)).backward()
+    optimizer.step()
+    save_sharded(engine, [optimizer], Path(root) / f"w{world}-a", {})
+    save_sharded(engine, [optimizer], Path(root) / f"w{world}-b", {})
+
+
+def test_files_of_different_saves_are_named_as_such(tmp_path: Path) -> None:
+    """A meta.pt copied over another checkpoint's (another world size), or a shard file copied in
+    from another save of the same layout: the error says the files come from different saves, with
+    the world sizes, instead of calling a healthy shard corrupt."""
+    run_distributed(_two_saves, 2, str(tmp_path))
+    run_distributed(_two_saves, 1, str(tmp_path))
+    engine = ZeroEngine(models.MLP())
+    shutil.copy(tmp_path / "w1-a" / "meta.pt", tmp_path / "w2-a" / "meta.pt")
+    with pytest.raises(CheckpointError, match=r"names the shard folder save-\w+, which is not in .*w2-a \(it holds "
+                                              r"save-\w+\): meta.pt comes from a different save \(of 1 ranks\)"):
+        load_sharded(engine, [], tmp_path / "w2-a")
+    (a,) = (tmp_path / "w2-b").glob("save-*/rank_00001.safetensors")
+    (b,) = (tmp_path / "w2-a").glob("save-*/rank_00001.safetensors")  # same layout, another save
+    shutil.copy(b, a)
+    with pytest.raises(CheckpointError, match=r"rank_00001.safetensors and .*meta.pt come from different saves.*"
+                                              r"The shard was written by save save-\w+ as rank 1 of 2; meta.pt by save "
+                                              r"save-\w+ of 2 ranks"):
+        load_sharded(engine, [], tmp_path / "w2-b")

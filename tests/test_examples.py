@@ -129,5 +129,5 @@ def test_engine_loop_example_gives_ddp_losses(tmp_path: Path) -> None:
     assert len(zinf) == len(ddp) == 2  # steps 1 and 5
     assert zinf == pytest.approx(ddp, abs=1e-5)
     assert zinf[1] < zinf[0] - 0.1
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.pt", "rank_00000.safetensors",
-                                                                    "rank_00001.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == [
+        "meta.pt", "rank_00000.safetensors", "rank_00001.safetensors"]

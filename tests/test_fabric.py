@@ -151,8 +151,8 @@ def test_fabric_save_load_resumes_exactly(tmp_path: Path) -> None:
     out = run_distributed(_resume_run, 2, str(tmp_path / "ckpt"), init_pg=False)
     assert out[0]["resumed"] == out[0]["straight"]  # bit for bit: weights, masters and AdamW state
     assert out[0]["remainder"] == {"note": "kept"}
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.pt", "rank_00000.safetensors",
-                                                                     "rank_00001.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == [
+        "meta.pt", "rank_00000.safetensors", "rank_00001.safetensors"]
 
 
 def _trainer_then_fabric(rank: int, world: int, folder: str) -> dict:
@@ -259,7 +259,7 @@ def test_fabric_example_script_launches_its_own_processes(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Starting with 2 processes" in done.stderr + done.stdout
     assert "step    3  loss" in done.stdout
-    assert (tmp_path / "ckpt" / "rank_00001.safetensors").exists()
+    assert list((tmp_path / "ckpt").glob("save-*/rank_00001.safetensors"))
 
 
 def test_fabric_in_a_notebook_forks_its_workers(tmp_path: Path) -> None:

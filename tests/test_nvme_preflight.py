@@ -97,10 +97,11 @@ def test_too_large_for_the_disk_is_refused_before_anything_is_written(tmp_path: 
 
 # --- a disk of known size: a tmpfs in a user and mount namespace --------------------------------------
 _ON_SMALL_DISK = textwrap.dedent("""
-    import os, sys, torch
+    import sys, torch
     from lightning_zinf import OffloadConfig, ZeroEngine
     from lightning_zinf.offload import SwapError
     from tests import models
+    from tests.harness import fill_disk
 
     nvme, fill = sys.argv[1], sys.argv[2] == "fill"
     torch.manual_seed(0)
@@ -109,13 +110,7 @@ _ON_SMALL_DISK = textwrap.dedent("""
     try:
         opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         if fill:  # something else takes the free space after the check
-            fd = os.open(os.path.join(nvme, "filler"), os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, b"x" * 4096):
-                    pass
-            except OSError:  # ENOSPC: the disk is full
-                pass
-            os.close(fd)
+            fill_disk(nvme)
         x, y = models.make_batch("gpt", 0, 4)
         models.loss_fn(model, x, y).backward()
         opt.step()

@@ -110,7 +110,9 @@ def test_student_and_frozen_teacher_each_partitioned_train_and_resume_exactly(tm
     got = run_distributed(_run, 2, str(tmp_path / "ckpt"), kind, init_pg=False)[0]
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want), rtol=1e-5, atol=0)
     if kind == "sharded":
-        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.pt", "student", "teacher"]
+        (data,) = (tmp_path / "ckpt").glob("save-*")
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["meta.pt", data.name]
+        assert sorted(p.name for p in data.iterdir()) == ["student", "teacher"]
         assert "student, teacher" in got["error"]
     else:
         saved = torch.load(tmp_path / "ckpt", weights_only=True)
