@@ -8,7 +8,8 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zinf.checkpoint import CheckpointError, load_full_state_dict
-from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, PreemptionConfig, PrefetchConfig, TilingConfig,
+                                   ZeroPPConfig)
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.fabric import ZeroInfinityFabricStrategy
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "MixedPrecisionConfig",
     "OffloadConfig",
+    "PreemptionConfig",
     "PrefetchConfig",
     "ShardedModelSummary",
     "TiledLinear",

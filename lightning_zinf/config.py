@@ -8,14 +8,17 @@ typo in a YAML file fails at start-up instead of being silently ignored.
 from __future__ import annotations
 
 import difflib
+import os
+import signal
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, TypeVar, Union
+from typing import Any, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 
 from lightning_zinf.offload.aio import AioConfig
 
-__all__ = ["MixedPrecisionConfig", "OffloadConfig", "PrefetchConfig", "TilingConfig", "ZeroPPConfig", "coerce_config"]
+__all__ = ["MixedPrecisionConfig", "OffloadConfig", "PrefetchConfig", "PreemptionConfig", "TilingConfig", "ZeroPPConfig",
+           "coerce_config", "PREEMPTION_SIGNALS"]
 
 _C = TypeVar("_C")
 
@@ -317,6 +320,102 @@ class ZeroPPConfig:
                 value,
                 "None (automatic) or an integer >= 1 (a number of ranks)",
             )
+
+
+# Signals a scheduler sends ahead of ending a job; not SIGKILL/SIGSTOP (they cannot be caught), nor
+# SIGCONT (SLURM sends it with SIGTERM, and to resume a suspended job) or the fault signals.
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXCPU")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptionConfig:
+    """What a rank does when the scheduler signals that the job is about to end (a preemption, a
+    time limit, a node drain): save and stop cleanly, every rank at the same step.
+
+    A signal in ``signals`` delivered to any one rank is only recorded by its handler (no I/O, no
+    collective inside it). At the end of each training step that stepped the optimizer, the ranks
+    agree whether any of them received one (one all-reduce of one integer, on a gloo group); if so
+    every rank stops at that same step, the checkpoint is saved (collectively) and every process
+    exits with ``exit_code``. Resuming from that checkpoint (``trainer.fit(..., ckpt_path="last")``)
+    continues exactly as the run would have. See :mod:`lightning_zinf.preemption`.
+
+    Attributes:
+        enabled: Handle the signals. ``False``: the strategy installs no handler, and the signals
+            keep the handling the process had before the Trainer ran (for SIGTERM and SIGUSR1 by
+            default: the process ends); Lightning's own SIGTERM handler, which runs collectives
+            inside the handler, is not installed under this strategy either way.
+        signals: The signals that stop the run, by name (``"SIGTERM"``, ``"TERM"``) or number:
+            any of ``SIGTERM`` (SLURM's and Kubernetes' notice before they end a job),
+            ``SIGUSR1`` (what SLURM sends ``--signal=USR1@<seconds>`` before a time limit, and
+            Lightning's SLURM requeue signal), ``SIGUSR2``, ``SIGINT``, ``SIGHUP``, ``SIGQUIT``,
+            ``SIGXCPU`` (the CPU time limit warning of SGE and LSF). Under torchrun, add those
+            other than SIGTERM, SIGINT, SIGHUP and SIGQUIT to ``--signals-to-handle`` for the agent
+            to forward them to the workers.
+        checkpoint: Where the Trainer saves: ``"last"`` (the Trainer's ModelCheckpoint's last
+            checkpoint, ``<dirpath>/last.ckpt``, which ``trainer.fit(..., ckpt_path="last")``
+            finds; a Trainer without a ModelCheckpoint saves as ``"hpc"``), ``"hpc"`` (Lightning's
+            preemption checkpoint, ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, which
+            ``ckpt_path="hpc"`` loads, and which a Trainer started by SLURM resumes from when
+            ``ckpt_path`` is not given), or a path. Fabric loops save where they choose.
+        exit_code: The exit status of every process after the save (a process that Lightning's
+            launcher started itself, a rank > 0 of ``python train.py``, exits 0 instead, so that
+            the launching process, whose status the scheduler sees, is not killed as after a
+            crash). ``None`` (default): 128 + the signal's number, the status a shell and a
+            container runtime report for a process the signal killed (143 for SIGTERM, 138 for
+            SIGUSR1): non-zero, so torchrun, a Kubernetes Job and SLURM do not take the run for
+            finished, and matched by the rules that already cover a job killed by the signal
+            (Kubernetes ``podFailurePolicy.onExitCodes``, SLURM's ``RequeueExit``). An integer
+            from 0 to 255 otherwise (0 marks the job successful: nothing requeues it).
+
+    Raises:
+        ValueError: ``enabled`` not a bool; an empty ``signals`` while enabled, or a signal that is
+            unknown or not one of those above; ``checkpoint`` empty or not a string or path; an
+            ``exit_code`` outside 0-255.
+    """
+
+    enabled: bool = True
+    signals: Sequence[Union[str, int]] = ("SIGTERM", "SIGUSR1")
+    checkpoint: str = "last"
+    exit_code: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enabled, bool), "PreemptionConfig", "enabled", self.enabled, "True or False")
+        allowed = f"a non-empty list of signal names or numbers among {', '.join(PREEMPTION_SIGNALS)}"
+        signals = (self.signals,) if isinstance(self.signals, (str, int)) else self.signals
+        _require(isinstance(signals, (list, tuple)) and (len(signals) > 0 or not self.enabled), "PreemptionConfig",
+                 "signals", self.signals, allowed + " (or enabled=False)")
+        names = []
+        for value in signals:
+            name = _signal_name(value)
+            _require(name in PREEMPTION_SIGNALS, "PreemptionConfig", "signals", value, allowed)
+            if name not in names:
+                names.append(name)
+        object.__setattr__(self, "signals", tuple(names))  # frozen: normalised once, here
+        checkpoint = os.fspath(self.checkpoint) if isinstance(self.checkpoint, os.PathLike) else self.checkpoint
+        _require(isinstance(checkpoint, str) and checkpoint.strip() != "", "PreemptionConfig", "checkpoint",
+                 self.checkpoint, "'last', 'hpc' or a path (a non-empty string)")
+        object.__setattr__(self, "checkpoint", checkpoint)
+        _require(self.exit_code is None or (isinstance(self.exit_code, int) and not isinstance(self.exit_code, bool)
+                                            and 0 <= self.exit_code <= 255),
+                 "PreemptionConfig", "exit_code", self.exit_code,
+                 "None (128 + the signal's number) or an integer from 0 to 255")
+
+
+def _signal_name(value: Any) -> Optional[str]:
+    """``value`` (``"SIGTERM"``, ``"term"``, ``15``, ``signal.SIGTERM``) as a signal's name, or
+    ``None`` when it names no signal of this platform."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        try:
+            return signal.Signals(value).name
+        except ValueError:
+            return None
+    if isinstance(value, str):
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        return name if isinstance(getattr(signal, name, None), signal.Signals) else None
+    return None
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "32": torch.float32,

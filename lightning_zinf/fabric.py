@@ -13,7 +13,7 @@ import contextlib
 from pathlib import Path
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import lightning
 import torch
@@ -42,9 +42,11 @@ from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
                                        save_full_checkpoint)
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
-                                    init_distributed, module_buffers, optimizer_hyperparameters, refuse_checkpoint_io,
-                                    register_presets, restore_hyperparameters, start_watch)
+                                    init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
+                                    preemption_exit_status, refuse_checkpoint_io, register_presets,
+                                    restore_hyperparameters, start_watch, wait_for_launched)
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_fabric_precision
+from lightning_zinf.preemption import Preemption
 
 __all__ = ["ZeroInfinityFabricStrategy"]
 
@@ -77,7 +79,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         **options: The fields of :class:`~lightning_zinf.options.ZeroOptions`, documented on
             :class:`~lightning_zinf.ZeroInfinityStrategy` (``block_classes``, ``prefetch``,
             ``offload``, ``tiling``, ``zero_pp``, ``mixed_precision``, ``activation_checkpointing``,
-            ``load_full_weights``, ``load_prefix``, ``exclude_frozen_parameters``, ``state_dict_type``).
+            ``load_full_weights``, ``load_prefix``, ``exclude_frozen_parameters``, ``state_dict_type``,
+            ``preemption``: see :meth:`preempted` for the loop's side).
 
     Raises:
         ValueError: an unknown option (the message suggests the closest valid name) or an invalid value.
@@ -110,6 +113,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self._timeout = timeout
         self._engines: list[ZeroEngine] = []  # one per model set up, in order
         self._watch: Optional[RankWatch] = None
+        self._preemption: Optional[Preemption] = None
         self._backward_sync_control = _EveryMicroBatch(self)
 
     # --- topology and set-up ----------------------------------------------------------------------
@@ -203,6 +207,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             self._launcher = _MultiProcessingLauncher(self, start_method="fork")
         else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            mark_script_launcher(self._launcher)  # they exit 0 after a preemption save (exit_preempted)
 
     @override
     def setup_environment(self) -> None:
@@ -213,6 +218,55 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         # Fabric has no exception hook: the watch reports the script's uncaught exceptions itself.
         if self._watch is None:
             self._watch = start_watch(self.global_rank, self.world_size, self._timeout, lambda: self._engines)
+        if self._preemption is None:
+            self._preemption = Preemption(self.options.preemption)
+            self._preemption.connect()  # collective: the agreement's gloo group
+        self._preemption.install()
+
+    # --- preemption -------------------------------------------------------------------------------
+    @property
+    def preemption(self) -> Preemption:
+        """This rank's :class:`~lightning_zinf.preemption.Preemption` (after ``fabric.launch()``).
+
+        Raises:
+            RuntimeError: before the environment is set up.
+        """
+        if self._preemption is None:
+            raise RuntimeError("The zero_infinity strategy handles preemption signals once Fabric has launched.")
+        return self._preemption
+
+    def preempted(self) -> bool:
+        """Whether any rank received one of ``PreemptionConfig.signals`` (SIGTERM, SIGUSR1 by
+        default) since the start: collective, so call it on every rank at the same point of the loop,
+        e.g. after each optimizer step (one all-reduce of one integer). Every rank gets the same
+        answer. Then save and exit::
+
+            if fabric.strategy.preempted():
+                fabric.save(path, state)
+                fabric.strategy.exit_preempted()
+
+        Without the check the signals are recorded and ignored (``PreemptionConfig(enabled=False)``
+        leaves them their previous handling: the process ends). Once it has returned ``True``, the
+        signals are ignored until the process exits (:meth:`Preemption.ignore_signals`).
+        """
+        if self.preemption.agree() is None:
+            return False
+        self.preemption.ignore_signals()
+        return True
+
+    def exit_preempted(self) -> NoReturn:
+        """End this process after :meth:`preempted` returned ``True`` (and the checkpoint was saved):
+        raise ``SystemExit`` with ``PreemptionConfig.exit_code`` (128 + the signal's number by
+        default), or 0 in a process Lightning's launcher started (a rank > 0 of ``python
+        train.py``); the launching process first waits for those to end.
+
+        Raises:
+            SystemExit: always.
+            RuntimeError: the ranks have not agreed to stop (:meth:`preempted` was not ``True``).
+        """
+        status = preemption_exit_status(self.preemption)
+        wait_for_launched(self.launcher, min(self._timeout.total_seconds(), 60.0))
+        raise SystemExit(status)
 
     # --- model and optimizers ---------------------------------------------------------------------
     @override
@@ -590,6 +644,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     def teardown(self) -> None:
         finish_run(self._engines, self._watch)
         self._watch = None
+        if self._preemption is not None and self._preemption.stopping is None:
+            self._preemption.uninstall()
         super().teardown()
 
     @classmethod

@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
@@ -39,6 +41,7 @@ from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import (
     MixedPrecisionConfig,
     OffloadConfig,
+    PreemptionConfig,
     PrefetchConfig,
     TilingConfig,
     ZeroPPConfig,
@@ -46,12 +49,13 @@ from lightning_zinf.config import (
 )
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.state_dict import state_dict_options
+from lightning_zinf.preemption import Preemption
 from lightning_zinf.tiling import tile_views
 
 __all__ = ["ZeroOptions", "RankLayout", "build_engine", "start_watch", "report_failure", "finish_run", "PRESETS",
            "register_presets", "module_buffers", "optimizer_hyperparameters", "restore_hyperparameters",
            "init_distributed", "barrier", "broadcast", "all_reduce", "NotSupportedError", "refuse_checkpoint_io",
-           "checkpointed_layers"]
+           "checkpointed_layers", "mark_script_launcher", "preemption_exit_status", "wait_for_launched"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +81,7 @@ class ZeroOptions:
     load_prefix: Optional[str] = None
     exclude_frozen_parameters: bool = False
     state_dict_type: str = "sharded"
+    preemption: PreemptionConfig = PreemptionConfig()
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
@@ -97,6 +102,7 @@ class ZeroOptions:
             "mixed_precision": (None if self.mixed_precision is None
                                 else coerce_config(MixedPrecisionConfig, self.mixed_precision)),
             "activation_checkpointing": classes(self.activation_checkpointing),
+            "preemption": coerce_config(PreemptionConfig, self.preemption),
         }
         for name, value in coerced.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here
@@ -372,6 +378,60 @@ def report_failure(watch: Optional[RankWatch], exception: BaseException) -> None
     if hasattr(exception, "add_note"):
         exception.add_note(note)
     print(f"[rank {watch.rank}] {note}", file=sys.stderr, flush=True)
+
+
+# --- preemption: how a process ends after the agreed save ----------------------------------------------
+_LAUNCHER_PID = "LIGHTNING_ZINF_LAUNCHER_PID"
+
+
+def mark_script_launcher(launcher: Any) -> None:
+    """Make the processes Lightning's ``_SubprocessScriptLauncher`` starts from this one know it
+    (:func:`preemption_exit_status` tells them apart from ranks that torchrun or SLURM started):
+    while it starts them, and only then, the environment they inherit names this process. Nothing
+    for a launcher without Lightning 2's ``_call_children_scripts``."""
+    spawn = getattr(launcher, "_call_children_scripts", None)
+    if spawn is None:
+        return
+
+    def spawn_marked() -> None:
+        os.environ[_LAUNCHER_PID] = str(os.getpid())
+        try:
+            spawn()
+        finally:
+            os.environ.pop(_LAUNCHER_PID, None)
+
+    launcher._call_children_scripts = spawn_marked
+
+
+def preemption_exit_status(preemption: Preemption) -> int:
+    """The exit status of this process after a preemption stop: 0 for a process that Lightning's
+    script launcher started (rank > 0 of ``python train.py``), else ``preemption.exit_code()``.
+
+    The launching process watches the processes it started and kills every process (SIGKILL)
+    when one of them ends with a non-zero status, taking it for a crash; its own status is the one
+    a scheduler sees, and it exits with ``exit_code()`` once they have ended
+    (:func:`wait_for_launched`). Ranks started by torchrun, SLURM or a cluster's launcher all exit
+    with ``exit_code()``.
+
+    Raises:
+        RuntimeError: the ranks have not agreed to stop (:meth:`Preemption.agree`).
+    """
+    if os.environ.get(_LAUNCHER_PID) == str(os.getppid()):
+        return 0
+    return preemption.exit_code()
+
+
+def wait_for_launched(launcher: Any, timeout: float) -> None:
+    """In the process that launched the others (Lightning's script launcher), wait up to
+    ``timeout`` seconds in all for them to end, so that it ends last, with the status the
+    scheduler reads, and leaves no process behind. Nothing for other launchers."""
+    deadline = time.monotonic() + timeout
+    for proc in getattr(launcher, "procs", None) or ():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rank_zero_warn(f"lightning_zinf: the process {proc.pid} this one launched has not ended {timeout:.0f} s "
+                           "after the preemption checkpoint was saved; exiting without it.")
 
 
 # --- the distributed plumbing both adapters need ------------------------------------------------------

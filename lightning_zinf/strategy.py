@@ -33,7 +33,8 @@ from typing_extensions import override
 
 from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, read_meta, save_sharded
 from lightning_zinf.durable import remove_checkpoint
-from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, PreemptionConfig, PrefetchConfig, TilingConfig,
+                                   ZeroPPConfig)
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
@@ -41,9 +42,12 @@ from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_chec
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
-                                    init_distributed, module_buffers, optimizer_hyperparameters, refuse_checkpoint_io,
-                                    register_presets, report_failure, restore_hyperparameters, start_watch)
+                                    init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
+                                    refuse_checkpoint_io, register_presets, report_failure, restore_hyperparameters,
+                                    start_watch)
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_precision
+from lightning_zinf.preemption import Preemption
+from lightning_zinf.preemption_trainer import take_over_signals
 from lightning_zinf.summary import use_sharded_summary
 
 __all__ = ["ZeroInfinityStrategy"]
@@ -138,6 +142,12 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             they, ``LightningModule.load_from_checkpoint`` and this strategy load (Lightning's
             ``FSDPStrategy(state_dict_type=...)``). Either type resumes a run from the other, and
             from a DDP or one-device checkpoint.
+        preemption: A :class:`~lightning_zinf.PreemptionConfig` (or a mapping of its fields): a
+            SIGTERM or SIGUSR1 (by default) delivered to any rank makes every rank finish the
+            current training step, save the checkpoint (by default the ModelCheckpoint's
+            ``last.ckpt``) and exit with 128 + the signal's number, ready for
+            ``trainer.fit(..., ckpt_path="last")`` to resume exactly (see the README, "Preemption").
+            Lightning's own SIGTERM handling is not used under this strategy.
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -172,6 +182,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         load_prefix: Optional[str] = None,
         exclude_frozen_parameters: bool = False,
         state_dict_type: str = "sharded",
+        preemption: Optional[PreemptionConfig] = None,
     ) -> None:
         refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
@@ -186,11 +197,13 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
             load_full_weights=load_full_weights, load_prefix=load_prefix,
             exclude_frozen_parameters=exclude_frozen_parameters, state_dict_type=state_dict_type,
+            preemption=preemption,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
         self._watch: Optional[RankWatch] = None
+        self._preemption: Optional[Preemption] = None
 
     # --- topology --------------------------------------------------------------------------------
     @property
@@ -266,6 +279,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             self._launcher = NotebookLauncher(self)
         else:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            mark_script_launcher(self._launcher)  # they exit 0 after a preemption save (preemption_exit_status)
 
     @override
     def setup_environment(self) -> None:
@@ -277,6 +291,22 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if self._watch is None:
             self._watch = start_watch(self.global_rank, self.world_size, self._timeout,
                                       lambda: [self._engine] if self._engine is not None else [])
+        if self._preemption is None:
+            self._preemption = Preemption(self.options.preemption)
+            self._preemption.connect()  # collective: the agreement's gloo group
+        self._preemption.install()  # a signal during set-up is acted on at the first step's end
+
+    @property
+    def preemption(self) -> Preemption:
+        """This rank's :class:`~lightning_zinf.preemption.Preemption` (after the environment is set
+        up): its ``received`` signal, and ``stopping`` once the ranks agreed to stop.
+
+        Raises:
+            RuntimeError: before ``setup_environment``.
+        """
+        if self._preemption is None:
+            raise RuntimeError("The zero_infinity strategy handles preemption signals once its environment is set up.")
+        return self._preemption
 
     # --- model ------------------------------------------------------------------------------------
     # ``model_sharded_context`` is deliberately not overridden: ``trainer.init_module()`` warns that it
@@ -342,6 +372,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and clips_by_value:
             refuse_clipping_by_value(self._engine)  # now, rather than after the first step's backward
         use_sharded_summary(trainer.callbacks)
+        take_over_signals(trainer, self.preemption, min(self._timeout.total_seconds(), 60.0))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -479,6 +510,13 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
                      exclude_frozen=self.options.exclude_frozen_parameters)
 
     @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint (rank 0), renamed aside first so that no instant shows a
+        half-removed checkpoint under its name (:func:`~lightning_zinf.durable.remove_checkpoint`)."""
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
+
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Load a checkpoint of either type (at this or another world size), or a DDP or one-device
         ``.ckpt`` file, and return Lightning's state for its loops. When fitting, the optimizers'
@@ -514,13 +552,6 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         return meta
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove a checkpoint (rank 0), renamed aside first so that no instant shows a
-        half-removed checkpoint under its name (:func:`~lightning_zinf.durable.remove_checkpoint`)."""
-        if self.is_global_zero:
-            remove_checkpoint(filepath)
-
-    @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """A file's ``state_dict`` loads through the LightningModule's ``load_state_dict`` (each
         rank keeps its shards' part, one unit at a time); after a sharded load, which filled the
@@ -549,6 +580,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         # following validate/test/predict reuses the engine.
         finish_run([self._engine] if self._engine is not None else [], self._watch)
         self._watch = None
+        if self._preemption is not None and self._preemption.stopping is None:
+            self._preemption.uninstall()  # after a preemption stop the signals stay ignored until the exit
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
