@@ -141,9 +141,13 @@ class GPTPretrain(L.LightningModule):
             betas=(0.9, 0.95),
         )
         steps = max(self.trainer.estimated_stepping_batches, 1)
-        # Warm-up over 10% of the steps, and at least 2 (OneCycleLR divides by the warm-up length - 1).
-        warmup = min(0.5, max(0.1, 2 / steps))
-        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.hparams.lr, total_steps=steps, pct_start=warmup)
+        if steps < 4:  # a smoke run (--trainer.max_steps 2): too short for a warm-up and a decay
+            schedule = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0)
+        else:
+            # Warm-up over 10% of the steps, and at least 2 (OneCycleLR divides by the warm-up length - 1).
+            warmup = min(0.5, max(0.1, 2 / steps))
+            schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.hparams.lr, total_steps=steps,
+                                                           pct_start=warmup)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     @torch.no_grad()
