@@ -145,7 +145,7 @@ def _craft(source: Path, target: Path, marker: Path) -> Path:
     shutil.copytree(source, target)
     meta = torch.load(target / "meta.pt", weights_only=False)  # written by the strategy above
     meta["payload"] = _RunsCode(marker)
-    torch.save(meta, target / "meta.pt", pickle_module=checkpoint._META_PICKLE)  # as the strategy saves it
+    torch.save(meta, target / "meta.pt", pickle_module=checkpoint.format._META_PICKLE)  # as the strategy saves it
     return target
 
 
@@ -221,8 +221,8 @@ def test_shard_files_are_safetensors_whatever_the_header_room(tmp_path: Path, mo
     from lightning_zinf import checkpoint
 
     engine, optimizer = _saved_engine(tmp_path / "roomy")
-    monkeypatch.setattr(checkpoint, "_HEADER_ROOM_BASE", 8)
-    monkeypatch.setattr(checkpoint, "_HEADER_ROOM_PER_GROUP", 0)
+    monkeypatch.setattr(checkpoint.save, "_HEADER_ROOM_BASE", 8)
+    monkeypatch.setattr(checkpoint.save, "_HEADER_ROOM_PER_GROUP", 0)
     save_sharded(engine, [optimizer], tmp_path / "tight", {})
     fragment = engine.groups[0].fragments[0]
     for name in ("roomy", "tight"):
@@ -447,7 +447,7 @@ def _save_then_die(rank: int, world: int, path: str) -> None:
     engine, optimizer = _saved_engine(Path(path))
     for group in engine.groups:
         group.shard.add_(1.0)
-    original = checkpoint._group_tensors
+    original = checkpoint.save._group_tensors
     written: list[int] = []
 
     def die_after_the_first_group(i, group, owners):  # the shard file is written group by group
@@ -456,7 +456,7 @@ def _save_then_die(rank: int, world: int, path: str) -> None:
         written.append(i)
         return original(i, group, owners)
 
-    checkpoint._group_tensors = die_after_the_first_group
+    checkpoint.save._group_tensors = die_after_the_first_group
     save_sharded(engine, [optimizer], path, {})
 
 

@@ -68,7 +68,7 @@ def _scenario(rank: int, world: int, disk: str, mode: str) -> dict:
     for group in engine.groups:
         group.shard.add_(1.0)
     if mode == "fill":
-        check = checkpoint.shortfall
+        check = checkpoint.save.shortfall
 
         def check_then_fill(*args, **kwargs):
             answer = check(*args, **kwargs)
@@ -77,14 +77,14 @@ def _scenario(rank: int, world: int, disk: str, mode: str) -> dict:
             engine.comm.barrier()
             return answer
 
-        checkpoint.shortfall = check_then_fill
+        checkpoint.save.shortfall = check_then_fill
     error = ""
     try:
         save_sharded(engine, [optimizer], path, {"step": 2})
     except CheckpointWriteError as caught:
         error = str(caught)
     if mode == "fill":
-        checkpoint.shortfall = check
+        checkpoint.save.shortfall = check
     listing = sorted(os.listdir(disk))
     _, other, other_optimizer = _setup(seed=1)
     step = load_sharded(other, [other_optimizer], path)["step"]

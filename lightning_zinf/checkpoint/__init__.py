@@ -1,0 +1,48 @@
+"""Sharded checkpoints: every rank writes its own shards, any world size can read them back.
+
+A checkpoint is a directory::
+
+    meta.pt                        rank 0: the caller's state (Lightning's loops, callbacks,
+                                   schedulers, buffers...) plus ``"zinf"``: the layout of every flat
+                                   group (parameter names and tied aliases, shapes, offsets in the
+                                   flat buffer, dtype), the world size that wrote it, the save's id,
+                                   the folder holding its shards and a SHA-256 checksum of each
+    save-<id>/                     the shard files of the save ``meta.pt`` names
+        rank_00000.safetensors     rank r's shards: per flat group ``g``, ``g.param`` (its shard in
+        rank_00001.safetensors     the parameter dtype), ``g.master`` (fp32 master, when separate)
+        ...                        and ``g.opt<o>.<key>`` (optimizer ``o``'s per-element state, laid
+                                   out like the shard); per-parameter scalar state (Adam's ``step``)
+                                   as ``g.opt<o>.<key>.scalar``, one value per parameter. The header
+                                   records the save's id, the rank and the world size.
+
+(Checkpoints of earlier versions keep the shard files beside ``meta.pt``; they load the same way.)
+
+``meta.pt`` is a pickle, so reading it could run code the file names. It is read with torch's
+weights-only unpickler, which builds tensors, containers and primitives only, plus the few classes
+Lightning's checkpoint state holds (:data:`CHECKPOINT_GLOBALS`); anything else is refused unless the
+caller passes ``weights_only=False`` for a file they trust.
+
+Because every per-element tensor is stored in the flat layout of its group, a rank of any new world
+size computes which elements it owns and reads just those byte ranges of the old files
+(safetensors reads slices without loading whole tensors).
+
+Saves are crash-safe (:mod:`lightning_zinf.durable`): a save writes its shards into a new
+``save-<id>`` folder and flushes them to the disk, then replaces ``meta.pt`` in one atomic step (a
+new checkpoint's whole folder is staged beside it and renamed into place), and only then removes the
+previous save's folder. Whenever a process dies, the checkpoint's name holds the previous complete
+checkpoint or the new one.
+"""
+
+from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, FORMAT, META_FILE, MODELS_DIR_KEY, MODELS_KEY,
+                                             OPTIMIZER_KEYS, SAFETENSORS_DTYPES, VERSION, CheckpointError, ShardReader,
+                                             check_version, is_sharded_checkpoint, model_folders, read_meta, shard_file)
+from lightning_zinf.checkpoint.load import load_sharded, placed_scalar_state
+from lightning_zinf.checkpoint.save import optimizer_owners, save_sharded, save_sharded_models, shard_layout_state
+from lightning_zinf.checkpoint.sources import checkpoint_keys, load_full_state_dict, matching_prefix, provided_parameters
+from lightning_zinf.durable import CheckpointWriteError
+
+__all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state",
+           "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "model_folders", "load_sharded", "load_full_state_dict",
+           "checkpoint_keys", "matching_prefix", "provided_parameters", "is_sharded_checkpoint", "read_meta",
+           "check_version", "shard_file", "ShardReader", "SAFETENSORS_DTYPES", "CheckpointError",
+           "CheckpointWriteError", "CHECKPOINT_GLOBALS", "META_FILE", "FORMAT", "VERSION"]
