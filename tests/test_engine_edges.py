@@ -281,12 +281,16 @@ def _diverge(rank: int, world: int) -> str:
 
 def test_ranks_that_diverge_stop_before_the_collective() -> None:
     """A branch that differs between ranks over units of the same size, in the first pass (no
-    trace yet): every rank names both gathers before either is issued."""
+    trace yet): every rank names both gathers before either is issued. The message is the
+    pre-collective check's (each rank's next collective), not the one the agreement check before
+    the optimizer step would give after both gathers had run."""
     from tests.harness import run_distributed
 
     messages = run_distributed(_diverge, 2)
     for message in messages:
-        assert "Ranks diverged" in message and "gather of unit 'p'" in message and "gather of unit 'q'" in message
+        assert message.startswith("Ranks diverged: at collective #"), message
+        assert "rank 0 was about to issue a gather of unit 'p'" in message, message
+        assert "rank 1 was about to issue a gather of unit 'q'" in message, message
 
 
 class PartlyUsed(nn.Module):

@@ -24,6 +24,7 @@ import torch
 
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
 from lightning_zinf.engine.buffers import SLACK
+from lightning_zinf.engine.flat import shard_numel
 from tests import models
 from tests.harness import run_distributed
 
@@ -82,6 +83,24 @@ class SavedWeightObserver:
         return sum(storages.values())
 
 
+def _schedule_peak(model: models.GPT, world: int, itemsize: int) -> int:
+    """The gathered bytes the schedule holds at its fullest, from the parameters' sizes (read
+    before partitioning), not from the engine's ledger: two blocks (the one in use and the next,
+    gathered ahead: the bucket holds one block; the one before is released by then) and, when it
+    is trainable, the tied embedding, which the head gathers at the start of backward and which
+    stays gathered until the embedding's backward, the last, completes its gradient. Nothing is
+    persistent. Each flat group (one per ``requires_grad``) is padded to ``world`` aligned shards."""
+
+    def gathered(params) -> int:
+        numel: dict[bool, int] = {}
+        for p in params:
+            numel[p.requires_grad] = numel.get(p.requires_grad, 0) + p.numel()
+        return sum(shard_numel(n, world) * world * itemsize for n in numel.values())
+
+    tied = gathered([model.wte.weight]) if model.wte.weight.requires_grad else 0
+    return 2 * max(gathered(block.parameters()) for block in model.blocks) + tied
+
+
 def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = models.GPT(vocab=64, d=D, layers=depth, heads=2, seq=16, lora_rank=4 if cell.lora else 0,
@@ -89,6 +108,7 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
     if cell.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     unit_numel = sum(p.numel() for p in model.blocks[0].parameters())
+    schedule_peak = _schedule_peak(model, world, 4 if cell.precision == "32-true" else 2)
     engine = ZeroEngine(
         model,
         block_classes=["Block"],
@@ -126,7 +146,7 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
             "one_reduce": one_reduce, "pooled_after_step": memory["pooled"][0],
             "grad_buffers": memory["grad_buffers"][1], "reduce_pending": memory["reduce_pending"][1],
             "secondary": memory["secondary"][1], "grad_shards_in_forward": grad_shards_in_forward,
-            "offloaded_optimizer": cell.offload.get("optimizer", "none") != "none"}
+            "offloaded_optimizer": cell.offload.get("optimizer", "none") != "none", "schedule_peak": schedule_peak}
 
 
 def _cells(rank: int, world: int, cells: list[Cell]) -> dict:
@@ -153,6 +173,13 @@ def _check(results: dict) -> None:
         # A few units at most, at any depth: the one in use, the one gathered ahead, one whose
         # gradients are still being reduced, and the small ones (embeddings, final norm).
         assert deep["gathered"] <= 4 * unit, (name, deep)
+        # Exactly the schedule's peak at both depths: a unit released late (one more block
+        # gathered) or a prefetch beyond the bucket shows here, though it stays within the bounds above.
+        for depth, r in by_depth.items():
+            assert r["gathered"] == r["schedule_peak"], (
+                f"{name}: peak of gathered bytes at {depth} blocks is {r['gathered']} B, the schedule's "
+                f"{r['schedule_peak']} B (one block: {r['unit']} B)"
+            )
 
 
 GRID = [Cell(precision=p, lora=lora, ac=ac) for p in ("32-true", "bf16-mixed", "bf16-true")

@@ -1,11 +1,11 @@
 """Training under the engine reproduces plain single-process PyTorch on the same global batch.
 
-Each case trains 10 AdamW steps three ways: single-process PyTorch on the whole batch (the
-reference), DDP on W ranks, and the ZeRO-3 engine on W ranks. The engine's losses and final weights
-must be within 1e-5 (relative) of the reference, or no further from it than DDP is. DDP's distance
-measures the fp32 rounding noise of summing the batch in another order, which Adam and clipping
-amplify chaotically; "no further" allows 1.5x that noise, since two different orders of the same
-sums land at different points of it.
+Each case trains 10 AdamW steps (plain SGD where it says so) three ways: single-process PyTorch on
+the whole batch (the reference), DDP on W ranks, and the ZeRO-3 engine on W ranks. The engine's
+losses and final weights must be within 1e-5 (relative) of the reference, or no further from it
+than DDP is. DDP's distance measures the fp32 rounding noise of summing the batch in another order,
+which Adam and clipping amplify chaotically; "no further" allows 1.5x that noise, since two
+different orders of the same sums land at different points of it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class Case:
     bf16: bool = False
     persistence: int = 0
     ac: tuple = ()  # the engine's activation_checkpointing option
+    sgd: bool = False  # plain SGD (no momentum) instead of AdamW
 
     @property
     def data(self) -> str:
@@ -44,6 +45,15 @@ class Case:
 def _build(case: Case) -> torch.nn.Module:
     torch.manual_seed(0)
     return getattr(models, case.model)(**case.kwargs)
+
+
+def _optimizer(case: Case, params) -> torch.optim.Optimizer:
+    """AdamW, or plain SGD, whose update is the gradient times the learning rate: a gradient off
+    by a constant factor (a sum over ranks or micro-batches taken for their mean, or the reverse)
+    moves the weights by that factor, where AdamW's normalisation cancels it."""
+    if case.sgd:
+        return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def _train(case: Case, model, step_fn, rank: int, world: int) -> list[float]:
@@ -72,7 +82,7 @@ def _train(case: Case, model, step_fn, rank: int, world: int) -> list[float]:
 
 def _reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _build(case)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = _optimizer(case, model.parameters())
 
     def step():
         if case.clip:
@@ -87,7 +97,7 @@ def _reference(case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
 def _ddp(rank: int, world: int, case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _build(case)
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = _optimizer(case, model.parameters())
 
     def step():
         if case.clip:
@@ -103,7 +113,7 @@ def _zero(rank: int, world: int, case: Case) -> tuple[list[float], dict[str, tor
     model = _build(case)
     engine = ZeroEngine(model, block_classes=case.blocks, prefetch=PrefetchConfig(persistence_threshold=case.persistence),
                         activation_checkpointing=case.ac)
-    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    opt = engine.shard_optimizer(_optimizer(case, model.parameters()))
     # Released parameters hold no memory: only shards (and persistent units) stay resident.
     assert all(p.numel() == 0 for u in engine.units if not u.persistent for g in u.groups for p in g.params)
 
@@ -141,6 +151,9 @@ CASES = {
     # A frozen base with adapters, one unit per module, the blocks checkpointed by the engine: the
     # recomputation gathers frozen LayerNorm weights that autograd saved as themselves.
     "lora-checkpointing-option": Case(model="GPT", kwargs={"lora_rank": 4}, ac=("Block",)),
+    # The update is proportional to the gradient: the reduced gradients must be the mean over
+    # ranks, and micro-batches must add up, exactly (AdamW and clipping cancel a constant factor).
+    "sgd-accumulate": Case(model="GPT", blocks=("Block",), accumulate=2, sgd=True),
 }
 
 

@@ -2,8 +2,9 @@
 
 hpZ moves the same values by another route (the secondary partitions inside a node), so training
 with it must be bit-for-bit the training without it, through gradient accumulation, evaluation
-passes and a resume; and the backward gathers must not cross nodes. qwZ gathers INT8 codes: the
-gathered weights are within the INT8 error band of the exact ones, and training stays close.
+passes and a resume; and the backward gathers must not cross nodes. qwZ gathers blockwise INT8
+codes: the gathered weights' error is well below that of one scale per shard, and training stays
+close.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def test_hpz_is_bit_exact_and_keeps_backward_gathers_inside_the_node(tmp_path: P
 
 def _quantized_gather(rank: int, world: int, dtype: torch.dtype) -> dict:
     comm = Collectives(ranks_per_node=2, qwz_block=256)
-    shard = torch.randn(5000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    # Gaussian values whose scale spans two decades along the shard, as a weight's rows may differ.
+    shard = (torch.randn(5000, generator=torch.Generator().manual_seed(rank)) * torch.logspace(-2, 0, 5000)).to(dtype)
     exact, got = torch.empty(world * 5000, dtype=dtype), torch.empty(world * 5000, dtype=dtype)
     comm.all_gather(exact, shard)
     exact_inter = comm.bytes.inter_node
@@ -125,7 +127,14 @@ def test_qwz_gather_is_within_the_int8_band(dtype: torch.dtype) -> None:
         assert torch.equal(got["got"], ranks[0]["got"])  # every rank dequantizes the same values
         exact, approx = got["exact"].double(), got["got"].double()
         err = float((approx - exact).norm() / exact.norm())
-        assert 0.005 < err < 0.009, err  # the kernels' INT8 band on Gaussian values (about 0.007)
+        # The same INT8 rounding with one scale per rank's shard (per tensor), in float64, rounded
+        # to the dtype as the gather's values are: one scale per 256 elements follows the values'
+        # scale, so its error is a fraction of this one (measured: 0.35x, 0.0073 against 0.021).
+        shards = exact.view(4, -1)
+        step = shards.abs().amax(dim=1, keepdim=True) / 127
+        per_tensor = (torch.round(shards / step) * step).to(dtype).double().view(-1)
+        per_tensor_err = float((per_tensor - exact).norm() / exact.norm())
+        assert 0 < err < 0.5 * per_tensor_err, (err, per_tensor_err)
         # Codes (1 byte) and one fp32 scale per 256 elements, instead of the parameter dtype.
         ratio = got["inter"] / got["exact_inter"]
         assert ratio == pytest.approx((1 + 4 / 256) / torch.empty(0, dtype=dtype).element_size(), rel=0.01)
