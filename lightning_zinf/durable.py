@@ -229,4 +229,5 @@ def space_message(checkpoint: Path, where: str, needed: int, free: int, ranks: s
             f"{gigabytes(free)} are free there. Nothing was written; the previous checkpoint at {checkpoint}, "
             "if any, stays until a new one is complete, so the save needs the room for a whole checkpoint. "
             "Free space there, save elsewhere (ModelCheckpoint(dirpath=...)), or save less "
-            "(ZeroOptions(exclude_frozen_parameters=True), ModelCheckpoint(save_weights_only=True)).")
+            "(ZeroInfinityStrategy(exclude_frozen_parameters=True) for a frozen base model, "
+            "ModelCheckpoint(save_weights_only=True)).")

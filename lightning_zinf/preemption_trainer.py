@@ -36,8 +36,9 @@ __all__ = ["PreemptionCheckpoint", "PreemptionSignalConnector", "preemption_chec
 def preemption_checkpoint_path(trainer: "pl.Trainer", checkpoint: str) -> str:
     """Where the preemption checkpoint of ``trainer`` goes, for ``PreemptionConfig.checkpoint``:
 
-    - ``"last"``: the last checkpoint of the Trainer's (first) ``ModelCheckpoint``
-      (``<dirpath>/last.ckpt``, or its ``CHECKPOINT_NAME_LAST`` formatted with the current metrics),
+    - ``"last"``: the last checkpoint of the Trainer's (first) ``ModelCheckpoint`` (the one it
+      saved last, else ``<dirpath>/last.ckpt``, or its ``CHECKPOINT_NAME_LAST`` formatted with the
+      current metrics),
       which ``trainer.fit(..., ckpt_path="last")`` finds; without a ModelCheckpoint, as ``"hpc"``;
     - ``"hpc"``: ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, ``n`` one more than the highest there
       (Lightning's SLURM checkpoint, which ``ckpt_path="hpc"`` loads);
@@ -45,6 +46,8 @@ def preemption_checkpoint_path(trainer: "pl.Trainer", checkpoint: str) -> str:
     """
     callback = trainer.checkpoint_callback
     if checkpoint == "last" and isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+        if callback.last_model_path:  # the run's own last checkpoint (its name may carry a version)
+            return callback.last_model_path
         metrics = dict(trainer.callback_metrics)
         metrics.update(epoch=torch.tensor(trainer.current_epoch), step=torch.tensor(trainer.global_step))
         return callback.format_checkpoint_name(metrics, filename=callback.CHECKPOINT_NAME_LAST)
@@ -91,6 +94,12 @@ class PreemptionCheckpoint(Callback):
         path = trainer.strategy.broadcast(preemption_checkpoint_path(trainer, self.preemption.config.checkpoint))
         rank_zero_info(f"lightning_zinf: preempted ({self.preemption.describe()}): every rank stops after global "
                        f"step {trainer.global_step} and saves {path}")
+        callback = trainer.checkpoint_callback
+        if self.preemption.config.checkpoint == "last" and isinstance(callback, ModelCheckpoint):
+            # Before saving, as ModelCheckpoint's own last save does: the path is part of the saved
+            # state, so the resumed run's callback takes last.ckpt as its own (else its version
+            # counter writes last-v1.ckpt beside it, and both stay).
+            callback.last_model_path = path
         trainer.save_checkpoint(path, weights_only=False)
         rank_zero_info(f"lightning_zinf: saved {path}; resume with trainer.fit(..., ckpt_path="
                        f"{_resume_hint(trainer, self.preemption.config.checkpoint, path)})")

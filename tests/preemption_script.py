@@ -138,7 +138,7 @@ def main() -> None:
         strategy=ZeroInfinityStrategy(timeout=timedelta(seconds=30), preemption=preemption),
         accelerator="cpu", devices=2, max_steps=STEPS, logger=False, default_root_dir=OUT,
         enable_checkpointing=with_callback, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints")] if with_callback else None)
+        callbacks=[ModelCheckpoint(dirpath=OUT / "checkpoints", save_last=True)] if with_callback else None)
     data = DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=1)  # 32 steps per epoch on each rank
     ckpt = ("last" if with_callback else "hpc") if RESUME else None
     trainer.fit(Lit(), data, ckpt_path=ckpt)

@@ -111,6 +111,8 @@ def _assert_resumes_exactly(out: Path, reference: dict[int, list], launcher: str
         assert [step for step, _ in resumed] == list(range(STOP_AT + 1, STEPS))
         assert torch.equal(torch.tensor([v for _, v in resumed]), torch.tensor([v for _, v in reference[rank][STOP_AT + 1:]]))
     _assert_no_process_left(out)
+    if (out / "checkpoints").is_dir():  # the resumed run's ModelCheckpoint(save_last=True) took last.ckpt as its own
+        assert not list((out / "checkpoints").glob("last-v*.ckpt")), sorted(p.name for p in (out / "checkpoints").iterdir())
 
 
 @pytest.fixture(scope="module")
