@@ -258,7 +258,7 @@ class ZeroPPConfig:
             rank in memory on the compute device; the partitions are dropped at each optimizer
             step and whenever shards change (a load, an edit).
         hpz_partition_size: Ranks that together hold one secondary copy (consecutive ranks).
-            ``None``: ``ranks_per_node``. Must divide the world size.
+            ``None``: ``ranks_per_node``. Must divide the world size; only with ``hpz=True``.
         qwz: qwZ (§3.1): the all-gathers of parameter shards along the trace send blockwise INT8
             codes and one fp32 scale per ``block`` elements, and every rank dequantizes them into the
             full buffer: a quarter of the bytes of fp32 parameters, half of bf16/fp16. The gathered
@@ -320,6 +320,10 @@ class ZeroPPConfig:
                 value,
                 "None (automatic) or an integer >= 1 (a number of ranks)",
             )
+        # Ignored without hpZ: a size given alone (DeepSpeed's zero_hpz_partition_size turns hpZ on)
+        # would otherwise leave the user believing hpZ runs.
+        _require(self.hpz or self.hpz_partition_size is None, "ZeroPPConfig", "hpz_partition_size",
+                 self.hpz_partition_size, "None unless hpz=True (set hpz=True for the hierarchical partition)")
 
 
 # Signals a scheduler sends ahead of ending a job; not SIGKILL/SIGSTOP (they cannot be caught), nor

@@ -34,7 +34,8 @@ from typing import Any, Optional
 from lightning_zinf.offload.errors import free_bytes, gigabytes
 
 __all__ = ["fsync_file", "fsync_folder", "replace_file", "put_new", "replace_kind", "remove_checkpoint",
-           "clean_stale", "is_torch_file", "describe_write_failure", "space_message", "CheckpointWriteError", "STAGING_SUFFIX", "REMOVING_SUFFIX"]
+           "clean_stale", "remove_path", "is_torch_file", "describe_write_failure", "space_message",
+           "CheckpointWriteError", "STAGING_SUFFIX", "REMOVING_SUFFIX"]
 
 #: Suffix of a save's staging folder or file: ``.<name>.zinf-partial`` beside ``<name>``.
 STAGING_SUFFIX = ".zinf-partial"
@@ -123,7 +124,8 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, f"exchanging {a} and {b}: {os.strerror(code)}")
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Remove ``path``: a folder with everything in it, or a file or link; nothing if absent."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
@@ -140,15 +142,15 @@ def replace_kind(staging: Path, path: Path) -> None:
     """
     if _exchange(staging, path):
         fsync_folder(path.parent)
-        _remove(staging)  # now the old copy, under the staging name: debris if a crash stops this
+        remove_path(staging)  # now the old copy, under the staging name: debris if a crash stops this
         return
     old = path.parent / f".{path.name}{OLD_SUFFIX}"
-    _remove(old)
+    remove_path(old)
     os.rename(path, old)
     fsync_folder(path.parent)
     os.rename(staging, path)
     fsync_folder(path.parent)
-    _remove(old)
+    remove_path(old)
 
 
 def remove_checkpoint(path: os.PathLike | str) -> None:
@@ -160,7 +162,7 @@ def remove_checkpoint(path: os.PathLike | str) -> None:
         return
     if path.is_dir() and not path.is_symlink():
         doomed = path.parent / f".{path.name}{REMOVING_SUFFIX}"
-        _remove(doomed)
+        remove_path(doomed)
         os.rename(path, doomed)
         fsync_folder(path.parent)
         shutil.rmtree(doomed)
@@ -186,12 +188,12 @@ def clean_stale(folder: Path) -> list[str]:
         if not name.startswith("."):
             continue
         if name.endswith(STAGING_SUFFIX) or name.endswith(REMOVING_SUFFIX):
-            _remove(entry)
+            remove_path(entry)
             done.append(name)
         elif name.endswith(OLD_SUFFIX):
             original = folder / name[1:-len(OLD_SUFFIX)]
             if original.exists():
-                _remove(entry)
+                remove_path(entry)
             else:
                 os.rename(entry, original)
             done.append(name)

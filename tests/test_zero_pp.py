@@ -337,6 +337,15 @@ def test_a_group_size_that_does_not_divide_the_world_names_the_option(zero_pp: d
             assert "hpz_partition_size=3 must be a positive divisor of the world size 2: one of 1 or 2" in message
 
 
+def test_an_hpz_partition_size_without_hpz_is_refused() -> None:
+    """A size given alone would be ignored (hpZ stays off) while DeepSpeed's
+    zero_hpz_partition_size turns hpZ on: refused, naming the option and the fix."""
+    with pytest.raises(ValueError, match=r"ZeroPPConfig.hpz_partition_size=2 is invalid: allowed values are None unless "
+                                         r"hpz=True"):
+        ZeroPPConfig(hpz_partition_size=2)
+    assert ZeroPPConfig(hpz=True, hpz_partition_size=2).hpz_partition_size == 2
+
+
 def _subgroup_timeout(rank: int, world: int) -> float:
     """Rank 1 stays alive without joining rank 0's hpZ gather; rank 0 reports how long it waited."""
     comm = Collectives(hpz_partition_size=2, timeout=timedelta(seconds=1))

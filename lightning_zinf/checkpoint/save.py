@@ -23,7 +23,8 @@ from lightning_zinf.checkpoint.format import (_META_PICKLE, FORMAT, META_FILE, M
                                              SAFETENSORS_DTYPES, VERSION, _layout, _sha256, is_sharded_checkpoint,
                                              shard_file)
 from lightning_zinf.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale, describe_write_failure, fsync_file,
-                                    fsync_folder, is_torch_file, put_new, replace_file, replace_kind, space_message)
+                                    fsync_folder, is_torch_file, put_new, remove_path, replace_file, replace_kind,
+                                    space_message)
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.offload.preflight import shortfall
@@ -146,12 +147,8 @@ def _begin(path: Path, comm: Any) -> _Save:
 
 def _abort(save: _Save, rank: int) -> None:
     """Remove what a failed save wrote (rank 0): its data folder, or the whole staging folder."""
-    if rank != 0:
-        return
-    try:
+    if rank == 0:  # best effort: what is left is removed by the next save in the folder
         shutil.rmtree(save.root if save.root != save.path else save.data, ignore_errors=True)
-    except OSError:  # best effort: debris is removed by the next save in the folder
-        pass
 
 
 def _commit(save: _Save, record: Optional[dict[str, Any]], comm: Any, parts: Optional[dict[Path, dict[str, Any]]] = None) -> None:
@@ -194,12 +191,8 @@ def _remove_previous(save: _Save) -> None:
     previous save's data folder, or files of the older layout (shards beside ``meta.pt``). A crash
     here leaves files no ``meta.pt`` names, removed by the next save of this name."""
     for entry in save.root.iterdir():
-        if entry.name in (META_FILE, save.tag):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+        if entry.name not in (META_FILE, save.tag):
+            remove_path(entry)
     fsync_folder(save.root)
 
 
