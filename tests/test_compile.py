@@ -139,5 +139,5 @@ def test_compiled_model_breaks_only_at_the_hooks(compiled: str, eager: dict) -> 
     compiles again after the first step and validation pass."""
     zero = _zero(compiled)
     _assert_compiles_once(zero["seen"])
-    assert all(reason.startswith(HOOK_SKIPPED) and "ZeroEngine._pre_forward" in reason for reason in zero["reasons"])
+    assert all(reason.startswith(HOOK_SKIPPED) and "Schedule._pre_forward" in reason for reason in zero["reasons"])
     _assert_losses(zero, eager)

@@ -43,8 +43,8 @@ CATEGORIES = ("compute", "copies/casts", "collective calls", "collective waits",
 _COPIES = ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::cat", "aten::fill_", "aten::zero_",
            "aten::empty", "aten::empty_strided", "aten::zeros", "aten::new_empty", "aten::contiguous")
 # The engine's entry points from autograd and the optimizer, and its blocking waits.
-_HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_grad", "_backward_end",
-          "_before_step", "after_step", "begin_pass")
+_HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_grad", "_backward_end")
+_STEP_HOOKS = ("_before_step", "after_step", "begin_pass")
 
 
 def _scoped(name: str, fn):
@@ -59,11 +59,15 @@ def _instrument_engine() -> None:
     """Wrap the engine's hooks and waits in record_function scopes (before the engine is built,
     which binds the hooks)."""
     from lightning_zinf.comm import collectives
-    from lightning_zinf.engine import engine
+    from lightning_zinf.engine.engine import ZeroEngine
+    from lightning_zinf.engine.schedule import Schedule
+    from lightning_zinf.engine.units import UnitStates
 
     for name in _HOOKS:
-        setattr(engine.ZeroEngine, name, _scoped(f"zinf.hook.{name}", getattr(engine.ZeroEngine, name)))
-    engine.ZeroEngine._wait_gather = _scoped("zinf.wait", engine.ZeroEngine._wait_gather)
+        setattr(Schedule, name, _scoped(f"zinf.hook.{name}", getattr(Schedule, name)))
+    for name in _STEP_HOOKS:
+        setattr(ZeroEngine, name, _scoped(f"zinf.hook.{name}", getattr(ZeroEngine, name)))
+    UnitStates.wait_gather = _scoped("zinf.wait", UnitStates.wait_gather)
     collectives._Then.wait = _scoped("zinf.wait", collectives._Then.wait)
 
 

@@ -1,0 +1,114 @@
+"""Memory accounting: the bytes a rank holds, by ledger category and by tier.
+
+The buffers whose size changes during a step (gathered units, hpZ secondary partitions, gradient
+and reduce buffers) are accounted in the :class:`~lightning_zinf.engine.ledger.MemoryLedger` as
+they are allocated and freed, so their peaks are exact. The long-lived state (parameter shards,
+fp32 masters, gradient shards, optimizer states, swap files, staging memory) is counted here from
+what exists now, by storage, so a tensor that is a view of another, or a master that is the shard
+itself, counts once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.ledger import CATEGORIES, MemoryLedger
+from lightning_zinf.offload.optimizer import OptimizerOffload
+from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.swapped import SwapSpace
+
+__all__ = ["MemoryAccounting", "MOVING"]
+
+#: Ledger categories the engine allocates and frees during a step; all on the compute device.
+MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled")
+
+_STATE = ("shards_device", "shards_cpu", "shards_nvme", "grad_shards", "optimizer", "optimizer_nvme")
+
+
+class MemoryAccounting:
+    """Counts an engine's memory into its ledger and splits it by tier.
+
+    Args:
+        ledger: The engine's ledger (the moving categories are kept there by the unit state machine).
+        groups: The engine's flat groups.
+        optimizers: The engine's sharded optimizers; the list the engine appends to (their states
+            are counted as they are created).
+        shards_offloaded: Parameter shards live off the compute device (``param`` offload).
+        param_offload: NVMe parameter offload, or None.
+        offload: Optimizer offload, or None.
+        space: The NVMe swap space (its staging pool), or None.
+    """
+
+    def __init__(self, ledger: MemoryLedger, groups: list[FlatGroup], optimizers: list[torch.optim.Optimizer], *,
+                 shards_offloaded: bool, param_offload: Optional[ParamOffload], offload: Optional[OptimizerOffload],
+                 space: Optional[SwapSpace]) -> None:
+        self.ledger = ledger
+        self.groups = groups
+        self.optimizers = optimizers
+        self.shards_offloaded = shards_offloaded
+        self.param_offload = param_offload
+        self.offload = offload
+        self.space = space
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes held for training state, by tier (``device``, ``cpu``, ``nvme``): see
+        :meth:`~lightning_zinf.ZeroEngine.resident_bytes`."""
+        state = self.state_bytes()
+        moving = sum(self.ledger.now[c] for c in MOVING)
+        optimizer_side = state["grad_shards"] + state["optimizer"]
+        offloaded = self.offload is not None
+        return {
+            "device": state["shards_device"] + moving + (0 if offloaded else optimizer_side),
+            "cpu": state["shards_cpu"] + (optimizer_side if offloaded else 0),
+            "nvme": state["shards_nvme"] + state["optimizer_nvme"],
+        }
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        """Category -> ``(bytes now, peak bytes)``, the long-lived state counted now: see
+        :meth:`~lightning_zinf.ZeroEngine.memory`."""
+        for category, nbytes in self.state_bytes().items():
+            self.ledger.set(category, nbytes)
+        if self.space is not None:
+            self.ledger.set("staging", self.space.pool.in_use)
+            self.ledger.peak["staging"] = max(self.ledger.peak["staging"], self.space.pool.peak)
+        return {c: (self.ledger.now[c], self.ledger.peak[c]) for c in CATEGORIES}
+
+    def reset_peaks(self) -> None:
+        """Start a new peak window (the state counted now is its start)."""
+        self.memory()
+        self.ledger.reset_peaks()
+        if self.space is not None:
+            self.space.pool.peak = self.space.pool.in_use
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of the long-lived state, by ledger category, counted by storage (swapped tensors
+        are views of one staging buffer per record; an fp32 master that is the shard counts once)."""
+        out = dict.fromkeys(_STATE, 0)
+        seen: set[int] = set()
+
+        def add(category: str, t: Optional[Tensor]) -> None:
+            storage = t.untyped_storage() if t is not None else None
+            if storage is not None and storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                out[category] += storage.nbytes()  # 0 while swapped out
+
+        shards = "shards_cpu" if self.shards_offloaded else "shards_device"
+        for group in self.groups:
+            for t in (group.shard, group.codes, group.scales):
+                add(shards, t)
+            add("optimizer", group.master)
+            add("grad_shards", group.grad_shard)
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, Tensor):
+                        add("optimizer", value)
+        if self.param_offload is not None:
+            out["shards_nvme"] = self.param_offload.tier_bytes()["nvme"]
+        if self.offload is not None:
+            out["optimizer_nvme"] = self.offload.tier_bytes()["nvme"]
+        return out

@@ -1,0 +1,375 @@
+"""The schedule: the hooks that decide *when* each unit is gathered, prefetched and released.
+
+Forward: a module's pre-hook asks for its units (:meth:`Schedule._acquire`: the trace says which
+units come next, and the next released ones within the bucket budget are gathered ahead, NVMe
+shards read further ahead); its post-hook releases them and hooks the gradients of its outputs.
+Backward: that output hook re-gathers the units before the module's backward runs and holds them;
+a unit is released in backward (:meth:`~lightning_zinf.engine.units.UnitStates.release_after_backward`)
+once every trainable group of it is reduce-scattered (:meth:`Schedule._on_grad`, a post-accumulate
+hook per parameter) and, for frozen parameters, once the identity node threaded through the
+module's inputs has run (:class:`_PostBackward`, FSDP2's post-backward signal). A callback at the
+end of backward flushes partial groups and agrees on which parameters got a gradient.
+
+The method is ZeRO-3's (Rajbhandari et al., SC'20, §5.3) with ZeRO-Infinity's trace-based prefetch
+(Rajbhandari et al., SC'21, §6.2); the unit transitions themselves are
+:class:`~lightning_zinf.engine.units.UnitStates`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import weakref
+from typing import Any, Callable, Hashable, Iterator, Mapping, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zinf.comm import Collectives
+from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
+from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.trace import Tracer
+from lightning_zinf.engine.units import RELEASED, Unit, UnitStates
+from lightning_zinf.offload.params import ParamOffload
+
+__all__ = ["Schedule"]
+
+#: Decorates the hooks so that a compiled module runs them as ordinary Python calls: Dynamo would
+#: otherwise trace them, break its graph at their collectives and storage pointers, and recompile
+#: them as the engine's state changes from call to call (FSDP2 disables its hooks the same way).
+#: Recursive: nothing they call is traced either.
+_eager = torch.compiler.disable(
+    recursive=True,
+    **({"reason": "lightning_zinf's hooks gather, release and reduce eagerly"}
+       if "reason" in inspect.signature(torch.compiler.disable).parameters else {}),
+)
+
+
+@_eager
+def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
+    """Call ``method`` if its schedule is alive. Python's garbage collector does not look inside a
+    parameter's gradient hooks: one that held the schedule, or a unit or group (which hold the
+    parameter), would keep the engine, the model and every shard alive for the rest of the process."""
+    bound = method()
+    if bound is not None:
+        bound(*args)
+
+
+class Schedule:
+    """Installs the forward, backward and gradient hooks on ``module`` and drives ``states`` from them.
+
+    Args:
+        module: The partitioned model.
+        units: The engine's units, by index.
+        uses: For each module whose forward needs units gathered, those units (its own, a block's,
+            registered external parameters').
+        states: The unit state machine the hooks drive.
+        tracer: The trace of unit gathers, which says what comes next.
+        comm: The engine's collectives (the end of backward's agreement on received gradients).
+        pool: Gradient buffers, prepared before a unit's backward and trimmed after backward.
+        prefetch: Bucket budget of units gathered ahead.
+        mixed_precision: Whether and how forward inputs are cast.
+        param_offload: NVMe parameter offload, or None (its shards are read ahead of gathers).
+        read_ahead: How many upcoming units' NVMe shards are read ahead.
+        begin_pass: Called with ``(training, grad enabled)`` at every forward of ``module`` itself,
+            or None (the driver calls it).
+
+    Attributes:
+        handles: The hook handles installed (removed by :meth:`remove`).
+    """
+
+    def __init__(self, module: nn.Module, units: list[Unit], uses: dict[nn.Module, list[Unit]], *,
+                 states: UnitStates, tracer: Tracer, comm: Collectives, pool: BufferPool, prefetch: PrefetchConfig,
+                 mixed_precision: MixedPrecisionConfig, param_offload: Optional[ParamOffload], read_ahead: int,
+                 begin_pass: Optional[Callable[[Hashable], None]]) -> None:
+        self.units = units
+        self.groups = [g for u in units for g in u.groups]
+        self.states = states
+        self.tracer = tracer
+        self.comm = comm
+        self.pool = pool
+        self.bucket_size = prefetch.bucket_size
+        self.mixed_precision = mixed_precision
+        self.param_offload = param_offload
+        self.read_ahead = read_ahead
+        self._begin_pass = begin_pass
+        self._uses = uses
+        self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
+        self._backward_end_queued = False
+        self.handles = self._install(module)
+
+    def _install(self, module: nn.Module) -> list[Any]:
+        handles: list[Any] = []
+        if self._begin_pass is not None:
+            handles.append(module.register_forward_pre_hook(self._root_pre_forward))
+        for user in self._uses:
+            handles.extend(self._hook_module(user))
+        on_grad = weakref.WeakMethod(self._on_grad)
+        for unit in self.units:
+            for position, group in enumerate(unit.groups):
+                if group.trainable:
+                    for index, p in enumerate(group.params):
+                        hook = functools.partial(_call_weakly, on_grad, unit.index, position, index)
+                        handles.append(p.register_post_accumulate_grad_hook(hook))
+        return handles
+
+    def _hook_module(self, module: nn.Module) -> list[Any]:
+        # always_call: checkpointing stops a recomputation by raising inside a module's forward;
+        # the post-hook must still end that use of the unit.
+        return [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                module.register_forward_hook(self._post_forward, always_call=True)]
+
+    def add_use(self, module: nn.Module, unit: Unit) -> None:
+        """Gather ``unit`` whenever ``module`` runs (hooking ``module`` if it was not yet)."""
+        uses = self._uses.setdefault(module, [])
+        if not uses:
+            self.handles.extend(self._hook_module(module))
+        if unit not in uses:
+            uses.append(unit)
+
+    def reset(self) -> None:
+        """At a pass boundary: forget forward calls and a backward-end callback that died with a
+        forward or backward that raised."""
+        self._backward_end_queued = False
+        self._calls.clear()
+
+    def remove(self) -> None:
+        """Remove every hook this schedule installed."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    # --- when to gather ---------------------------------------------------------------------------
+    def _acquire(self, unit: Unit) -> None:
+        upcoming = self.tracer.request(unit.index)
+        self.states.claim(unit)
+        if unit.state == RELEASED:
+            self.states.start_gather(unit)
+        if upcoming:
+            self._gather_ahead(upcoming)
+            if self.param_offload is not None:
+                ahead = [self.units[i] for i in upcoming if self.units[i].state == RELEASED]
+                self.param_offload.read_ahead(g for u in ahead[: self.read_ahead] for g in u.groups
+                                              if g.secondary is None and g.codes is None)
+        self.states.wait_gather(unit)
+
+    def _gather_ahead(self, upcoming: list[int]) -> None:
+        """Start gathering the next released units of the trace, within the bucket budget; the
+        first one always (a unit larger than the budget would otherwise never be prefetched)."""
+        budget = self.bucket_size - self.states.ahead_numel()
+        for index in upcoming:
+            unit = self.units[index]
+            if unit.state != RELEASED or self.states.is_ahead(unit):
+                continue
+            if unit.numel > budget and self.states.any_ahead():
+                break
+            self.states.prefetch(unit)
+            budget -= unit.numel
+
+    # --- forward ----------------------------------------------------------------------------------
+    @_eager
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._begin_pass((module.training, torch.is_grad_enabled()))
+
+    @_eager
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        units = self._uses[module]
+        for unit in units:
+            unit.forward_depth += 1
+            self._acquire(unit)
+        policy = self.mixed_precision
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            cast = functools.partial(_cast_floating, dtype=policy.param_dtype)
+            args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
+        # Frozen parameters get no gradient hook that says when autograd is done with them: thread
+        # the inputs through an identity node whose backward runs right after this call's backward
+        # (FSDP2's post-backward signal; a hook on the inputs' gradients would wait for every other
+        # module that reads the same inputs, such as the sibling tiles of a layer). Not in a
+        # recomputation: the original forward's node is the one its backward runs.
+        use = None
+        frozen = [u for u in units if u.has_frozen]
+        if torch.is_grad_enabled() and _in_backward():
+            # Recomputed by activation checkpointing for the backward that follows: held until
+            # that backward has run, not released after this forward and gathered again.
+            for unit in units:
+                unit.held = True
+        elif frozen and torch.is_grad_enabled():
+            inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+            if inputs:
+                use = _Use(frozen)
+                signalled = iter(_PostBackward.apply(functools.partial(self._post_backward, use), *inputs))
+                swap = lambda t: next(signalled) if t.requires_grad else t  # noqa: E731  (_tensors_in's order)
+                args, kwargs = _map_tensors(args, swap), _map_tensors(kwargs, swap)
+        self._calls.setdefault(module, []).append(use)
+        return args, kwargs
+
+    @_eager
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        units = self._uses[module]
+        use = self._calls[module].pop()
+        for unit in units:
+            unit.forward_depth -= 1
+        tensors = list(_tensors_in(output))
+        released = {g.active.untyped_storage().data_ptr() for u in units if not u.persistent for g in u.groups}
+        if any(t.untyped_storage().data_ptr() in released for t in tensors):
+            # An output that is a view of a parameter (learned queries) would point into storage
+            # the release below frees: hand out a copy instead.
+            output = _map_tensors(output, lambda t: t.clone() if t.untyped_storage().data_ptr() in released else t)
+            tensors = list(_tensors_in(output))
+        # Also in a recomputation: reentrant checkpointing runs backward over the recomputed graph.
+        if torch.is_grad_enabled():
+            outputs = [t for t in tensors if t.requires_grad]
+            if outputs:
+                hook = functools.partial(self._pre_backward, units, use)
+                torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
+        for unit in units:
+            self.states.maybe_release(unit)
+        return output
+
+    # --- backward ---------------------------------------------------------------------------------
+    @_eager
+    def _pre_backward(self, units: list[Unit], use: Optional[_Use], grad: Any) -> None:
+        self._queue_backward_end()
+        if use is not None and not use.counted:
+            # Counted only now: a forward whose graph is never run backward leaves no count behind.
+            use.counted = True
+            for unit in use.units:
+                unit.pending_backward += 1
+        for unit in units:
+            unit.held = True
+            self._acquire(unit)
+            for group in unit.groups:
+                if group.trainable:
+                    group.prepare_grads(self.pool)
+
+    @_eager
+    def _post_backward(self, use: _Use) -> None:
+        """Autograd has run the backward of one forward use (the identity node on the module's
+        inputs has their gradients)."""
+        if not use.counted:
+            return
+        use.counted = False
+        for unit in use.units:
+            unit.pending_backward -= 1
+            self.states.release_after_backward(unit)
+
+    @_eager
+    def _on_grad(self, unit_index: int, position: int, index: int, param: Tensor) -> None:
+        unit = self.units[unit_index]
+        group = unit.groups[position]
+        self._queue_backward_end()
+        if not group.mark_ready(index):
+            return
+        unit.reduced_groups += 1
+        # Released before the reduce-scatter takes its buffers (FSDP2's order): the gradients are
+        # in their own tensors, so the gathered weights are not needed for it.
+        self.states.release_after_backward(unit)
+        self.states.reduce(group)
+
+    def _queue_backward_end(self) -> None:
+        if not self._backward_end_queued:
+            self._backward_end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    @_eager
+    def _backward_end(self) -> None:
+        """Flush partially complete gradients, finish the reduce-scatters, release held units."""
+        self._backward_end_queued = False
+        for group in self.groups:
+            if group.trainable and group.any_ready:
+                self.states.reduce(group)
+            elif group.grads_prepared:
+                group.discard_grads(self.pool)
+        self.states.drain_reduces()
+        self.states.finish_host_grads()
+        self.pool.release_free()
+        self._expose_grads()
+        for unit in self.units:
+            unit.pending_backward = 0  # uses whose inputs' gradients were never needed
+            if unit.held:
+                unit.held, unit.reduced_groups = False, 0
+                self.states.maybe_release(unit)
+
+    def _expose_grads(self) -> None:
+        """Agree with the other ranks which parameters received a gradient (one host-side
+        all-reduce of one flag per trainable parameter) and hand the optimizer gradients for those only."""
+        trainable = [g for g in self.groups if g.trainable]
+        flags = self.comm.any_rank([r for g in trainable for r in g.received])
+        start = 0
+        for group in trainable:
+            group.expose_grads(flags[start : start + len(group.params)])
+            start += len(group.params)
+
+
+class _Use:
+    """One forward call of a module whose units hold frozen parameters: counted in their
+    ``pending_backward`` when its backward starts, uncounted when its identity node runs."""
+
+    __slots__ = ("units", "counted")
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self.counted = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the input tensors of a module whose unit holds frozen parameters; its backward
+    runs ``callback`` once autograd has the gradients of those inputs, i.e. once this call of the
+    module has run backward (FSDP2's ``RegisterPostBackwardFunction`` plays the same part). As
+    there, the module receives views, so it must not modify its inputs in place."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed module is then
+    being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _cast_floating(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+def _tensors_in(obj: Any) -> Iterator[Tensor]:
+    """Every tensor in a module output: nested tuples, lists, mappings (Hugging Face ModelOutput
+    included) and dataclasses."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name))
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """``obj`` with every tensor ``t`` found by :func:`_tensors_in` replaced by ``fn(t)``."""
+    if isinstance(obj, Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        mapped = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(mapped)
+        except TypeError:
+            return mapped
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init})
+    return obj

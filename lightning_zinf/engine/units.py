@@ -1,0 +1,345 @@
+"""The unit state machine: gather, wait, release, and the gradients' reduce-scatter queue.
+
+A unit's parameters are in one of three states (ZeRO-3, Rajbhandari et al., SC'20, §5.3; FSDP2's
+``FSDPParamGroup`` plays the same part, Zhao et al., VLDB'23, §3):
+
+- ``released``: only this rank's shard of each flat group is resident (on its tier);
+- ``in flight``: a gather was issued (swap-in from NVMe, hpZ secondary partition or qwZ codes
+  included) and its buffers are allocated;
+- ``gathered``: the full parameters are in place for compute (or, for reading, in their own dtype).
+
+:class:`UnitStates` makes these transitions and decides nothing about *when*: the schedule
+(:mod:`lightning_zinf.engine.schedule`) asks for a unit, prefetches the next ones and says when
+forward or backward is done with one; the facade (:class:`~lightning_zinf.ZeroEngine`) asks for
+exact gathers (state dicts, ``gathered()``). A unit is released only when nothing holds it: no
+forward in progress, not held for backward, not prefetched and unused, not kept for the next decode
+step. Gradients leave through :meth:`UnitStates.reduce`: one reduce-scatter in flight at a time,
+accumulated into the rank's gradient shard when the next one starts or at the end of backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+
+from lightning_zinf.comm import Collectives, Handle
+from lightning_zinf.config import PrefetchConfig
+from lightning_zinf.engine.agreement import RankAgreement
+from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.ledger import MemoryLedger
+from lightning_zinf.engine.transfer import HeldUntilWait
+from lightning_zinf.offload.optimizer import OptimizerOffload
+from lightning_zinf.offload.params import ParamOffload
+
+__all__ = ["Unit", "UnitStates", "RELEASED", "INFLIGHT", "GATHERED"]
+
+RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
+
+#: Groups whose gradient slices may wait in landing buffers for their host-side add at once.
+_MAX_LANDING = 2
+
+
+class Unit:
+    """A unit at run time: its flat groups, its gather state and what holds it gathered.
+
+    Attributes:
+        index: Position in :attr:`ZeroEngine.units` (the id recorded in traces).
+        name: The owning module's qualified name.
+        module: The owning module (a block's, or the module whose own parameters these are).
+        groups: One :class:`FlatGroup` per (dtype, requires_grad) among its parameters.
+        numel: Parameter elements in the unit.
+        persistent: Stays gathered for the whole run (small units and the root's own parameters).
+        trainable_groups: How many of ``groups`` are trainable; ``has_frozen``: some are not.
+        state: ``"released"``, ``"inflight"`` or ``"gathered"``.
+        forward_depth: Forward calls (and exact holds) in progress that use the unit.
+        held: Held gathered for backward (from its first output gradient until it is reduced).
+        reduced_groups: Trainable groups whose gradients were reduce-scattered in this backward.
+        pending_backward: Forward uses whose input-side post-backward node has not run yet.
+        kept: Stays gathered between forward passes (``keep_gathered``).
+    """
+
+    def __init__(self, index: int, name: str, groups: list[FlatGroup], persistent: bool,
+                 module: Optional[nn.Module] = None) -> None:
+        self.index = index
+        self.name = name
+        self.module = module
+        self.groups = groups
+        self.numel = sum(g.numel for g in groups)
+        self.persistent = persistent
+        self.trainable_groups = sum(g.trainable for g in groups)
+        self.has_frozen = self.trainable_groups < len(groups)
+        self.state = RELEASED
+        self.handles: list[Handle] = []
+        self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
+        self.quantized = False  # the last gather was qwZ-quantized
+        self.forward_depth = 0
+        self.held = False
+        self.reduced_groups = 0
+        self.pending_backward = 0
+        self.kept = False
+
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of the unit's full parameter buffers now (0 when released)."""
+        return sum(g.gathered_nbytes for g in self.groups)
+
+
+class UnitStates:
+    """Moves units between released, in flight and gathered, and gradients through reduce-scatter.
+
+    Args:
+        units: The engine's units, by index.
+        comm: The engine's collectives (for hpZ and qwZ).
+        ledger: Where gathered bytes are accounted (category ``"gathered"``).
+        pool: Gradient and reduce buffers.
+        agreement: Told of every gather and reduce-scatter before it is issued.
+        prefetch: Its ``overlap_reduce`` (a reduce-scatter may stay in flight while backward
+            goes on).
+        param_offload: NVMe parameter offload, or None.
+        offload: Optimizer offload, or None (gradient shards on the host).
+
+    Attributes:
+        peak_gathered_bytes: The most bytes of full (gathered or in-flight) parameter buffers at
+            once over the run.
+        gathered_ahead: Units gathered by prefetch over the run.
+        keep_budget: Bytes of units that may stay gathered between forward passes (``0``: none).
+    """
+
+    def __init__(self, units: list[Unit], *, comm: Collectives, ledger: MemoryLedger, pool: BufferPool,
+                 agreement: RankAgreement, prefetch: PrefetchConfig, param_offload: Optional[ParamOffload],
+                 offload: Optional[OptimizerOffload]) -> None:
+        self.units = units
+        self.comm = comm
+        self.ledger = ledger
+        self.pool = pool
+        self.agreement = agreement
+        self.overlap_reduce = prefetch.overlap_reduce
+        self.param_offload = param_offload
+        self.offload = offload
+        self.peak_gathered_bytes = 0
+        self.gathered_ahead = 0
+        self.keep_budget = 0
+        self._group_index = {id(g): i for i, g in enumerate(g for u in units for g in u.groups)}
+        self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
+        self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
+        self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
+        self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
+
+    # --- gather -----------------------------------------------------------------------------------
+    def start_gather(self, unit: Unit, exact: bool = False, read: bool = False) -> None:
+        """Issue the gather of a released (or re-gathered) ``unit`` for compute; with qwZ quantized
+        unless ``exact`` (persistent units). ``read``: exactly, in the parameters' own dtype (for
+        users reading and editing values).
+
+        Raises:
+            RuntimeError: the ranks are about to gather different units (:class:`RankAgreement`).
+        """
+        exact = exact or read
+        self.agreement.note_gather(unit)
+        if self.param_offload is not None:
+            # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
+            # from NVMe: this is where a shard is swapped in.
+            unit.acquired = [g for g in unit.groups if (g.secondary is None or exact) and g.codes is None]
+            for group in unit.acquired:
+                self.param_offload.acquire(group)
+        unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
+        before = unit.gathered_nbytes
+        # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
+        unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
+        unit.state = INFLIGHT
+        self._live[unit.index] = unit
+        self.ledger.add("gathered", unit.gathered_nbytes - before)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.ledger.now["gathered"])
+
+    def wait_gather(self, unit: Unit) -> None:
+        """Wait for ``unit``'s gather if it is in flight (it is then gathered); hand its swapped-in
+        shards back to the staging pool."""
+        if unit.state != INFLIGHT:
+            return
+        for handle in unit.handles:
+            handle.wait()
+        for group in unit.groups:
+            group.finish_gather()
+            # Not from a gather for reading in another dtype: the secondary partition feeds compute.
+            if self.comm.hpz is not None and not unit.persistent and group.secondary is None and group.holds_compute:
+                group.keep_secondary()
+        if self.param_offload is not None:
+            # The shards' staging buffers go back to the pool: the copies reading them must be done
+            # (waited for on the device only, so far). Issued a unit or more ago, they usually are.
+            for handle in unit.handles:
+                if isinstance(handle, HeldUntilWait):
+                    handle.wait_on_host()
+            for group in unit.acquired:
+                self.param_offload.drop(group)
+            unit.acquired = []
+        unit.handles, unit.state = [], GATHERED
+
+    def gather_exact(self, units: list[Unit], read: bool = False) -> None:
+        """Gather ``units`` exactly and wait, for compute (persistent units) or for reading
+        (``read``): a released or gathered unit is (re-)gathered from the current shards, except
+        one gathered for reading that is asked for reading again; one in flight is waited for, and
+        gathered again if its gather was quantized (qwZ) or in the other dtype."""
+        for unit in units:
+            fits = not unit.quantized and all(g.holds_exact if read else g.holds_compute for g in unit.groups)
+            if unit.state == INFLIGHT:
+                if fits:
+                    continue
+                self.wait_gather(unit)
+            elif unit.state == GATHERED and read and fits:
+                continue
+            self.start_gather(unit, exact=True, read=read)
+        for unit in units:
+            self.wait_gather(unit)
+
+    def prefetch(self, unit: Unit) -> None:
+        """Start gathering a released ``unit`` ahead of its use; it stays gathered until
+        :meth:`claim` or the next :meth:`settle`."""
+        self.start_gather(unit)
+        self._ahead[unit.index] = unit
+        self.gathered_ahead += 1
+
+    def claim(self, unit: Unit) -> None:
+        """``unit`` is being used: if it was prefetched, it no longer counts as ahead."""
+        self._ahead.pop(unit.index, None)
+
+    def is_ahead(self, unit: Unit) -> bool:
+        """Whether ``unit`` was prefetched and not claimed yet."""
+        return unit.index in self._ahead
+
+    def any_ahead(self) -> bool:
+        """Whether some unit was prefetched and not claimed yet."""
+        return bool(self._ahead)
+
+    def ahead_numel(self) -> int:
+        """Parameter elements of the units prefetched and not claimed yet."""
+        return sum(u.numel for u in self._ahead.values())
+
+    # --- release ----------------------------------------------------------------------------------
+    def maybe_release(self, unit: Unit) -> None:
+        """Release ``unit`` if nothing holds it: gathered, not persistent, no forward in progress,
+        not held for backward, not prefetched; within a ``keep_gathered`` budget it is kept
+        instead, while it fits."""
+        if unit.kept:
+            return
+        if (
+            unit.state == GATHERED
+            and not unit.persistent
+            and unit.forward_depth == 0
+            and not unit.held
+            and unit.index not in self._ahead
+        ):
+            if self.keep_budget and self.kept_bytes() + unit.gathered_nbytes <= self.keep_budget:
+                unit.kept = True  # for the next forward pass of this keep_gathered block
+                return
+            for group in unit.groups:
+                self.ledger.add("gathered", -group.gathered_nbytes)
+                group.release()
+            unit.state = RELEASED
+            self._live.pop(unit.index, None)
+
+    def release_after_backward(self, unit: Unit) -> None:
+        """Release a unit held for backward once autograd is done with it: every trainable group
+        reduced (every node that used a trainable parameter has run) and, for a unit with frozen
+        groups, the identity node of every forward use run. A frozen unit whose inputs need no
+        gradient has no such node and stays held until the end of backward."""
+        if unit.held and unit.pending_backward <= 0 and unit.reduced_groups >= unit.trainable_groups:
+            unit.reduced_groups, unit.held = 0, False
+            self.maybe_release(unit)
+
+    def release_kept(self) -> None:
+        """End of a ``keep_gathered`` block: finish what is in flight and release every unit kept."""
+        self.settle()
+        for unit in self.units:
+            unit.kept = False
+            self.maybe_release(unit)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the units kept gathered between forward passes."""
+        return sum(u.gathered_nbytes for u in self._live.values() if u.kept)
+
+    def holds_storage_of(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` is a view of a gathered (or in-flight) unit's parameter buffers."""
+        return any(g.holds_storage_of(tensor) for u in self._live.values() for g in u.groups)
+
+    def settle(self, boundary: bool = False) -> None:
+        """Finish every collective in flight and release what no pass is using.
+
+        At a pass boundary (``boundary``) no module is running, so use counts left over from a
+        forward that raised (and was caught by user code) are cleared rather than keeping stale
+        units gathered, and gradient buffers left by an abandoned backward are discarded.
+        """
+        self.drain_reduces()
+        self.finish_host_grads()
+        self._ahead.clear()
+        # Between passes every unit's counters are reset; otherwise only units gathered or in flight
+        # (``_live``) have anything to finish, so that a checkpoint's or a state dict's per-unit
+        # calls cost O(1) each, not O(units).
+        for unit in self.units if boundary else list(self._live.values()):
+            if boundary:
+                unit.forward_depth, unit.held, unit.reduced_groups, unit.pending_backward = 0, False, 0, 0
+                for group in unit.groups:
+                    group.discard_grads(self.pool)
+            self.wait_gather(unit)
+            self.maybe_release(unit)
+        if boundary and self.param_offload is not None:
+            self.param_offload.settle_all()
+
+    # --- gradients --------------------------------------------------------------------------------
+    def reduce(self, group: FlatGroup) -> None:
+        """Reduce-scatter ``group``'s flat gradient (mean over ranks, in the reduce dtype) towards
+        this rank's gradient shard; finished by the next call, :meth:`drain_reduces` or at once
+        without ``overlap_reduce``.
+
+        Raises:
+            RuntimeError: the ranks are about to reduce different groups (:class:`RankAgreement`).
+        """
+        self.agreement.note_reduce(self._group_index[id(group)])
+        # One reduce-scatter in flight at most (FSDP2's order): the previous one is finished before
+        # this one takes its buffers, so one unit's reduce buffers (a full-size cast to the reduce
+        # dtype under mixed precision) are alive at a time.
+        self.drain_reduces()
+        handle, buffers, got = group.start_reduce(self.pool)
+        self._pending.append((handle, buffers, got, group))
+        if not self.overlap_reduce:
+            self.drain_reduces()
+
+    def drain_reduces(self) -> None:
+        """Finish the reduce-scatters in flight and accumulate them into the gradient shards."""
+        while self._pending:
+            self._finish_reduce(self._pending.pop(0))
+
+    def finish_host_grads(self) -> None:
+        """Wait on the host for the gradient slices copied towards host-side gradient shards, and
+        add those accumulating onto earlier micro-batches (the copy stream is in order: after the
+        first wait the others have completed)."""
+        for group in self._in_transit:
+            group.finish_host_grads()
+        self._in_transit = []
+
+    def _finish_reduce(self, pending: tuple[Handle, list[Tensor], list[bool], FlatGroup]) -> None:
+        handle, buffers, got, group = pending
+        handle.wait()
+        index = self._group_index[id(group)]
+        if self.offload is not None:
+            self.offload.before_accumulate(index)
+        # Landing buffers of earlier groups accumulating onto a previous micro-batch are added once
+        # their copies have arrived, without blocking; the host waits only to keep at most
+        # _MAX_LANDING groups' landing buffers alive.
+        landing = [g for g in self._in_transit if g is not group and g.host_adds_pending]
+        for i, earlier in enumerate(landing):
+            if earlier.host_grads_arrived or len(landing) - i >= _MAX_LANDING:
+                earlier.finish_host_grads()
+        kept = group.accumulate(buffers[0], got)
+        self._in_transit = [g for g in self._in_transit if g.grads_in_transit and g is not group]
+        if group.grads_in_transit:
+            self._in_transit.append(group)
+        if group.swapped_optimizer:
+            self.finish_host_grads()  # the shard is swapped out next: its bytes must be here
+        if self.offload is not None:
+            self.offload.after_accumulate(index)
+        if kept:
+            self.pool.forget(buffers[0])
+        for buffer in buffers[1:] if kept else buffers:
+            self.pool.give(buffer)
