@@ -39,8 +39,8 @@ from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
-from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
-                                       save_full_checkpoint)
+from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
+                                            load_full_optimizer_state_dict, save_full_checkpoint)
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
                                     init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
                                     preemption_exit_status, refuse_checkpoint_io, register_presets,

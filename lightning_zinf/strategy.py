@@ -32,13 +32,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, read_meta, save_sharded
-from lightning_zinf.durable import remove_checkpoint
+from lightning_zinf.checkpoint.durable import remove_checkpoint
 from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, PreemptionConfig, PrefetchConfig, TilingConfig,
                                    ZeroPPConfig)
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
-from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
-                                       save_full_checkpoint)
+from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
+                                            load_full_optimizer_state_dict, save_full_checkpoint)
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
@@ -483,7 +483,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """With ``state_dict_type="full"``: the state dict the optimizer would have over the
-        unpartitioned model, on rank 0 (:func:`~lightning_zinf.full_state.full_optimizer_state_dict`;
+        unpartitioned model, on rank 0 (:func:`~lightning_zinf.checkpoint.full.full_optimizer_state_dict`;
         collective). With ``"sharded"``: hyper-parameters per param group; per-element state goes to
         the shard files."""
         if self.options.state_dict_type == "full":
@@ -494,7 +494,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Write a sharded checkpoint directory at ``filepath`` (see :mod:`lightning_zinf.checkpoint`),
         or with ``state_dict_type="full"`` one file from rank 0, in DDP's format
-        (:func:`~lightning_zinf.full_state.save_full_checkpoint`). Collective.
+        (:func:`~lightning_zinf.checkpoint.full.save_full_checkpoint`). Collective.
 
         Raises:
             TypeError: ``storage_options`` (as Lightning's FSDP and DeepSpeed strategies).
@@ -512,7 +512,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint (rank 0), renamed aside first so that no instant shows a
-        half-removed checkpoint under its name (:func:`~lightning_zinf.durable.remove_checkpoint`)."""
+        half-removed checkpoint under its name (:func:`~lightning_zinf.checkpoint.durable.remove_checkpoint`)."""
         if self.is_global_zero:
             remove_checkpoint(filepath)
 

@@ -27,11 +27,12 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from lightning_zinf import ZeroEngine, durable
+from lightning_zinf import ZeroEngine
+from lightning_zinf.checkpoint import durable
 from lightning_zinf.checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_zinf.engine.state_dict import state_dict_options
-from lightning_zinf.full_state import (full_optimizer_state_dict, load_full_checkpoint, load_full_optimizer_state_dict,
-                                       save_full_checkpoint)
+from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
+                                            load_full_optimizer_state_dict, save_full_checkpoint)
 from tests import models
 from tests.harness import RankDied, run_distributed
 

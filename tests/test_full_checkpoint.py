@@ -166,7 +166,7 @@ def test_plain_optimizer_state_loads_as_torch_places_it() -> None:
     import copy
 
     from lightning_zinf import PrefetchConfig, ZeroEngine
-    from lightning_zinf.full_state import full_optimizer_state_dict, load_full_optimizer_state_dict
+    from lightning_zinf.checkpoint.full import full_optimizer_state_dict, load_full_optimizer_state_dict
 
     torch.manual_seed(0)
     plain = models.MLP()

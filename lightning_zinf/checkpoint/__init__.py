@@ -26,11 +26,19 @@ Because every per-element tensor is stored in the flat layout of its group, a ra
 size computes which elements it owns and reads just those byte ranges of the old files
 (safetensors reads slices without loading whole tensors).
 
-Saves are crash-safe (:mod:`lightning_zinf.durable`): a save writes its shards into a new
+Saves are crash-safe (:mod:`lightning_zinf.checkpoint.durable`): a save writes its shards into a new
 ``save-<id>`` folder and flushes them to the disk, then replaces ``meta.pt`` in one atomic step (a
 new checkpoint's whole folder is staged beside it and renamed into place), and only then removes the
 previous save's folder. Whenever a process dies, the checkpoint's name holds the previous complete
 checkpoint or the new one.
+
+The modules: :mod:`~lightning_zinf.checkpoint.format` (the on-disk format: ``meta.pt``, the layout
+record, shard files and their reader), :mod:`~lightning_zinf.checkpoint.save` (sharded save),
+:mod:`~lightning_zinf.checkpoint.load` (sharded load at any world size),
+:mod:`~lightning_zinf.checkpoint.full` (full state in and out: one-file checkpoints and the plain
+optimizer state dict), :mod:`~lightning_zinf.checkpoint.sources` (outside weights, Hugging Face and
+plain state dicts, through ``load_state_dict``) and :mod:`~lightning_zinf.checkpoint.durable` (the
+filesystem steps that make saves crash-safe).
 """
 
 from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, FORMAT, META_FILE, MODELS_DIR_KEY, MODELS_KEY,
@@ -39,10 +47,13 @@ from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, FORMAT, META_F
 from lightning_zinf.checkpoint.load import load_sharded, placed_scalar_state
 from lightning_zinf.checkpoint.save import optimizer_owners, save_sharded, save_sharded_models, shard_layout_state
 from lightning_zinf.checkpoint.sources import checkpoint_keys, load_full_state_dict, matching_prefix, provided_parameters
-from lightning_zinf.durable import CheckpointWriteError
+from lightning_zinf.checkpoint.durable import CheckpointWriteError, remove_checkpoint
+from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
+                                            load_full_optimizer_state_dict, save_full_checkpoint)
 
 __all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state",
            "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "model_folders", "load_sharded", "load_full_state_dict",
            "checkpoint_keys", "matching_prefix", "provided_parameters", "is_sharded_checkpoint", "read_meta",
            "check_version", "shard_file", "ShardReader", "SAFETENSORS_DTYPES", "CheckpointError",
-           "CheckpointWriteError", "CHECKPOINT_GLOBALS", "META_FILE", "FORMAT", "VERSION"]
+           "CheckpointWriteError", "CHECKPOINT_GLOBALS", "META_FILE", "FORMAT", "VERSION", "remove_checkpoint",
+           "full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint"]

@@ -1,4 +1,4 @@
-"""Writing a sharded checkpoint, crash-safe (:mod:`lightning_zinf.durable`): each rank's shard
+"""Writing a sharded checkpoint, crash-safe (:mod:`lightning_zinf.checkpoint.durable`): each rank's shard
 file into a new ``save-<id>/`` folder, flushed to the disk, committed by one atomic replacement of
 ``meta.pt`` (or the rename of a staged folder), the previous save removed after; free space checked
 first, and every rank raises the same error when any rank's write fails."""
@@ -22,9 +22,9 @@ from torch import Tensor
 from lightning_zinf.checkpoint.format import (_META_PICKLE, FORMAT, META_FILE, MODELS_DIR_KEY, MODELS_KEY,
                                              SAFETENSORS_DTYPES, VERSION, _layout, _sha256, is_sharded_checkpoint,
                                              shard_file)
-from lightning_zinf.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale, describe_write_failure, fsync_file,
-                                    fsync_folder, is_torch_file, put_new, remove_path, replace_file, replace_kind,
-                                    space_message)
+from lightning_zinf.checkpoint.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale,
+                                               describe_write_failure, fsync_file, fsync_folder, is_torch_file, put_new,
+                                               remove_path, replace_file, replace_kind, space_message)
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.offload.preflight import shortfall
@@ -269,7 +269,7 @@ def save_sharded(
 ) -> None:
     """Write a sharded checkpoint of ``engine``'s model and ``optimizers`` to the directory ``path``.
 
-    Collective: every rank must call it with the same ``path``. Crash-safe (:mod:`lightning_zinf.durable`):
+    Collective: every rank must call it with the same ``path``. Crash-safe (:mod:`lightning_zinf.checkpoint.durable`):
     the shard files go to a new folder and are flushed to the disk (``fsync``), then one atomic step
     makes them the checkpoint (a new ``meta.pt`` replacing the old one, or a complete staging folder
     renamed to ``path``); only then is the previous save removed. At every instant ``path`` holds the

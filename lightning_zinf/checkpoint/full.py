@@ -20,10 +20,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_zinf.checkpoint import (CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint,
-                                      optimizer_owners, placed_scalar_state, shard_layout_state)
-from lightning_zinf.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale, describe_write_failure, replace_file,
-                                    replace_kind, space_message)
+from lightning_zinf.checkpoint.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale,
+                                               describe_write_failure, replace_file, replace_kind, space_message)
+from lightning_zinf.checkpoint.format import CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_zinf.checkpoint.load import placed_scalar_state
+from lightning_zinf.checkpoint.save import optimizer_owners, shard_layout_state
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.offload.errors import free_bytes
 
@@ -217,7 +218,7 @@ def save_full_checkpoint(checkpoint: dict[str, Any], path: os.PathLike | str, *,
     ``torch.save`` file at ``path``, from the ``writer`` rank alone. Collective: every rank calls it
     and returns when the file is in place, or raises the writer's error.
 
-    Crash-safe (:mod:`lightning_zinf.durable`): the file is written beside ``path``, flushed to the
+    Crash-safe (:mod:`lightning_zinf.checkpoint.durable`): the file is written beside ``path``, flushed to the
     disk (``fsync``), then renamed over it in one atomic step, so ``path`` always holds a complete
     checkpoint, the previous one until the new one is in place. A sharded checkpoint folder this
     package wrote at ``path`` is replaced (Lightning's FSDP strategy likewise replaces the other type).
