@@ -455,7 +455,7 @@ class MixedPrecisionConfig:
     The ``zero_infinity`` strategy derives the policy from ``Trainer(precision=...)`` unless one is
     given: ``"bf16-mixed"`` -> ``param_dtype=bfloat16, reduce_dtype=float32``; ``"16-mixed"`` ->
     ``param_dtype=float16, reduce_dtype=float32``; the ``-true`` precisions -> no cast
-    (``param_dtype=None``). See the README's precision section for what each setting moves and keeps.
+    (``param_dtype=None``). See the docs' Precision page (``docs/precision.md``) for what each setting moves and keeps.
 
     Attributes:
         param_dtype: Dtype of gathered floating-point parameters (``torch.bfloat16``,

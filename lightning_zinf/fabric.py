@@ -71,8 +71,10 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     read a sharded checkpoint directory, the Trainer's format.
 
     Args:
-        accelerator, parallel_devices, cluster_environment, precision: As for any Fabric
-            ``ParallelStrategy``; Fabric sets them.
+        accelerator: As for any Fabric ``ParallelStrategy``; Fabric sets it.
+        parallel_devices: As for any Fabric ``ParallelStrategy``; Fabric sets it.
+        cluster_environment: As for any Fabric ``ParallelStrategy``; Fabric sets it.
+        precision: As for any Fabric ``ParallelStrategy``; Fabric sets it.
         checkpoint_io: Must be ``None``: checkpoints do not go through a ``CheckpointIO``.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
         timeout: How long a collective may wait for other ranks before failing.

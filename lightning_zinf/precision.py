@@ -178,7 +178,7 @@ def policy_for(plugin: Precision) -> MixedPrecisionConfig:
 
     ``"bf16-mixed"`` and ``"16-mixed"`` gather and compute in bf16/fp16, as FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)`` and DeepSpeed's bf16/fp16 modes do, and
-    reduce-scatter gradients in fp32 (the README gives the measurement behind that choice); autocast
+    reduce-scatter gradients in fp32 (``docs/precision.md`` gives the measurement behind that choice); autocast
     still runs for the ops it exists for. ``"*-true"`` precisions gather the parameters as they are.
 
     Args:

@@ -113,12 +113,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         mixed_precision: A :class:`~lightning_zinf.MixedPrecisionConfig` (or a mapping of its
             fields): the dtype units are gathered and computed in and the dtype of gradient
             reduce-scatters. Default: derived from ``Trainer(precision=...)`` (``"bf16-mixed"``
-            gathers and computes in bf16 and reduce-scatters in fp32; see the README).
+            gathers and computes in bf16 and reduce-scatters in fp32; see ``docs/precision.md``).
         activation_checkpointing: Module classes (or class names, e.g. ``["Block"]``) whose forward
             runs under torch's non-reentrant activation checkpointing: backward recomputes them,
             re-gathering their units. Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``.
-        accelerator, parallel_devices, cluster_environment, precision_plugin: As for any Lightning
-            ``ParallelStrategy``; the Trainer sets them.
+        accelerator: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
+        parallel_devices: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
+        cluster_environment: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
+        precision_plugin: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         checkpoint_io: Must be ``None``: checkpoints do not go through a ``CheckpointIO``.
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU).
         timeout: How long a collective may wait for other ranks before failing (a rank that died or
@@ -146,7 +148,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             SIGTERM or SIGUSR1 (by default) delivered to any rank makes every rank finish the
             current training step, save the checkpoint (by default the ModelCheckpoint's
             ``last.ckpt``) and exit with 128 + the signal's number, ready for
-            ``trainer.fit(..., ckpt_path="last")`` to resume exactly (see the README, "Preemption").
+            ``trainer.fit(..., ckpt_path="last")`` to resume exactly (see ``docs/checkpoints.md``, "Preemption").
             Lightning's own SIGTERM handling is not used under this strategy.
 
     Raises:
@@ -226,7 +228,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         Dynamo, so the compiled steps run here as under DDP: the module is taken with Lightning's
         record of the compilation cleared, which that check reads (``to_uncompiled`` then no longer
         applies to it). Compiled steps break their graphs at each unit's module, where the engine
-        gathers; compiling the blocks in ``configure_model`` keeps whole graphs (see the README).
+        gathers; compiling the blocks in ``configure_model`` keeps whole graphs (see ``docs/compile.md``).
         """
         if getattr(module, "_compiler_ctx", None) is not None:
             module._compiler_ctx = None  # type: ignore[union-attr]

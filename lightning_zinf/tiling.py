@@ -188,11 +188,13 @@ class TiledLinear(nn.Module):
     layer; :meth:`full_weight` assembles a copy.
 
     Args:
-        in_features, out_features: The layer's sizes.
+        in_features: The layer's input size.
+        out_features: The layer's output size.
         bias: Add a learnable bias.
         in_splits: Pieces the input features are cut into (each tile then sums a partial product).
         out_splits: Pieces the output features are cut into.
-        device, dtype: Of the parameters, as for ``nn.Linear``.
+        device: Of the parameters, as for ``nn.Linear``.
+        dtype: Of the parameters, as for ``nn.Linear``.
 
     Attributes:
         tiles: ``out_splits * in_splits`` :class:`LinearTile`, row-major (output split first).

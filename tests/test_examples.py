@@ -108,7 +108,7 @@ def test_unit_cost_contenders_train_alike(tmp_path: Path) -> None:
 
 
 def test_engine_loop_example_gives_ddp_losses(tmp_path: Path) -> None:
-    """``torchrun -m examples.engine_loop``, the README's loop without Lightning, as a user runs it:
+    """``torchrun -m examples.engine_loop``, the loop without Lightning of docs/engine-loop.md, as a user runs it:
     its losses equal the same loop's under DDP (the reference), the loss falls, and the sharded
     checkpoint it ends with is on disk."""
     import re

@@ -337,7 +337,7 @@ def _compiled_run(rank: int, world: int, strategy) -> dict:
     with fabric.init_module():
         model = models.GPT()
     for block in model.blocks:
-        block.compile()  # the per-block pattern the README recommends
+        block.compile()  # the per-block pattern docs/compile.md recommends
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     losses, _ = _train(fabric, model, optimizer, range(2))
     graphs = counters["stats"]["unique_graphs"]
@@ -347,7 +347,7 @@ def _compiled_run(rank: int, world: int, strategy) -> dict:
 
 
 def test_fabric_trains_compiled_blocks_without_recompiling() -> None:
-    # Blocks as units, as with the Trainer (README): the hooks sit on the compiled modules themselves.
+    # Blocks as units, as with the Trainer (docs/compile.md): the hooks sit on the compiled modules themselves.
     zinf = run_distributed(_compiled_run, 2, ZeroInfinityFabricStrategy(block_classes=["Block"]), init_pg=False)[0]
     eager = run_distributed(_fabric_run, 2, "ddp", False, init_pg=False)[0]
     assert zinf["breaks"] == {}

@@ -177,7 +177,7 @@ def _lora_through_the_trainer(rank: int, world: int) -> dict:
 
 
 def test_peft_wrapped_in_configure_model_starts_from_the_base_model_through_the_trainer() -> None:
-    """The README's way, at 2 ranks through the Trainer: before training, the LoRA model's
+    """The way docs/huggingface.md shows, at 2 ranks through the Trainer: before training, the LoRA model's
     validation loss is the base model's own (nothing re-initialised, ``lora_B`` zero), and
     fine-tuning lowers the loss."""
     from tests.harness import run_distributed

@@ -225,7 +225,7 @@ def test_finetune_lora_generate_example_on_rank_0_ends_both_ranks(work: Path, ba
     ``litgpt finetune_lora`` run, ``epochs=5``, ends). Under ZeRO-3 that cannot work (each unit is
     gathered from every rank), with FSDP as here: both ranks end within seconds, the watch naming
     the deadlock (its message is checked in ``tests/test_failures.py``), rather than hanging until
-    the collectives' timeout (30 minutes by default). The README's LitGPT section says how to run
+    the collectives' timeout (30 minutes by default). docs/litgpt.md says how to run
     LitGPT's fine-tuning without it (``--eval.interval`` past the last step, ``--train.max_steps``)."""
     start = time.monotonic()
     # The watch ends rank 1's process; rank 0's collective then breaks ("Connection closed by peer").

@@ -118,7 +118,8 @@ def dequantize(
         codes: ``[code_cols(numel, bits)]`` or ``[R, code_cols(numel, bits)]``, as :func:`quantize` made them.
         scales: fp32 ``[ceil(numel / block)]`` or ``[R, ceil(numel / block)]``.
         numel: Values per row (needed because INT4 codes of ``n`` and ``n + 1`` values have one size).
-        bits, block: As given to :func:`quantize`.
+        bits: As given to :func:`quantize`.
+        block: As given to :func:`quantize`.
         dtype: fp32, fp16 or bf16 output.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         out: Optional contiguous ``[numel]`` / ``[R, numel]`` tensor of ``dtype`` on the codes'
@@ -166,7 +167,8 @@ def reorder_quantize(
     Args:
         flat: 1-D fp32/fp16/bf16 gradient of ``layout.numel`` elements.
         layout: The topology and format (:class:`QgzLayout`).
-        nonfinite, backend: As in :func:`quantize`.
+        nonfinite: As in :func:`quantize`.
+        backend: As in :func:`quantize`.
 
     Returns:
         codes ``[W, layout.code_cols]`` of ``code_dtype(layout.bits)`` and fp32 scales

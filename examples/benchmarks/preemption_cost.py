@@ -3,7 +3,7 @@
     python examples/benchmarks/preemption_cost.py [--calls 3000] [--steps 30] [--repeats 3]
 
 Every optimizer step of a ``zero_infinity`` run ends with :meth:`lightning_zinf.preemption.Preemption.agree`:
-one all-reduce (max) of one int32 on a gloo group (``PreemptionConfig``, the README's
+one all-reduce (max) of one int32 on a gloo group (``PreemptionConfig``; ``docs/checkpoints.md``,
 "Preemption"). Measured here, in two processes joined by gloo on this machine:
 
 1. the call alone, ``--calls`` times back to back (after 200 warm-up calls): mean and median

@@ -298,8 +298,10 @@ class Collectives:
 
         Args:
             out: 1-D fp32/fp16/bf16 tensor of ``world_size * n`` elements.
-            codes, scales: This rank's codes (``code_cols(n, bits)``) and fp32 scales (``ceil(n / block)``).
-            bits, block: Their format.
+            codes: This rank's codes (``code_cols(n, bits)``).
+            scales: This rank's fp32 scales (``ceil(n / block)``).
+            bits: The codes' format: 8 or 4 bits.
+            block: The codes' format: elements per scale.
             async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
         """
         world = self.world_size

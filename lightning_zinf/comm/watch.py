@@ -58,7 +58,8 @@ class RankWatch:
     """Watch the other ranks of a run through its rendezvous store (see the module docstring).
 
     Args:
-        rank, world_size: This rank and the number of ranks (the world's).
+        rank: This rank (in the world).
+        world_size: The number of ranks (the world's).
         interval: Seconds between beats and checks.
         grace: Seconds a process is given to end by itself after a failure is posted, before the
             watcher ends it (exit code 1).

@@ -101,8 +101,7 @@ def refuse_unsharded_steps(owner: object, params: Iterable[Tensor]) -> None:
         owner: The object whose lifetime bounds the refusal (the :class:`ZeroEngine`); held weakly.
         params: The trainable parameters it partitioned (any shape and dtype).
 
-    Raises:
-        Nothing here; the refused optimizer's ``step()`` raises ``RuntimeError``.
+    Nothing is raised here: a refused optimizer's ``step()`` raises ``RuntimeError``.
     """
     global _generation, _hook
     _PARTITIONED[owner] = frozenset(id(p) for p in params)

@@ -96,9 +96,12 @@ class NvmeSwapper:
     Attributes:
         folder: The swapper's folder (absolute).
         direct: Whether ``O_DIRECT`` is in use (probed with a real aligned write and read).
-        bytes_read, bytes_written: Logical bytes of the requests completed successfully.
-        read_seconds, write_seconds: Wall time during which at least one read (write) ran; bytes
-            divided by these is the achieved bandwidth.
+        bytes_read: Logical bytes of the read requests completed successfully.
+        bytes_written: Logical bytes of the write requests completed successfully.
+        read_seconds: Wall time during which at least one read ran; ``bytes_read`` divided by it
+            is the achieved read bandwidth.
+        write_seconds: Wall time during which at least one write ran; ``bytes_written`` divided by
+            it is the achieved write bandwidth.
         planned_bytes: What the whole run writes under the folder's parent, over every rank sharing
             its filesystem (set by the NVMe preflight, :func:`~lightning_zinf.offload.preflight.ensure_space`;
             0: unknown): a full disk is reported with this total, not one request's size.
