@@ -33,7 +33,9 @@ class MemoryAccounting:
     """Counts an engine's memory into its ledger and splits it by tier.
 
     Args:
-        ledger: The engine's ledger (the moving categories are kept there by the unit state machine).
+        ledger: The engine's ledger (the moving categories are kept there as buffers come and go:
+            ``gathered`` by the unit state machine, ``secondary`` and ``grad_buffers`` by the flat
+            groups, ``reduce_pending`` and ``pooled`` by the buffer pool).
         groups: The engine's flat groups.
         optimizers: The engine's sharded optimizers; the list the engine appends to (their states
             are counted as they are created).

@@ -41,7 +41,7 @@ class RankAgreement:
     Args:
         comm: The engine's collectives (its control-plane all-reduces carry the checks).
         tracer: The engine's trace of unit gathers; while it certifies the order (a pass that
-            follows the recorded one) gathers are not checked one by one.
+            follows the recorded one) gathers and reduce-scatters are not checked one by one.
         units: The engine's units, by index (for messages).
         groups: The engine's flat groups, unit by unit (for messages).
 

@@ -35,7 +35,7 @@ from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapped import SwapSpace
 from lightning_zinf.offload.swapper import NvmeSwapper
 
-__all__ = ["UnitBuilder", "check_group_sizes", "make_swap_space", "swapped_shards"]
+__all__ = ["UnitBuilder", "check_group_sizes", "make_swap_space", "split_by_kind", "stored_quantized", "swapped_shards"]
 
 
 class UnitBuilder:
@@ -51,7 +51,8 @@ class UnitBuilder:
         persistence_threshold: Units of at most this many elements stay gathered.
         ledger: The engine's ledger (groups account their buffers there).
         transfers: The engine's host/device copy queue.
-        param_offload: NVMe parameter offload (each trainable group's shard gets a swap record), or None.
+        param_offload: NVMe parameter offload (each group's shard gets a swap record, frozen ones too,
+            except groups stored quantized), or None.
         preloaded: Qualified names of parameters the caller loads right after construction: built on
             the meta device, they get memory but no initialisation.
     """

@@ -176,20 +176,17 @@ class ZeroEngine:
         ranks_per_node = zero_pp.ranks_per_node or (local if local and world % local == 0 else world)
         hpz_size = (zero_pp.hpz_partition_size or ranks_per_node) if zero_pp.hpz else None
         check_group_sizes(zero_pp, world, ranks_per_node)
-        self.zero_pp = zero_pp
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
                                 qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block,
                                 timeout=timeout, device=self.device)
-        self.prefetch = prefetch
-        self.mixed_precision = mixed_precision
         on_device = list(MOVING)
         on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
         self.ledger = MemoryLedger(tuple(on_device))
-        self.auto_pass = auto_pass
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
-        self.offload_config = offload
-        self._shard_device = torch.device("cpu") if offload.param != "none" else self.device
+        self._nvme_path = offload.nvme_path
+        self._shards_offloaded = offload.param != "none"
+        self._shard_device = torch.device("cpu") if self._shards_offloaded else self.device
         self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         specs, uses = plan_units(module, block_classes)
@@ -221,7 +218,7 @@ class ZeroEngine:
                                  agreement=self.agreement, prefetch=prefetch, param_offload=self.param_offload,
                                  offload=self.offload)
         self.accounting = MemoryAccounting(self.ledger, self.groups, self.optimizers,
-                                           shards_offloaded=offload.param != "none", param_offload=self.param_offload,
+                                           shards_offloaded=self._shards_offloaded, param_offload=self.param_offload,
                                            offload=self.offload, space=self.space)
         self.schedule = Schedule(module, self.units, {m: [self.units[i] for i in ids] for m, ids in uses.items()},
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
@@ -352,11 +349,11 @@ class ZeroEngine:
 
         if self.offload is not None and self.offload.nvme:
             self.swapper.planned_bytes = ensure_space(
-                self.comm, self.offload_config.nvme_path, self.offload.planned_bytes(optimizer),
+                self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
                 "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
         if self.offload is not None:
             self.offload.place_masters(shard_resident)
-        elif self.offload_config.param != "none":
+        elif self._shards_offloaded:
             # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be it.
             for group in self.groups:
                 if group.trainable and group.master is None:

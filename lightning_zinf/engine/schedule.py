@@ -5,10 +5,11 @@ units come next, and the next released ones within the bucket budget are gathere
 shards read further ahead); its post-hook releases them and hooks the gradients of its outputs.
 Backward: that output hook re-gathers the units before the module's backward runs and holds them;
 a unit is released in backward (:meth:`~lightning_zinf.engine.units.UnitStates.release_after_backward`)
-once every trainable group of it is reduce-scattered (:meth:`Schedule._on_grad`, a post-accumulate
-hook per parameter) and, for frozen parameters, once the identity node threaded through the
-module's inputs has run (:class:`_PostBackward`, FSDP2's post-backward signal). A callback at the
-end of backward flushes partial groups and agrees on which parameters got a gradient.
+once the gradients of every trainable group of it are complete (:meth:`Schedule._on_grad`, a
+post-accumulate hook per parameter, which then has the group reduce-scattered) and, for frozen
+parameters, once the identity node threaded through the module's inputs has run
+(:class:`_PostBackward`, FSDP2's post-backward signal). A callback at the end of backward flushes
+partial groups, agrees on which parameters got a gradient and releases what is still held.
 
 The method is ZeRO-3's (Rajbhandari et al., SC'20, §5.3) with ZeRO-Infinity's trace-based prefetch
 (Rajbhandari et al., SC'21, §6.2); the unit transitions themselves are
@@ -50,7 +51,8 @@ _eager = torch.compiler.disable(
 def _call_weakly(method: weakref.WeakMethod, *args: Any) -> None:
     """Call ``method`` if its schedule is alive. Python's garbage collector does not look inside a
     parameter's gradient hooks: one that held the schedule, or a unit or group (which hold the
-    parameter), would keep the engine, the model and every shard alive for the rest of the process."""
+    parameter), would keep the units, the model and every shard (and, through the root pre-hook,
+    the engine) alive for the rest of the process."""
     bound = method()
     if bound is not None:
         bound(*args)
@@ -142,6 +144,9 @@ class Schedule:
 
     # --- when to gather ---------------------------------------------------------------------------
     def _acquire(self, unit: Unit) -> None:
+        """Have ``unit`` gathered for use now (forward, or its re-gather in backward): tell the
+        trace, start its gather if it is released, prefetch the next units of the trace and read
+        the NVMe shards of the next ones ahead, then wait for it."""
         upcoming = self.tracer.request(unit.index)
         self.states.claim(unit)
         if unit.state == RELEASED:
@@ -256,6 +261,9 @@ class Schedule:
 
     @_eager
     def _on_grad(self, unit_index: int, position: int, index: int, param: Tensor) -> None:
+        """A parameter's gradient has been accumulated (its post-accumulate hook): once its flat
+        group's gradients are all there, release the unit if nothing else holds it and
+        reduce-scatter the group."""
         unit = self.units[unit_index]
         group = unit.groups[position]
         self._queue_backward_end()

@@ -55,7 +55,8 @@ class Unit:
         state: ``"released"``, ``"inflight"`` or ``"gathered"``.
         forward_depth: Forward calls (and exact holds) in progress that use the unit.
         held: Held gathered for backward (from its first output gradient until it is reduced).
-        reduced_groups: Trainable groups whose gradients were reduce-scattered in this backward.
+        reduced_groups: Trainable groups whose gradients are complete in this backward (each is
+            then reduce-scattered).
         pending_backward: Forward uses whose input-side post-backward node has not run yet.
         kept: Stays gathered between forward passes (``keep_gathered``).
     """
