@@ -126,3 +126,25 @@ def make_batch(kind: str, step: int, batch: int) -> tuple[torch.Tensor, torch.Te
         tokens = torch.randint(0, 64, (batch, 17), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
     return torch.randn(batch, 16, generator=g), torch.randn(batch, 8, generator=g)
+
+
+def saved_by_autograd(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
+    """In plain PyTorch, the bytes of the activations autograd saves for one forward and loss of
+    ``batch`` (non-empty tensors on the model's device that are not parameters or views of them),
+    and how many saved tensors are parameters or views of them: an observer independent of the
+    engine, on whatever device the model is (CUDA kernels save other tensors than CPU ones)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    device = next(model.parameters()).device
+    activation_bytes, weights = 0, 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal activation_bytes, weights
+        if t.untyped_storage().data_ptr() in params:
+            weights += 1
+        elif t.device == device and t.numel():
+            activation_bytes += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model, *(t.to(device) for t in batch))
+    return activation_bytes, weights

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.parsing import AttributeDict
 from lightning_zinf import checkpoint
 from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_zinf import ZeroEngine
-from tests import models
+from tests import models, optimizer_resume
 from tests.harness import run_distributed
 from tests.test_trainer import GLOBAL_BATCH, LitGPT, _tokens, _trainer
 
@@ -579,3 +579,18 @@ def test_files_of_different_saves_are_named_as_such(tmp_path: Path) -> None:
                                               r"The shard was written by save save-\w+ as rank 1 of 2; meta.pt by save "
                                               r"save-\w+ of 2 ranks"):
         load_sharded(engine, [], tmp_path / "w2-b")
+
+
+@pytest.mark.parametrize("kind, flags", [
+    (torch.optim.AdamW, {}), (torch.optim.AdamW, {"foreach": True}), (torch.optim.AdamW, {"fused": True}),
+    (torch.optim.ASGD, {}),  # 0-d states besides step: eta, mu
+], ids=["plain", "foreach", "fused", "asgd"])  # fmt: skip
+def test_restored_optimizer_state_is_placed_as_torch_places_it(tmp_path: Path, kind: type, flags: dict) -> None:
+    """Every restored state tensor has the device and dtype torch's own
+    ``Optimizer.load_state_dict`` gives it for the param group's flags (``step`` as fp32, on the
+    parameters' device for ``fused``; other scalars in the parameters' dtype), and a fused CPU AdamW
+    resumes exactly: the losses after the resume equal the uninterrupted run's. The CUDA run (fused
+    and capturable) is in test_gpu.py."""
+    run = optimizer_resume.resumed_run(flags, "cpu", tmp_path / "ckpt", kind=kind)
+    assert run["placed"] == optimizer_resume.torch_placement(flags, "cpu", kind)
+    assert run["resumed"] == run["straight"]

@@ -404,3 +404,35 @@ def test_an_engine_collected_during_another_optimizers_step() -> None:
     finally:
         collect.remove()
         gc.enable()
+
+
+@pytest.mark.parametrize("current, local_rank, count, expected", [
+    (0, None, 8, 0),  # not launched by torchrun: the current device
+    (3, "3", 8, 3),   # torch.cuda.set_device(LOCAL_RANK) was called
+    (0, "0", 8, 0),
+    (0, "1", 1, 0),   # more local ranks than devices: they share them by choice
+    (0, "5", 4, 0),
+])  # fmt: skip
+def test_an_accelerator_without_index_is_the_local_ranks(current: int, local_rank: str | None, count: int,
+                                                          expected: int) -> None:
+    from lightning_zinf.engine.transfer import local_device_index
+
+    assert local_device_index(current, local_rank, count) == expected
+
+
+def test_a_local_rank_that_is_not_an_integer_is_named() -> None:
+    from lightning_zinf.engine.transfer import local_device_index
+
+    with pytest.raises(ValueError, match=r"LOCAL_RANK='one' is not an integer"):
+        local_device_index(0, "one", 4)
+
+
+@pytest.mark.parametrize("current, local_rank", [(0, "1"), (2, "1")])
+def test_an_accelerator_without_index_that_could_be_two_devices_is_refused(current: int, local_rank: str) -> None:
+    """Rank 1 of a machine with four GPUs that never chose one would put its shards on GPU 0 (or
+    another rank's): refused, naming the two fixes."""
+    from lightning_zinf.engine.transfer import local_device_index
+
+    with pytest.raises(ValueError, match=rf"LOCAL_RANK=1\) has cuda:{current} current .* Call torch.cuda.set_device\(1\) "
+                                         rf".* or pass device='cuda:1' \(or 'cuda:{current}' to share"):
+        local_device_index(current, local_rank, 4)

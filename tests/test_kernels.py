@@ -510,3 +510,14 @@ def test_reference_cpu_benchmark_runs(tmp_path: Path) -> None:
     record = json.loads(out.read_text())
     assert len(record["rows"]) == 12 and record["copy_gbs"] > 0
     assert all(r["ns_per_element"] > 0 and r["speedup"] > 0 for r in record["rows"])
+
+
+def test_a_launch_with_tensors_on_two_devices_is_refused() -> None:
+    """Triton launches on the current device: a launch whose tensors sit on two devices would
+    address one of them with the other's pointers, so it is refused before launching, naming them."""
+    from triton_kernels.quant_kernel import quantize_launch
+
+    launch = quantize_launch(torch.ones(64), torch.empty(1, 64, dtype=torch.int8, device="meta"), torch.empty(1, 1),
+                             in_row_len=64, out_row_len=64, nodes=1, ranks_per_node=1, bits=8, block=64)
+    with pytest.raises(ValueError, match=r"tensors on different devices \(\['cpu', 'meta'\]\)"):
+        launch.run()

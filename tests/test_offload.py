@@ -394,25 +394,6 @@ def test_nvme_checkpoints_stream_one_group_at_a_time(tmp_path: Path) -> None:
         assert got["loaded"]
 
 
-def _saved_by_autograd(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """In plain PyTorch, the bytes of activations autograd saves for one forward, and how many
-    saved tensors are parameters or views of them (an observer independent of the engine)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    activation_bytes, weights = 0, 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal activation_bytes, weights
-        if t.untyped_storage().data_ptr() in params:
-            weights += 1
-        else:
-            activation_bytes += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        models.loss_fn(model, *x)
-    return activation_bytes, weights
-
-
 @pytest.mark.parametrize("checkpointing", [False, "reentrant"])
 def test_activation_offload_moves_activations_only(checkpointing) -> None:
     """``OffloadConfig(activations=True)`` copies every activation autograd saves and no weight:
@@ -423,7 +404,7 @@ def test_activation_offload_moves_activations_only(checkpointing) -> None:
     batch = models.make_batch("gpt", 0, BATCH)
     torch.manual_seed(0)
     reference = models.GPT(checkpointing=checkpointing)
-    want_bytes, want_weights = _saved_by_autograd(reference, batch)
+    want_bytes, want_weights = models.saved_by_autograd(reference, batch)
     assert want_bytes > 0 and want_weights > 0
     grads = []
     for offload in (False, True):

@@ -58,8 +58,22 @@ class KernelLaunch:
     options: dict
 
     def run(self) -> None:
-        """Launch the kernel (nothing to do for an empty grid)."""
-        if self.grid:
+        """Launch the kernel on its tensors' device, on that device's current stream (nothing to do
+        for an empty grid). Triton launches on the current device: a kernel whose tensors are on
+        ``cuda:1`` while ``cuda:0`` is current would read and write another GPU's addresses, so the
+        tensors' device is made current for the launch.
+
+        Raises:
+            ValueError: the tensor arguments are on different devices.
+        """
+        if not self.grid:
+            return
+        devices = {a.device for a in self.args if isinstance(a, torch.Tensor)}
+        if len(devices) > 1:
+            raise ValueError(f"A Triton launch got tensors on different devices ({sorted(map(str, devices))}); "
+                             "move them to one device first.")
+        index = next(iter(devices)).index if devices else None
+        with torch.accelerator.device_index(index):
             self.kernel[(self.grid,)](*self.args, **self.options)
 
 

@@ -158,7 +158,7 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Op
                 mine: dict[str, Any] = {}
                 for key, value in entry.items():
                     if not isinstance(value, Tensor) or value.dim() == 0:
-                        mine[key] = placed_scalar_state(value, fragment, optimizer) if isinstance(value, Tensor) else value
+                        mine[key] = placed_scalar_state(key, value, fragment, optimizer) if isinstance(value, Tensor) else value
                         continue
                     if value.shape != group.shapes[j]:
                         raise ValueError(f"Optimizer state '{key}' of '{group.names[j]}' has shape {tuple(value.shape)}, "

@@ -90,11 +90,13 @@ def load_sharded(
     return meta
 
 
-def placed_scalar_state(value: Tensor, fragment: Tensor, optimizer: torch.optim.Optimizer) -> Tensor:
-    """A restored per-parameter scalar state (Adam's ``step``) placed as torch's own
-    ``Optimizer.load_state_dict`` places it: fp32, on the fragment's device for a ``fused`` or
-    ``capturable`` param group (their kernels read it there), else on the CPU; always a copy (not a
-    view of a memory-mapped checkpoint)."""
+def placed_scalar_state(key: str, value: Tensor, fragment: Tensor, optimizer: torch.optim.Optimizer) -> Tensor:
+    """A restored per-parameter scalar state placed as torch's own ``Optimizer.load_state_dict``
+    places it: ``step`` in fp32, on the fragment's device for a ``fused`` or ``capturable`` param
+    group (their kernels read it there), else on the CPU; any other scalar (ASGD's ``eta``, ``mu``)
+    in the fragment's dtype, on its device. Always a copy (not a view of a memory-mapped checkpoint)."""
+    if key != "step":
+        return value.to(dtype=fragment.dtype, device=fragment.device, copy=True)
     group = next(g for g in optimizer.param_groups if any(p is fragment for p in g["params"]))
     on_device = group.get("fused") or group.get("capturable")
     return value.to(dtype=torch.float32, device=fragment.device if on_device else "cpu", copy=True)
@@ -120,7 +122,8 @@ def _load_group_state(
             if name.endswith(".scalar"):
                 value = reader.read(key, 0, len(group.params), len(group.params))[j]
                 if not torch.isnan(value):
-                    state[name.removesuffix(".scalar")] = placed_scalar_state(value, fragment, optimizer)
+                    state[name.removesuffix(".scalar")] = placed_scalar_state(name.removesuffix(".scalar"), value, fragment,
+                                                                              optimizer)
                 continue
             if name not in flat:
                 data = reader.read(key, lo, hi, old_shard)

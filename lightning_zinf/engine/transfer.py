@@ -33,22 +33,68 @@ Memory safety, as the caching allocators see it:
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["HeldUntilWait", "Transfers", "resolve_device"]
+__all__ = ["HeldUntilWait", "Transfers", "local_device_index", "resolve_device"]
 
 
 def resolve_device(device: "torch.device | str") -> torch.device:
-    """``device`` with its index: an accelerator given without one (``"cuda"``) is the current
-    device of its type, so that comparisons with tensors' devices (``cuda:0``) hold."""
+    """``device`` with its index, so that comparisons with tensors' devices (``cuda:0``) hold: an
+    accelerator given without one (``"cuda"``) is this process's device of that type, decided by
+    :func:`local_device_index` from the current device and ``LOCAL_RANK`` (torchrun's).
+
+    Raises:
+        ValueError: ``LOCAL_RANK`` names another device than the current one and either could be
+            meant (see :func:`local_device_index`).
+    """
     device = torch.device(device)
-    if device.type != "cpu" and device.index is None:
-        return torch.device(device.type, torch.accelerator.current_device_index())
-    return device
+    if device.type == "cpu" or device.index is not None:
+        return device
+    index = local_device_index(torch.accelerator.current_device_index(), os.environ.get("LOCAL_RANK"),
+                               torch.accelerator.device_count(), device.type)
+    return torch.device(device.type, index)
+
+
+def local_device_index(current: int, local_rank: Optional[str], count: int, kind: str = "cuda") -> int:
+    """The device index of a process asked for ``kind`` without an index.
+
+    Several ranks on one machine all start with device 0 current; a rank that never called
+    ``torch.cuda.set_device`` would put its shards and collectives on another rank's device (NCCL
+    then hangs or fails, and memory runs out on device 0). So: without ``LOCAL_RANK``, or when the
+    current device is the local rank's, or when there are fewer devices than local ranks (ranks
+    share devices by choice), the current device; otherwise this is ambiguous, and refused.
+
+    Args:
+        current: The current device index of ``kind``.
+        local_rank: ``LOCAL_RANK`` from the environment, or None.
+        count: Devices of ``kind`` on the machine.
+        kind: The device type, for the message.
+
+    Raises:
+        ValueError: ``local_rank`` names an existing device other than ``current`` (the message
+            names both fixes: ``torch.cuda.set_device(LOCAL_RANK)`` or an explicit index), or is not
+            an integer.
+    """
+    if local_rank is None:
+        return current
+    try:
+        rank = int(local_rank)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} is not an integer; unset it or set it to this process's "
+                         "rank on its machine (torchrun sets it).") from None
+    if rank == current or rank >= count:
+        return current
+    raise ValueError(
+        f"device={kind!r} has no index, and this process (LOCAL_RANK={rank}) has {kind}:{current} current "
+        f"while the machine has {count} {kind} devices: every rank would use {kind}:{current}. Call "
+        f"torch.cuda.set_device({rank}) (torch.accelerator.set_device_index({rank})) before building the engine, "
+        f"or pass device='{kind}:{rank}' (or '{kind}:{current}' to share that device on purpose)."
+    )
 
 
 class Transfers:
