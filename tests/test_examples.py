@@ -58,6 +58,38 @@ def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: P
     assert got["compute_streams"] == ["7", "9"] and got["copy_streams"] == ["9"]
 
 
+def test_gpu_check_keeps_to_its_budget_and_writes_after_every_step(tmp_path: Path) -> None:
+    """The driver, on the CPU: the prerequisites and each step land in the JSON as they finish
+    (steps in child processes); a budget too small for any step records every step as skipped
+    instead of starting it; a step past its timeout is killed with its whole process group."""
+    import json
+    import os
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    import gpu_check
+
+    out = tmp_path / "check.json"
+    small = ["--device", "cpu", "--d-model", "32", "--layers", "2", "--trace", str(tmp_path / "trace.json"),
+             "--skip", "suite,main_job,kernels", "--out", str(out)]
+    assert gpu_check.main(small) == 1  # the overlap step finds no device copies on a CPU
+    got = json.loads(out.read_text())
+    assert got["prerequisites"]["ok"] and got["prerequisites"]["pytest"]
+    assert got["ledger"]["ok"] and got["ledger"]["seconds_total"] > 0
+    assert not got["overlap"]["ok"] and got["overlap"]["copy_us"] == 0 and "suite" not in got
+
+    assert gpu_check.main([*small, "--budget", "10"]) == 1
+    got = json.loads(out.read_text())
+    assert all(got[name]["skipped"].startswith("out of time") for name in ("ledger", "overlap"))
+
+    start = time.monotonic()
+    code, _ = gpu_check._run(["bash", "-c", f"sleep 60 & echo $! > {tmp_path / 'child'}; wait"], timeout=2)
+    assert code is None and time.monotonic() - start < 30
+    child = int((tmp_path / "child").read_text())
+    time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{child}") or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
 def _run_example(*args: str) -> str:
     import subprocess
 

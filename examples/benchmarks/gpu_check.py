@@ -1,15 +1,28 @@
-"""Everything that has to be seen running on a CUDA GPU, in one command, with one JSON of results.
+"""Everything that has to be seen running on a CUDA GPU, in one command, within a time budget,
+with a JSON of results written after every step.
 
-    python examples/benchmarks/gpu_check.py [--out gpu_check.json] [--steps 50] [--skip suite,kernels,...]
+    python examples/benchmarks/gpu_check.py [--budget 480] [--out gpu_check.json] [--skip suite,kernels,...]
 
-Steps (each recorded with its status, seconds and figures; a failing step does not stop the others):
+On a lent device machine (its image has python3 3.12, torch 2.11, triton 3.6, lightning 2.6.6 and no
+package index): first, here, ``bash examples/benchmarks/gpu_wheels.sh`` puts the pure-Python wheels
+the image lacks (jsonargparse and its helpers, for ``zinf fit``) in ``examples/benchmarks/gpu_wheels/``;
+then run, there, with that folder carried along with the tree:
 
-  suite     ``pytest -m gpu tests``: the Triton kernels against their references, every engine
-            feature at one rank on CUDA in an NCCL group, two ranks sharing the GPU through gloo
+    PYTHONPATH=. python3 examples/benchmarks/gpu_check.py --out $OUT/gpu_check.json
+
+Nothing is installed there: the carried wheels are unpacked into a temporary folder on the steps'
+``PYTHONPATH``. The prerequisites are checked first, in seconds, and written to the JSON; then the
+steps run, most valuable first, each in its own process group with a timeout sized to what is left
+of ``--budget`` (a step that would get less than ``MIN_STEP_S`` is recorded as skipped):
+
+  suite     ``pytest -m gpu`` over the GPU test modules only (test_gpu.py, test_kernels.py): every
+            engine feature at one rank on CUDA in an NCCL group, two ranks sharing the GPU through
+            gloo, fused/capturable AdamW resume, the Triton kernels against their references
             (passed / failed / skipped, with the failures' names)
-  kernels   ``kernels.py``: the quantization kernels' bandwidth against the device copy (its JSON)
   main_job  the README's main job on one GPU (``zinf fit`` with ``--trainer.devices 1``): wall time,
             last logged losses, ZeroMonitor's ledger peak next to ``max_memory_allocated``
+  kernels   ``kernels.py`` at 2**24 values, no ``torch.compile`` column: the quantization kernels'
+            bandwidth against the device copy (its JSON)
   ledger    an engine over the examples' GPT (d_model 1024, 8 blocks) on CUDA, per configuration
             (plain, bf16, CPU offload): the ledger's device peak per step, the allocator's peak,
             and the difference (activations, autograd, allocator slack)
@@ -17,7 +30,8 @@ Steps (each recorded with its status, seconds and figures; a failing step does n
             activations on the host): the Chrome trace file, and how much of the host<->device
             copy time runs while a compute kernel runs on another stream
 
-Without CUDA it exits with status 2 and writes nothing.
+Without CUDA it exits with status 2 and writes nothing (``--device cpu``, for the tests, runs the
+same driver on the CPU).
 """
 
 from __future__ import annotations
@@ -26,14 +40,17 @@ import argparse
 import contextlib
 import csv
 import datetime
+import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -43,30 +60,52 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-STEPS = ("suite", "kernels", "main_job", "ledger", "overlap")
+STEPS = ("suite", "main_job", "kernels", "ledger", "overlap")  # most valuable first
+#: The most seconds each step may take (a step gets less when the budget has less left).
+STEP_CAP_S = {"suite": 240, "main_job": 150, "kernels": 60, "ledger": 60, "overlap": 60}
+#: A step that would get fewer seconds than this is skipped rather than started.
+MIN_STEP_S = 15
+GPU_TESTS = ("tests/test_gpu.py", "tests/test_kernels.py")
+WHEELS = HERE / "gpu_wheels"
+#: What the main job imports beyond the image's packages (the wheels gpu_wheels.sh prepares).
+MAIN_JOB_NEEDS = ("jsonargparse", "docstring_parser", "typeshed_client")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json", help="the JSON of results (default gpu_check.json)")
+    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole check (default 480)")
     parser.add_argument("--trace", default="gpu_check_trace.json", help="the Chrome trace of the overlap step")
     parser.add_argument("--steps", type=int, default=50, help="training steps of the main job (default 50)")
     parser.add_argument("--skip", default="", help=f"comma-separated steps to leave out, among {','.join(STEPS)}")
     parser.add_argument("--d-model", type=int, default=1024, help="width of the GPT of the ledger and overlap steps")
     parser.add_argument("--layers", type=int, default=8, help="blocks of that GPT")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": the tests' dry run of those steps
+    parser.add_argument("--run-step", help=argparse.SUPPRESS)  # in a child process: run this in-process step
+    parser.add_argument("--step-out", help=argparse.SUPPRESS)  # ... and write its result here
     return parser.parse_args(argv)
 
 
-def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run ``cmd`` in the repository root in a process group of its own; return its exit status
+    (None when it ran past ``timeout`` seconds and its whole group was killed) and its output's tail."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out[-4000:]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest's and torchrun's children too
+        out, _ = proc.communicate()
+        return None, out[-4000:]
 
 
-def step_suite(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def step_suite(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
     report = work / "suite.xml"
-    code, tail = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={report}",
-                       "-p", "no:cacheprovider"], timeout=3600)
+    code, tail = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS, f"--junitxml={report}",
+                       "-p", "no:cacheprovider"], timeout, env)
+    if not report.exists():
+        return {"ok": False, "error": "timed out" if code is None else f"pytest exited {code}", "tail": tail}
     suite = ET.parse(report).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
@@ -75,19 +114,24 @@ def step_suite(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"ok": code == 0, **counts, "failed": failed, "tail": tail if code else ""}
 
 
-def step_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def step_kernels(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
     out = work / "kernels.json"
-    code, tail = _run([sys.executable, str(HERE / "kernels.py"), "--out", str(out)], timeout=1800)
+    code, tail = _run([sys.executable, str(HERE / "kernels.py"), "--numel", str(1 << 24), "--no-compile",
+                       "--warmup", "2", "--out", str(out)], timeout, env)
     return {"ok": code == 0, "results": json.loads(out.read_text()) if out.exists() else None,
             "tail": tail if code else ""}
 
 
-def step_main_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def step_main_job(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
+    missing = [m for m in MAIN_JOB_NEEDS if not _importable(m, env)]
+    if missing:
+        return {"ok": False, "skipped": f"{', '.join(missing)} not importable: prepare the wheels with "
+                                         "`bash examples/benchmarks/gpu_wheels.sh` and carry examples/benchmarks/gpu_wheels"}
     logs = work / "main_job"
     cmd = [sys.executable, "-m", "lightning_zinf.cli", "fit", "--config", "examples/configs/gpt_stdlib.yaml", "--trainer.accelerator", "gpu",
            "--trainer.devices", "1", "--trainer.max_steps", str(args.steps), "--trainer.default_root_dir", str(logs)]
     start = time.perf_counter()
-    code, tail = _run(cmd, timeout=3600)
+    code, tail = _run(cmd, timeout, env)
     seconds = time.perf_counter() - start
     found = sorted((REPO_ROOT / "lightning_logs" / "gpt_stdlib").glob("version_*/metrics.csv"), key=os.path.getmtime)
     last: dict[str, float] = {}
@@ -222,9 +266,71 @@ def copy_overlap(events: list[dict]) -> dict[str, Any]:
     }
 
 
+def _importable(module: str, env: dict[str, str]) -> bool:
+    """Whether ``module`` imports under ``env``'s ``PYTHONPATH`` (the carried wheels included)."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    saved = list(sys.path)
+    sys.path[:0] = paths
+    try:
+        return importlib.util.find_spec(module) is not None
+    finally:
+        sys.path[:] = saved
+
+
+def unpack_wheels(folder: Path, into: Path) -> list[str]:
+    """Unpack the pure-Python wheels in ``folder`` (gpu_wheels.sh's) into ``into``, which then goes
+    on the steps' ``PYTHONPATH``: a pure-Python wheel is a zip of the package's files, so this is
+    all an install would do for it. Returns the wheels' file names."""
+    names = []
+    for wheel in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(into)
+        names.append(wheel.name)
+    return names
+
+
+def prerequisites(args: argparse.Namespace, env: dict[str, str], wheels: list[str]) -> dict[str, Any]:
+    """What the steps rely on, found in seconds: versions, the device, which packages import."""
+    found: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "wheels": wheels}
+    for module in ("triton", "lightning", "transformers", "peft", "pytest", *MAIN_JOB_NEEDS):
+        found[module] = _importable(module, env)
+    if args.device != "cpu":
+        free, total = torch.cuda.mem_get_info()
+        found.update(device=torch.cuda.get_device_name(0),
+                     capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                     gpu_free_bytes=free, gpu_total_bytes=total)
+    found["ok"] = bool(found["pytest"] and found["lightning"] and (args.device == "cpu" or found["triton"]))
+    return found
+
+
+def _child_step(name: str, args: argparse.Namespace, argv: list[str], work: Path, timeout: float,
+                env: dict[str, str]) -> dict[str, Any]:
+    """Run an in-process step (ledger, overlap) in a child process of this script, so that the
+    budget's timeout can stop it."""
+    out = work / f"{name}.json"
+    code, tail = _run([sys.executable, str(Path(__file__).resolve()), *argv, "--run-step", name,
+                       "--step-out", str(out)], timeout, env)
+    if code is None:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "tail": tail}
+    if not out.exists():
+        return {"ok": False, "error": f"exited {code} without a result", "tail": tail}
+    return json.loads(out.read_text())
+
+
+IN_PROCESS = {"ledger": step_ledger, "overlap": step_overlap}
+SUBPROCESS = {"suite": step_suite, "main_job": step_main_job, "kernels": step_kernels}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.run_step:  # a child process running one in-process step
+        with tempfile.TemporaryDirectory() as tmp:
+            result = IN_PROCESS[args.run_step](args, Path(tmp))
+        Path(args.step_out).write_text(json.dumps(result))
+        return 0
+    deadline = time.monotonic() + args.budget
+    if args.device != "cpu" and not torch.cuda.is_available():
         print("gpu_check.py needs a CUDA GPU; none is visible.", file=sys.stderr)
         return 2
     skip = {s for s in args.skip.split(",") if s}
@@ -232,28 +338,43 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--skip: unknown step(s) {sorted(unknown)}; choose among {', '.join(STEPS)}.", file=sys.stderr)
         return 2
+    out = Path(args.out)
     results: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "host": platform.node(),
+        "host": platform.node(), "budget_s": args.budget,
     }
-    steps = {"suite": step_suite, "kernels": step_kernels, "main_job": step_main_job, "ledger": step_ledger,
-             "overlap": step_overlap}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, run in steps.items():
+        work = Path(tmp)
+        site = work / "site"
+        wheels = unpack_wheels(WHEELS, site)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), str(site),
+                                                                         os.environ.get("PYTHONPATH")])))
+        results["prerequisites"] = prerequisites(args, env, wheels)
+        out.write_text(json.dumps(results, indent=1))
+        print(f"prerequisites: {'ok' if results['prerequisites']['ok'] else 'MISSING'} "
+              f"({json.dumps(results['prerequisites'])})", flush=True)
+        for name in STEPS:
             if name in skip:
                 continue
-            start = time.perf_counter()
-            try:
-                results[name] = run(args, Path(tmp))
-            except Exception as exc:  # a step's failure is a result; the next steps still run
-                results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            results[name]["seconds_total"] = time.perf_counter() - start
-            print(f"{name}: {'ok' if results[name].get('ok') else 'FAILED'} ({results[name]['seconds_total']:.0f} s)", flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
-    return 0 if all(results[n].get("ok") for n in steps if n not in skip) else 1
+            left = deadline - time.monotonic()
+            timeout = min(STEP_CAP_S[name], left - 5)
+            if timeout < MIN_STEP_S:
+                results[name] = {"ok": False, "skipped": f"out of time ({left:.0f} s of the budget left)"}
+            else:
+                start = time.perf_counter()
+                try:
+                    if name in SUBPROCESS:
+                        results[name] = SUBPROCESS[name](args, work, timeout, env)
+                    else:
+                        results[name] = _child_step(name, args, argv, work, timeout, env)
+                except Exception as exc:  # a step's failure is a result; the next steps still run
+                    results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                results[name]["seconds_total"] = time.perf_counter() - start
+            out.write_text(json.dumps(results, indent=1))  # whatever happens next, this much is kept
+            state = "ok" if results[name].get("ok") else ("skipped" if "skipped" in results[name] else "FAILED")
+            print(f"{name}: {state} ({results[name].get('seconds_total', 0):.0f} s)", flush=True)
+    print(f"wrote {out}")
+    return 0 if all(results[n].get("ok") for n in STEPS if n not in skip) else 1
 
 
 if __name__ == "__main__":
