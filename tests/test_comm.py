@@ -97,3 +97,82 @@ def test_gather_and_reduce_scatter_on_gloo_against_the_definition(world: int, n:
         if n * dtype.itemsize >= 1 << 20 and ranks_per_node == world:
             least = (world - 1) * n * dtype.itemsize
             assert least <= result["sent"] <= 1.05 * least, (result["sent"], least)
+
+
+def _one_rank_run(rank: int, world: int, forced: bool, feature: str) -> dict:
+    """Two training steps of the tests' GPT at one rank with ``feature``; with ``forced``, under the
+    debug switch that keeps real collectives. torch's profiler counts the collectives that ran."""
+    import os
+
+    from torch.profiler import profile
+
+    from lightning_zinf import PrefetchConfig, ZeroEngine, ZeroPPConfig
+    from tests import models
+
+    os.environ["ZINF_REAL_COLLECTIVES"] = "1" if forced else "0"
+    zero_pp = {"plain": ZeroPPConfig(), "zero_pp": ZeroPPConfig(qwz=True, hpz=True, qgz=True),
+               "frozen_int8": ZeroPPConfig(frozen_bits=8)}[feature]
+    torch.manual_seed(0)
+    model = models.GPT(lora_rank=4 if feature == "frozen_int8" else 0)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0), zero_pp=zero_pp)
+    opt = engine.shard_optimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05))
+    losses = []
+    with profile() as prof:
+        for step in range(2):
+            loss = models.loss_fn(model, *models.make_batch("gpt", step, 4))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    ran: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("gloo:"):
+            ran[event.name] = ran.get(event.name, 0) + 1
+    return {"losses": losses, "ran": ran}
+
+
+@pytest.mark.parametrize("feature", ["plain", "zero_pp", "frozen_int8"])
+def test_the_debug_switch_runs_real_collectives_at_one_rank(feature: str) -> None:
+    """``ZINF_REAL_COLLECTIVES=1`` at world size 1: gathers, reduce-scatters (and qgZ's all-to-alls)
+    go through torch.distributed (counted by torch's profiler, an observer outside the engine)
+    where they are otherwise local copies, and training gives the same losses bit for bit. On one
+    GPU this runs every engine feature through NCCL (gpu_check.py's nccl step)."""
+    local = run_distributed(_one_rank_run, 1, False, feature)[0]
+    real = run_distributed(_one_rank_run, 1, True, feature)[0]
+    assert real["losses"] == local["losses"]
+    assert not any(name in local["ran"] for name in ("gloo:all_gather", "gloo:all_to_all"))
+    assert real["ran"].get("gloo:all_gather", 0) > 0
+    if feature == "zero_pp":
+        assert real["ran"].get("gloo:all_to_all", 0) > 0  # qgZ's legs
+    else:
+        assert real["ran"].get("gloo:all_reduce", 0) > local["ran"].get("gloo:all_reduce", 0)  # gloo's reduce-scatter
+
+
+def _one_rank_large(rank: int, world: int) -> list[bool]:
+    import os
+
+    os.environ["ZINF_REAL_COLLECTIVES"] = "1"
+    comm = Collectives()
+    full = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB: gloo's in-place forms start at 1 MiB
+    out, gathered = torch.empty_like(full), torch.empty_like(full)
+    comm.reduce_scatter_mean(out, full.clone())
+    comm.all_gather(gathered, full)
+    return [comm.local, torch.equal(out, full), torch.equal(gathered, full)]
+
+
+def test_the_debug_switch_at_one_rank_with_large_tensors() -> None:
+    """At one rank with the switch, gloo's flat collectives serve tensors of 1 MiB and more (its
+    in-place forms are for several ranks), and the mean over one rank is the tensor itself."""
+    assert run_distributed(_one_rank_large, 1)[0] == [False, True, True]
+
+
+def test_the_device_check_names_the_switch_as_the_engine_does() -> None:
+    import sys
+    from pathlib import Path
+
+    from lightning_zinf.comm.collectives import REAL_COLLECTIVES_ENV
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    import gpu_check
+
+    assert gpu_check.REAL_COLLECTIVES_ENV == REAL_COLLECTIVES_ENV

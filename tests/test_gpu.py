@@ -3,7 +3,8 @@ for the whole check). Skipped with the reason on a machine without CUDA.
 
 - Every feature of the engine at one rank on CUDA, against the same run on the CPU: the copy
   streams, page-locked memory and CUDA kernels run for real. (At one rank the collectives are
-  local copies: no NCCL collective runs and no control group exists.)
+  local copies and no control group exists; gpu_check.py's nccl step runs these tests again with
+  ``ZINF_REAL_COLLECTIVES=1``, which keeps real NCCL collectives.)
 - Two ranks sharing one GPU through gloo with CUDA tensors (NCCL refuses two ranks on one device):
   the copy streams, the collectives and compute run concurrently, against two CPU ranks. gloo's
   ``wait()`` blocks the host, NCCL's only the stream, so this does not check NCCL's semantics.

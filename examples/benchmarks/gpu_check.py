@@ -21,6 +21,9 @@ of ``--budget`` (a step that would get less than ``MIN_STEP_S`` is recorded as s
             (passed / failed / skipped, with the failures' names)
   main_job  the README's main job on one GPU (``zinf fit`` with ``--trainer.devices 1``): wall time,
             last logged losses, ZeroMonitor's ledger peak next to ``max_memory_allocated``
+  nccl      the one-GPU feature tests again with ``ZINF_REAL_COLLECTIVES=1`` (those making distinct
+            NCCL calls: fp32, bf16, CPU offload, qwZ/hpZ/qgZ, frozen INT8): the engine's features
+            through real NCCL all-gathers, reduce-scatters and all-to-alls at world size 1
   kernels   ``kernels.py`` at 2**24 values, no ``torch.compile`` column: the quantization kernels'
             bandwidth against the device copy (its JSON)
   ledger    an engine over the examples' GPT (d_model 1024, 8 blocks) on CUDA, per configuration
@@ -60,15 +63,20 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-STEPS = ("suite", "main_job", "kernels", "ledger", "overlap")  # most valuable first
+STEPS = ("suite", "main_job", "nccl", "kernels", "ledger", "overlap")  # most valuable first
 #: The most seconds each step may take (a step gets less when the budget has less left).
-STEP_CAP_S = {"suite": 240, "main_job": 150, "kernels": 60, "ledger": 60, "overlap": 60}
+STEP_CAP_S = {"suite": 240, "main_job": 150, "nccl": 120, "kernels": 60, "ledger": 60, "overlap": 60}
 #: A step that would get fewer seconds than this is skipped rather than started.
 MIN_STEP_S = 15
 GPU_TESTS = ("tests/test_gpu.py", "tests/test_kernels.py")
 WHEELS = HERE / "gpu_wheels"
 #: What the main job imports beyond the image's packages (the wheels gpu_wheels.sh prepares).
 MAIN_JOB_NEEDS = ("jsonargparse", "docstring_parser", "typeshed_client")
+#: lightning_zinf.comm.collectives.REAL_COLLECTIVES_ENV (not imported: this process stays light).
+REAL_COLLECTIVES_ENV = "ZINF_REAL_COLLECTIVES"
+#: The one-GPU feature tests that make distinct NCCL calls: gathers and reduce-scatters in fp32 and
+#: bf16, from host memory, qwZ/hpZ/qgZ (codes, secondary gathers, all-to-alls), frozen INT8 codes.
+NCCL_TESTS = ("-k", "every_feature_on_one_gpu and (fp32 or bf16 or offload_cpu or zero_pp or lora_frozen_int8)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,18 +108,26 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> t
         return None, out[-4000:]
 
 
-def step_suite(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
-    report = work / "suite.xml"
-    code, tail = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS, f"--junitxml={report}",
+def step_suite(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str],
+               select: tuple[str, ...] = (), report: str = "suite.xml") -> dict[str, Any]:
+    xml = work / report
+    code, tail = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TESTS, *select, f"--junitxml={xml}",
                        "-p", "no:cacheprovider"], timeout, env)
-    if not report.exists():
+    if not xml.exists():
         return {"ok": False, "error": "timed out" if code is None else f"pytest exited {code}", "tail": tail}
-    suite = ET.parse(report).getroot()
+    suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
               if case.find("failure") is not None or case.find("error") is not None]
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     return {"ok": code == 0, **counts, "failed": failed, "tail": tail if code else ""}
+
+
+def step_nccl(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
+    """Every engine feature at one rank through real NCCL collectives: the one-GPU tests of the
+    suite again under ``ZINF_REAL_COLLECTIVES=1`` (at world size 1 the engine otherwise moves its
+    data-plane bytes as local copies, and no NCCL collective would run on a single GPU)."""
+    return step_suite(args, work, timeout, {**env, REAL_COLLECTIVES_ENV: "1"}, NCCL_TESTS, report="nccl.xml")
 
 
 def step_kernels(args: argparse.Namespace, work: Path, timeout: float, env: dict[str, str]) -> dict[str, Any]:
@@ -318,7 +334,7 @@ def _child_step(name: str, args: argparse.Namespace, argv: list[str], work: Path
 
 
 IN_PROCESS = {"ledger": step_ledger, "overlap": step_overlap}
-SUBPROCESS = {"suite": step_suite, "main_job": step_main_job, "kernels": step_kernels}
+SUBPROCESS = {"suite": step_suite, "main_job": step_main_job, "nccl": step_nccl, "kernels": step_kernels}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ Every gather and reduce-scatter of the engine goes through :class:`Collectives`,
 engine, and every byte sent is counted for the monitoring callbacks.
 
 Without an initialised process group (or with world size 1) the collectives become local copies,
-so the engine runs in a plain single-process script too.
+so the engine runs in a plain single-process script too; the debug switch ``ZINF_REAL_COLLECTIVES=1``
+keeps the data plane's collectives real at world size 1 (:func:`real_collectives_forced`).
 
 Two planes, two groups. The data plane (gathers, reduce-scatters, all-to-alls, collectives of
 tensors on the compute device) runs on the data-parallel group, NCCL on GPUs. The control plane
@@ -20,6 +21,7 @@ tensor read back with ``int()`` would.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol
@@ -101,6 +103,18 @@ class CommBytes:
         self.inter_node += split[1]
 
 
+#: The environment variable of the debug switch that keeps real data-plane collectives at world size 1.
+REAL_COLLECTIVES_ENV = "ZINF_REAL_COLLECTIVES"
+
+
+def real_collectives_forced() -> bool:
+    """Whether ``ZINF_REAL_COLLECTIVES=1``: at world size 1, gathers, reduce-scatters and qgZ's
+    all-to-alls still go through ``torch.distributed`` (all_gather_into_tensor, reduce_scatter_tensor,
+    all_to_all_single) instead of local copies, so that one GPU runs every engine feature through
+    NCCL once (a debug and device-check switch; the values are the same, the time is not)."""
+    return os.environ.get(REAL_COLLECTIVES_ENV) == "1"
+
+
 def _gloo_in_place(group: Optional[dist.ProcessGroup], full: torch.Tensor, one_node: bool) -> bool:
     """The in-place forms below serve gloo on host tensors of 1 MiB and more when every rank of
     ``group`` is on this machine. They send each peer its bytes directly, which crosses a link
@@ -108,7 +122,7 @@ def _gloo_in_place(group: Optional[dist.ProcessGroup], full: torch.Tensor, one_n
     (``cluster/cluster.py``, ZeRO-3 on 2 nodes of 2 ranks: 85 vs 77 MB over the link per step);
     an accelerator uses NCCL, which gathers and reduce-scatters in place already."""
     return (one_node and full.device.type == "cpu" and full.numel() * full.element_size() >= _GLOO_IN_PLACE_BYTES
-            and dist.get_backend(group) == "gloo")
+            and dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1)
 
 
 def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup], one_node: bool,
@@ -192,6 +206,8 @@ class Collectives:
             side stream of it (:meth:`reduce_scatter_mean_quantized`).
 
     Attributes:
+        local: The data plane moves bytes as local copies (world size 1, without the debug switch
+            ``ZINF_REAL_COLLECTIVES=1``).
         group: The data-parallel group (data plane).
         control_group: A gloo group over the same ranks (control plane), ``None`` on one rank.
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
@@ -223,6 +239,9 @@ class Collectives:
         self.group = group if group is not None or not self.distributed else dist.group.WORLD
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        # One rank moves its data-plane bytes as local copies, unless a debug run asks for the
+        # real collectives (every engine feature through NCCL on a single GPU).
+        self.local = self.world_size == 1 and not (self.distributed and real_collectives_forced())
         self.bytes = CommBytes()
         self.control_group: Optional[dist.ProcessGroup] = None
         if self.world_size > 1:
@@ -248,8 +267,12 @@ class Collectives:
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
                 self._hpz_group = NodeGroups(self.hpz, with_inter=False, timeout=timeout).intra
+            elif not self.local:
+                self._hpz_group = self.group
         if qgz_bits is not None and self.world_size > 1:
             self._nodes = NodeGroups(self.topology, timeout=timeout)
+        elif qgz_bits is not None and not self.local:
+            self._nodes = NodeGroups.of_one_rank(self.topology, self.group)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Gather every rank's ``shard`` into ``out``, rank r's at ``out[r*n:(r+1)*n]``.
@@ -264,7 +287,7 @@ class Collectives:
         """
         self.bytes.gathered += (out.numel() - shard.numel()) * out.element_size()
         self.bytes.add_split(self.topology.split_bytes(range(self.world_size), shard.numel() * shard.element_size()))
-        if self.world_size == 1:
+        if self.local:
             out.copy_(shard)
             return _Done()
         work = _all_gather_flat(out, shard, self.group, self.topology.nodes == 1, async_op=async_op)
@@ -309,7 +332,7 @@ class Collectives:
         per_rank = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
         self.bytes.gathered += (world - 1) * per_rank
         self.bytes.add_split(self.topology.split_bytes(range(world), per_rank))
-        if world == 1:
+        if self.local:
             all_codes, all_scales, works = codes.view(1, -1), scales.view(1, -1), []
         else:
             all_codes = codes.new_empty(world, codes.numel())
@@ -364,7 +387,7 @@ class Collectives:
         """
         self.bytes.reduce_scattered += (full.numel() - out.numel()) * full.element_size()
         self.bytes.add_split(self.topology.split_bytes(range(self.world_size), out.numel() * out.element_size()))
-        if self.world_size == 1:
+        if self.local:
             out.copy_(full)  # nothing to do when they are one tensor (torch skips a self-copy)
             return _Done()
         work = _reduce_scatter_mean_flat(out, full, self.group, self.topology.nodes == 1, async_op=async_op)

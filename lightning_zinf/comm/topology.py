@@ -125,3 +125,17 @@ class NodeGroups:
             group = dist.new_group(topology.peer_ranks(local), backend=backend, timeout=timeout)
             if local == topology.local_rank:
                 self.inter = group
+
+    @classmethod
+    def of_one_rank(cls, topology: Topology, group: dist.ProcessGroup) -> "NodeGroups":
+        """The groups of a world of one rank whose collectives must run anyway (the debug switch
+        ``ZINF_REAL_COLLECTIVES``): ``intra`` is ``group`` itself, ``inter`` is ``None``.
+
+        Raises:
+            ValueError: ``topology`` has more than one rank.
+        """
+        if topology.world_size != 1:
+            raise ValueError(f"of_one_rank: the topology has {topology.world_size} ranks.")
+        groups = cls.__new__(cls)
+        groups.topology, groups.intra, groups.inter = topology, group, None
+        return groups

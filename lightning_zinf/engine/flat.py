@@ -473,7 +473,7 @@ class FlatGroup:
             pool.move(flat, "reduce_pending")
         self._drop_loose_grads()
         self._ready = [False] * len(self.params)
-        if self.comm.world_size == 1 and self.comm.qgz_bits is None:
+        if self.comm.local and self.comm.qgz_bits is None:
             # The mean over one rank is the flat gradient itself (shard_numel == padded_numel):
             # hand it on as the result, with no second buffer and no copy.
             return self.comm.reduce_scatter_mean(flat, flat, async_op=True), [flat], got
