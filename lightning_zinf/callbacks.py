@@ -16,7 +16,9 @@
 - on an accelerator, ``zinf/device_max_allocated_bytes``: ``torch.accelerator.max_memory_allocated``
   during the step, everything the process allocated there (activations included), next to the
   ledger's ``device_total``;
-- ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time;
+- ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time; on an
+  accelerator, the step's time on the device between two events, reported once the device has
+  finished the step (usually one step later), so that timing never waits for the device;
 - with NVMe offload, ``zinf/swap_read_bytes`` and ``zinf/swap_written_bytes`` (bytes this rank's
   swapper read and wrote during the step) and ``zinf/swap_read_gbps`` / ``zinf/swap_write_gbps``
   (those bytes over the time the swapper had a read or write running: the throughput the disk
@@ -24,6 +26,10 @@
 
 At the end of ``fit`` rank 0 prints a summary table (means over the steps after the first, whose
 time includes recording the prefetch trace).
+
+The figures are host numbers: they go to ``self.log`` as one float64 tensor in host memory per
+step (Lightning keeps a logged tensor on its own device), never as device tensors, each of which
+would cost a copy and a wait for the device's queue (the host could never run a step ahead).
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class ZeroMonitor(Callback):
         self._tokens = 0
         self._swap_start: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
         self._means: dict[str, MeanMetric] = {}
+        self._begin: Optional[torch.Event] = None
+        self._timed: list[tuple[int, torch.Event, torch.Event, int]] = []  # (step, begin, end, tokens) on the device
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -85,6 +93,9 @@ class ZeroMonitor(Callback):
         self._swap_start = _swap_counters(engine.swapper)
         self._tokens = self.tokens_in_batch(batch) * trainer.world_size
         self._start = time.perf_counter()
+        if engine.device.type != "cpu":
+            self._begin = torch.Event(device=engine.device, enable_timing=True)
+            self._begin.record()
 
     @override
     def on_train_batch_end(
@@ -99,8 +110,16 @@ class ZeroMonitor(Callback):
             "zinf/inter_node_bytes": float(engine.comm.bytes.inter_node),
             **{f"zinf/resident_bytes_{tier}": float(n) for tier, n in engine.resident_bytes().items()},
             **{f"zinf/peak_{category}_bytes": float(peak) for category, (_, peak) in engine.memory().items()},
-            "zinf/tokens_per_s": self._tokens / elapsed if elapsed > 0 else 0.0,
         }
+        if self._begin is None:
+            metrics["zinf/tokens_per_s"] = self._tokens / elapsed if elapsed > 0 else 0.0
+        else:
+            end = torch.Event(device=engine.device, enable_timing=True)
+            end.record()
+            self._timed.append((trainer.global_step, self._begin, end, self._tokens))
+            rate = self._device_rates(wait=False)
+            if rate is not None:
+                metrics["zinf/tokens_per_s"] = rate
         if engine.device.type != "cpu":
             metrics["zinf/device_max_allocated_bytes"] = float(_device_memory(engine.device).max_memory_allocated(engine.device))
         if engine.swapper is not None:
@@ -109,14 +128,34 @@ class ZeroMonitor(Callback):
             metrics["zinf/swap_written_bytes"] = float(written)
             metrics["zinf/swap_read_gbps"] = read / read_s / 1e9 if read_s > 0 else 0.0
             metrics["zinf/swap_write_gbps"] = written / write_s / 1e9 if write_s > 0 else 0.0
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+        host = torch.tensor(list(metrics.values()), dtype=torch.float64)  # one tensor, in host memory
+        pl_module.log_dict(dict(zip(metrics, host.unbind())), on_step=True, on_epoch=False, sync_dist=False)
         if trainer.global_step > 1:  # the first step also records the prefetch trace
             for name, value in metrics.items():
-                # This rank's own means: compute() must not sync CPU states over an NCCL world group.
-                self._means.setdefault(name, MeanMetric(sync_on_compute=False)).update(value)
+                if name != "zinf/tokens_per_s" or engine.device.type == "cpu":  # device rates: _device_rates
+                    self._mean(name, value)
+
+    def _mean(self, name: str, value: float) -> None:
+        # This rank's own means: compute() must not sync CPU states over an NCCL world group.
+        self._means.setdefault(name, MeanMetric(sync_on_compute=False)).update(value)
+
+    def _device_rates(self, wait: bool) -> Optional[float]:
+        """Tokens per second of the timed steps the device has finished (all of them if ``wait``,
+        which waits for the last one): each goes into the summary's mean (after the first
+        step); returns the latest, or None when none has finished yet."""
+        latest = None
+        while self._timed and (wait or self._timed[0][2].query()):
+            step, begin, end, tokens = self._timed.pop(0)
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1000
+            latest = tokens / seconds if seconds > 0 else 0.0
+            if step > 1:
+                self._mean("zinf/tokens_per_s", latest)
+        return latest
 
     @override
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._device_rates(wait=True)  # the steps still being timed on the device: one wait, at the end
         if not self._means:
             return
         rows = [(name.removeprefix("zinf/"), metric.compute().item()) for name, metric in self._means.items()]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import lightning.pytorch as L
+import pytest
+import torch
 
 from lightning_zinf import ZeroInfinityStrategy
 from lightning_zinf.callbacks import ZeroMonitor
@@ -72,3 +73,19 @@ def test_monitor_counts_swapped_bytes(tmp_path) -> None:
     assert metrics["zinf/swap_written_bytes"] == 2 * shards
     assert metrics["zinf/swap_read_gbps"] > 0 and metrics["zinf/swap_write_gbps"] > 0
     assert metrics["zinf/resident_bytes_nvme"] > 0
+
+
+def _logged_types(rank: int, world: int) -> dict:
+    trainer = L.Trainer(strategy=ZeroInfinityStrategy(), accelerator="cpu", devices=world, max_steps=2,
+                        callbacks=[ZeroMonitor()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyLit())
+    return {k: (str(v.device), v.dtype) for k, v in trainer.callback_metrics.items() if k.startswith("zinf/")}
+
+
+def test_monitor_logs_host_float64_tensors() -> None:
+    """The figures reach Lightning as float64 tensors in host memory, never converted into tensors
+    on the module's device (each a copy and a wait on an accelerator; test_gpu.py checks the device
+    there), and byte counts above 2**24 stay exact (float32 would round them)."""
+    got = run_distributed(_logged_types, 1, init_pg=False)[0]
+    assert got and all(v == ("cpu", torch.float64) for v in got.values()), got

@@ -11,6 +11,7 @@ for the whole check). Skipped with the reason on a machine without CUDA.
 - Two ranks on two GPUs with NCCL, where a machine has them.
 - The memory ledger against ``torch.cuda.max_memory_allocated()``.
 - Fused and capturable AdamW resumed from a sharded checkpoint (``step`` stays on the GPU).
+- ZeroMonitor through a Trainer: host-side figures, device-timed steps.
 
 The Triton kernels on CUDA are tested in test_kernels.py (marked ``gpu`` as well).
 """
@@ -146,6 +147,40 @@ def test_fused_and_capturable_adamw_resume_on_the_gpu(tmp_path: Path, flags: dic
     run = optimizer_resume.resumed_run(flags, "cuda", tmp_path / "ckpt")
     assert run["placed"] == optimizer_resume.torch_placement(flags, "cuda")
     assert run["resumed"] == run["straight"]
+
+
+def _monitored_fit(rank: int, world: int) -> dict:
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zinf import ZeroInfinityStrategy
+    from lightning_zinf.callbacks import ZeroMonitor
+
+    class Lit(L.LightningModule):
+        def configure_model(self) -> None:
+            self.model = models.GPT()
+
+        def training_step(self, batch, batch_idx):
+            return models.loss_fn(self.model, *batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.model.parameters(), lr=0.05)
+
+    x, y = models.make_batch("gpt", 0, 4 * BATCH)
+    trainer = L.Trainer(strategy=ZeroInfinityStrategy(block_classes=["Block"]), accelerator="gpu", devices=1,
+                        max_steps=4, callbacks=[ZeroMonitor()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Lit(), DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    return {k: (str(v.device), str(v.dtype), float(v)) for k, v in trainer.callback_metrics.items() if k.startswith("zinf/")}
+
+
+def test_monitor_logs_host_numbers_and_times_steps_on_the_device() -> None:
+    """ZeroMonitor on a GPU run: every figure it logs is a host tensor (a device tensor per figure
+    would be a copy and a wait for the device's queue each), and tokens/s comes from device events
+    of steps the device has finished."""
+    got = run_distributed(_monitored_fit, 1, init_pg=False)[0]
+    assert got and all(device == "cpu" for device, _, _ in got.values()), got
+    assert got["zinf/tokens_per_s"][2] > 0 and got["zinf/device_max_allocated_bytes"][2] > 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
