@@ -17,8 +17,12 @@
   during the step, everything the process allocated there (activations included), next to the
   ledger's ``device_total``;
 - ``zinf/tokens_per_s``: tokens (or samples) of the global batch per second of step time; on an
-  accelerator, the step's time on the device between two events, reported once the device has
-  finished the step (usually one step later), so that timing never waits for the device;
+  accelerator, the time between two events on the compute stream (from the start of the batch,
+  after its copy to the device, to its end, including what the stream waited for on the copy and
+  collective streams), reported once the device has finished the step (usually one step later), so
+  that timing never waits for the device; a step whose device time is not known yet repeats the
+  last rate reported (Lightning keeps on-step values within an epoch), and the summary's mean counts
+  every step once;
 - with NVMe offload, ``zinf/swap_read_bytes`` and ``zinf/swap_written_bytes`` (bytes this rank's
   swapper read and wrote during the step) and ``zinf/swap_read_gbps`` / ``zinf/swap_write_gbps``
   (those bytes over the time the swapper had a read or write running: the throughput the disk
@@ -95,7 +99,7 @@ class ZeroMonitor(Callback):
         self._start = time.perf_counter()
         if engine.device.type != "cpu":
             self._begin = torch.Event(device=engine.device, enable_timing=True)
-            self._begin.record()
+            self._begin.record(torch.accelerator.current_stream(engine.device))
 
     @override
     def on_train_batch_end(
@@ -111,11 +115,11 @@ class ZeroMonitor(Callback):
             **{f"zinf/resident_bytes_{tier}": float(n) for tier, n in engine.resident_bytes().items()},
             **{f"zinf/peak_{category}_bytes": float(peak) for category, (_, peak) in engine.memory().items()},
         }
-        if self._begin is None:
+        if engine.device.type == "cpu":
             metrics["zinf/tokens_per_s"] = self._tokens / elapsed if elapsed > 0 else 0.0
         else:
             end = torch.Event(device=engine.device, enable_timing=True)
-            end.record()
+            end.record(torch.accelerator.current_stream(engine.device))  # the stream of begin: one timeline
             self._timed.append((trainer.global_step, self._begin, end, self._tokens))
             rate = self._device_rates(wait=False)
             if rate is not None:
@@ -137,7 +141,9 @@ class ZeroMonitor(Callback):
 
     def _mean(self, name: str, value: float) -> None:
         # This rank's own means: compute() must not sync CPU states over an NCCL world group.
-        self._means.setdefault(name, MeanMetric(sync_on_compute=False)).update(value)
+        if name not in self._means:
+            self._means[name] = MeanMetric(sync_on_compute=False).set_dtype(torch.float64)
+        self._means[name].update(value)
 
     def _device_rates(self, wait: bool) -> Optional[float]:
         """Tokens per second of the timed steps the device has finished (all of them if ``wait``,
