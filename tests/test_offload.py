@@ -448,3 +448,30 @@ def test_clipping_by_value_with_gradients_on_disk_is_refused(tmp_path: Path) -> 
     assert "gradient_clip_algorithm='value' needs the gradients in memory" in result["message"]
     assert result["lightning_type"]
     assert result["steps"] == 0
+
+
+def test_profiler_ranges_name_the_engines_phases(tmp_path: Path) -> None:
+    """In a profiler trace every gather and reduce-scatter the engine issues sits in a range of its
+    own (zinf.gather, zinf.reduce_scatter: as many as the collectives it counted), and releases,
+    NVMe swaps and the step's two ends are named too (FSDP2 names its phases the same way)."""
+    from collections import Counter
+
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = models.GPT()
+    engine = ZeroEngine(model, block_classes=[models.Block], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=str(tmp_path)))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    before = engine.collectives_issued
+    with profile() as prof:
+        for step in range(2):
+            models.loss_fn(model, *models.make_batch("gpt", step, BATCH)).backward()
+            opt.step()
+            opt.zero_grad()
+    seen = Counter(e.name for e in prof.events() if e.name.startswith("zinf."))
+    assert seen["zinf.gather"] + seen["zinf.reduce_scatter"] == engine.collectives_issued - before > 0
+    assert seen["zinf.reduce_scatter"] > 0 and seen["zinf.release"] > 0
+    assert seen["zinf.swap_in"] > 0 and seen["zinf.swap_out"] > 0
+    assert seen["zinf.before_step"] == seen["zinf.after_step"] == 2
+    engine.swapper.close()

@@ -55,6 +55,7 @@ from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
 from lightning_zinf.engine.partition import plan_units
+from lightning_zinf.engine.ranges import phased
 from lightning_zinf.engine.schedule import Schedule
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
@@ -375,6 +376,7 @@ class ZeroEngine:
         """Bytes of this rank's swap files now (records written, in memory or not)."""
         return sum(n for part in (self.param_offload, self.offload) if part is not None for n in part.tier_bytes().values())
 
+    @phased("zinf.before_step")
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
         self.verify_ranks_agree("the agreement check before an optimizer step")
@@ -484,6 +486,7 @@ class ZeroEngine:
             return norm
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
+    @phased("zinf.after_step")
     def after_step(self) -> None:
         """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs): cast
         masters into compute shards, mark gradients consumed, re-gather persistent units."""

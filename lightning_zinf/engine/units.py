@@ -29,6 +29,7 @@ from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import MemoryLedger
+from lightning_zinf.engine.ranges import phase, phased
 from lightning_zinf.engine.transfer import HeldUntilWait
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
@@ -129,6 +130,10 @@ class UnitStates:
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
 
     # --- gather -----------------------------------------------------------------------------------
+    # The ranges named zinf.* show the engine's phases in a profiler trace (as FSDP2's FSDP::*):
+    # gather, release, reduce_scatter here; swap_in/swap_out (offload.swapped) and before_step/after_step
+    # (the engine) elsewhere; the optimizer update itself is torch's Optimizer.step range.
+    @phased("zinf.gather")
     def start_gather(self, unit: Unit, exact: bool = False, read: bool = False) -> None:
         """Issue the gather of a released (or re-gathered) ``unit`` for compute; with qwZ quantized
         unless ``exact`` (persistent units). ``read``: exactly, in the parameters' own dtype (for
@@ -234,9 +239,10 @@ class UnitStates:
             if self.keep_budget and self.kept_bytes() + unit.gathered_nbytes <= self.keep_budget:
                 unit.kept = True  # for the next forward pass of this keep_gathered block
                 return
-            for group in unit.groups:
-                self.ledger.add("gathered", -group.gathered_nbytes)
-                group.release()
+            with phase("zinf.release"):
+                for group in unit.groups:
+                    self.ledger.add("gathered", -group.gathered_nbytes)
+                    group.release()
             unit.state = RELEASED
             self._live.pop(unit.index, None)
 
@@ -288,6 +294,7 @@ class UnitStates:
             self.param_offload.settle_all()
 
     # --- gradients --------------------------------------------------------------------------------
+    @phased("zinf.reduce_scatter")
     def reduce(self, group: FlatGroup) -> None:
         """Reduce-scatter ``group``'s flat gradient (mean over ranks, in the reduce dtype) towards
         this rank's gradient shard; finished by the next call, :meth:`drain_reduces` or at once

@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
+from lightning_zinf.engine.ranges import phase, phased
 from lightning_zinf.offload.aligned import round_up
 from lightning_zinf.offload.errors import SwapError
 from lightning_zinf.offload.staging import StagingPool
@@ -203,7 +204,8 @@ class SwapRecord:
         if self._read is not None:
             self.settle()
         if write:
-            self._write = self.space.swapper.write(self.key, self._buffer[: self.nbytes])
+            with phase("zinf.swap_out"):
+                self._write = self.space.swapper.write(self.key, self._buffer[: self.nbytes])
             self.space.wrote(self)
         else:
             self._release()
@@ -230,6 +232,7 @@ class SwapRecord:
             self.settle()
         return self._write is None
 
+    @phased("zinf.swap_in")
     def swap_in(self, read: bool = True, ahead: bool = False) -> None:
         """Give the record a staging buffer and point the bound tensors at it; ``read``: start reading
         the file into it (:meth:`settle` completes it). A record whose write is still in flight
