@@ -10,8 +10,8 @@ then run, there, with that folder carried along with the tree:
 
     PYTHONPATH=. python3 examples/benchmarks/gpu_check.py --out $OUT/gpu_check.json
 
-Nothing is installed there: the carried wheels are unpacked into a temporary folder on the steps'
-``PYTHONPATH``. The prerequisites are checked first, in seconds, and written to the JSON; then the
+Nothing is installed into the image's environment: pip installs the carried wheels, offline, into a
+temporary folder on the steps' ``PYTHONPATH``. The prerequisites are checked first, in seconds, and written to the JSON; then the
 steps run, most valuable first, each in its own process group with a timeout sized to what is left
 of ``--budget`` (a step that would get less than ``MIN_STEP_S`` is recorded as skipped):
 
@@ -53,7 +53,6 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -294,15 +293,18 @@ def _importable(module: str, env: dict[str, str]) -> bool:
 
 
 def unpack_wheels(folder: Path, into: Path) -> list[str]:
-    """Unpack the pure-Python wheels in ``folder`` (gpu_wheels.sh's) into ``into``, which then goes
-    on the steps' ``PYTHONPATH``: a pure-Python wheel is a zip of the package's files, so this is
-    all an install would do for it. Returns the wheels' file names."""
-    names = []
-    for wheel in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(into)
-        names.append(wheel.name)
-    return names
+    """Install the wheels in ``folder`` (gpu_wheels.sh's) into the folder ``into`` with pip, offline
+    (``--no-index --no-deps --target``): nothing in the environment changes, and ``into`` then goes
+    on the steps' ``PYTHONPATH``. Returns the wheels' file names.
+
+    Raises:
+        subprocess.CalledProcessError: pip refused a wheel.
+    """
+    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                        "--target", str(into), *map(str, wheels)], check=True)
+    return [w.name for w in wheels]
 
 
 def prerequisites(args: argparse.Namespace, env: dict[str, str], wheels: list[str]) -> dict[str, Any]:
@@ -311,10 +313,10 @@ def prerequisites(args: argparse.Namespace, env: dict[str, str], wheels: list[st
     for module in ("triton", "lightning", "transformers", "peft", "pytest", *MAIN_JOB_NEEDS):
         found[module] = _importable(module, env)
     if args.device != "cpu":
-        free, total = torch.cuda.mem_get_info()
-        found.update(device=torch.cuda.get_device_name(0),
-                     capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                     gpu_free_bytes=free, gpu_total_bytes=total)
+        # Properties only: mem_get_info would create a CUDA context that this process then holds
+        # through every step.
+        props = torch.cuda.get_device_properties(0)
+        found.update(device=props.name, capability=f"{props.major}.{props.minor}", gpu_total_bytes=props.total_memory)
     found["ok"] = bool(found["pytest"] and found["lightning"] and (args.device == "cpu" or found["triton"]))
     return found
 

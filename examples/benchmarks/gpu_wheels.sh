@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The pure-Python wheels that the lent GPU machines' image lacks, for gpu_check.py (which unpacks
-# them onto its steps' PYTHONPATH there: nothing is installed, and that machine reaches no index).
+# The pure-Python wheels that the lent GPU machines' image lacks, for gpu_check.py (whose pip installs
+# them offline into a temporary folder on its steps' PYTHONPATH there: the image's environment stays
+# as it is, and that machine reaches no index).
 # The main job (`zinf fit`) needs jsonargparse with its signature helpers; the image has PyYAML and
 # typing-extensions. Run here, then carry examples/benchmarks/gpu_wheels with the tree
 # (docs/tests.md, "On a GPU"). The versions are this venv's, or the newest when it lacks them.

@@ -5,7 +5,8 @@ and reduce buffers) are accounted in the :class:`~lightning_zinf.engine.ledger.M
 they are allocated and freed, so their peaks are exact. The long-lived state (parameter shards,
 fp32 masters, gradient shards, optimizer states, swap files, staging memory) is counted here from
 what exists now, by storage, so a tensor that is a view of another, or a master that is the shard
-itself, counts once.
+itself, counts once. The categories follow ZeRO-Infinity's memory model (Rajbhandari et al., SC'21,
+§3-4: parameters, gradients and optimizer states per tier, plus working memory).
 """
 
 from __future__ import annotations

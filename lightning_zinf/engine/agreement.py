@@ -14,7 +14,8 @@ NCCL hang. This part records each collective a rank issues (its code: a unit's i
   what the rank is about to issue).
 
 On a mismatch the sequences (or the next collective of each rank) are gathered as objects, only
-then, and every rank raises the same error naming each rank's collective. Detection of a dead or
+then, and every rank raises the same error naming each rank's collective (this project's own
+check: DeepSpeed and FSDP2 leave mismatched collectives to the backend). Detection of a dead or
 silent rank is the watch's (:mod:`lightning_zinf.comm.watch`), which reads :attr:`waiting_in`,
 :meth:`progress` and is told of departures through :attr:`on_departure`.
 """
