@@ -117,7 +117,7 @@ class RankWatch:
         self._known: Optional[str] = None  # the first failure, once read
         self._departures: dict[int, tuple[str, float]] = {}  # rank -> (its departure notice, when first seen)
         self._said_gone = False  # this rank printed (or reported) that the store's host is gone
-        self._zero_checked = (-1.0, False)  # (when, whether rank 0's pid was found dead)
+        self._zero_dead_seen = False  # rank 0's pid was found dead
 
     _started = 0
 
@@ -205,7 +205,7 @@ class RankWatch:
             f"rank 0 (it hosts the rendezvous store{where})"
         if self._zero_done:
             return f"{who} ended before this rank was done ({noticed})"
-        if self._zero_dead():
+        if self._zero_dead(settle=1.0):
             return f"{who} is gone: its process is dead, killed or crashed ({noticed})"
         return (f"{who} is gone: its store closed the connection{why}; rank 0 was killed or crashed, or its "
                 f"host is unreachable ({noticed})")
@@ -417,18 +417,22 @@ class RankWatch:
             print(f"[rank {self.rank}] lightning_zinf: what the error above follows from: {first}",
                   file=sys.stderr, flush=True)
 
-    def _zero_dead(self) -> bool:
+    def _zero_dead(self, settle: float = 0.0) -> bool:
         """Whether rank 0's process hosts the store and is known dead: it runs on this host (its
-        beat said so) and its pid is gone. Reads no store."""
+        beat said so) and its pid is gone. Reads no store. ``settle`` (s): how long to wait for a
+        live pid to end (a store call already in flight when rank 0 was killed meets the closed
+        connection before this rank reads the pid)."""
         if not self._zero_hosts_store or 0 not in self._pids or self.rank == 0:
             return False
         host, pid = self._pids[0]
         if host != socket.gethostname():
             return False
-        now = time.monotonic()
-        if now - self._zero_checked[0] > 0.05:  # once per batch of store calls, not per call
-            self._zero_checked = (now, not _alive(pid))
-        return self._zero_checked[1]
+        if not self._zero_dead_seen:  # a dead pid stays dead; a live one is read before each call
+            deadline = time.monotonic() + settle
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self._zero_dead_seen = not _alive(pid)
+        return self._zero_dead_seen
 
 
 class StoreLost(RuntimeError):
@@ -471,8 +475,10 @@ _NETWORK_ERRORS = tuple(e for e in (getattr(dist, "DistNetworkError", None), Con
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie, ended but not yet reaped by its parent,
-    does not)."""
+    """Whether process ``pid`` of this host runs: not a zombie (ended, not yet reaped by its
+    parent) and not exiting (Linux's PF_EXITING flag: set when a killed process starts to end,
+    before its sockets close, so a peer never meets a closed connection of a process it still
+    thought alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -480,9 +486,13 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except OSError:  # no /proc: a signal was accepted, so it exists
         return True
+    return fields[0] not in ("Z", "X") and not int(fields[6]) & _PF_EXITING
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h; /proc/<pid>/stat's ninth field holds the flags
 
 
 def _looks_like_a_collective_failure(error: BaseException) -> bool:
