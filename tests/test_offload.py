@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, ZeroInfinityStrategy
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, ZeroInfinityStrategy
 from tests import models
 from tests.harness import run_distributed
 
@@ -293,8 +293,9 @@ def test_two_optimizers_clipping_and_a_discarded_batch(tmp_path: Path) -> None:
 
 def test_scale_benchmark_runs_and_overlap_changes_no_result(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """examples/benchmarks/scale.py end to end on a tiny GPT (a smoke test; no speed is checked):
-    the NVMe run reports 16 bytes of training state per parameter on disk, and training with every
-    overlap off gives the same losses as with it on."""
+    the NVMe run reports 16 bytes of training state per parameter on disk (18 under bf16-mixed,
+    with the compute copies), and training with every overlap off gives the same losses as with
+    it on."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
@@ -305,6 +306,8 @@ def test_scale_benchmark_runs_and_overlap_changes_no_result(tmp_path: Path, caps
     tiny = ["--layers", "2", "--d-model", "128", "--steps", "2", "--nvme-root", str(tmp_path)]
     assert scale.main(["zinf", *tiny, "--bandwidth-mib", "16"]) == 0
     assert "= 16.0 B/parameter" in capsys.readouterr().out
+    assert scale.main(["zinf", *tiny, "--bandwidth-mib", "16", "--precision", "bf16-mixed"]) == 0
+    assert "= 18.0 B/parameter" in capsys.readouterr().out  # and the bf16 compute copies
     assert scale.main(["overlap", *tiny]) == 0
     assert "losses equal with overlap on and off: True" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
@@ -318,21 +321,29 @@ def _bf16_with_an_edit(rank: int, world: int, offload: dict) -> dict:
     engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
                         offload=OffloadConfig(**offload))
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
-    per_rank = BATCH // world
     losses = []
     for step in range(5):
         if step == 3:
             with engine.gathered(write_back=True), torch.no_grad():
                 model.wte.weight.mul_(0.5)
-        x, y = models.make_batch("gpt", step, BATCH)
-        loss = models.loss_fn(model, x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+        losses.append(_step(model, opt, step, rank, world))
+    return {"losses": losses, "weights": _weights(engine, model)}
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> float:
+    """One training step on this rank's slice of the global batch of ``step``; its loss."""
+    per_rank = BATCH // world
+    x, y = models.make_batch("gpt", step, BATCH)
+    loss = models.loss_fn(model, x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _weights(engine: ZeroEngine, model: torch.nn.Module) -> dict:
     with engine.gathered():
-        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "weights": weights}
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_bf16_parameters_and_an_edit_on_nvme_match_no_offload(tmp_path: Path) -> None:
@@ -347,6 +358,60 @@ def test_bf16_parameters_and_an_edit_on_nvme_match_no_offload(tmp_path: Path) ->
         for name, value in w["weights"].items():
             assert torch.equal(g["weights"][name], value), name
     assert list(tmp_path.iterdir()) == []
+
+
+def _bf16_gathers(rank: int, world: int, offload: dict, ckpt: str) -> dict:
+    """fp32 parameters gathered in bf16 (``param_dtype``): 2 AdamW steps, an edit of the exact
+    weights written back, a step, a load of the state dict saved before the edit, a step, a sharded
+    checkpoint saved and loaded back, a step. Also the swap-file bytes one forward reads."""
+    from lightning_zinf.checkpoint import load_sharded, save_sharded
+
+    torch.manual_seed(0)
+    model = models.GPT(d=64)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(**offload), mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    losses, forward_reads, saved = [], [], None
+    for step in range(7):
+        if step == 2:
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            with engine.gathered(write_back=True), torch.no_grad():
+                model.wte.weight.mul_(0.5)
+        if step == 4:
+            model.load_state_dict(saved)
+        if step == 6:
+            save_sharded(engine, [opt], ckpt, {})
+            load_sharded(engine, [opt], ckpt)
+        read = engine.swapper.bytes_read if engine.swapper is not None else 0
+        forward = engine.module.register_forward_hook(  # the bytes read until the forward ends
+            lambda *_: forward_reads.append((engine.swapper.bytes_read if engine.swapper is not None else 0) - read))
+        losses.append(_step(model, opt, step, rank, world))
+        forward.remove()
+    shard_bytes = sum(g.shard_numel * g.shard.element_size() for g in engine.groups)
+    return {"losses": losses, "weights": _weights(engine, model), "forward_reads": forward_reads,
+            "shard_bytes": shard_bytes}
+
+
+@pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
+def test_bf16_gathers_read_16_bit_copies_from_nvme(tmp_path: Path, optimizer: str) -> None:
+    """fp32 parameters on NVMe under ``param_dtype=bf16``: a forward reads the shards' 16-bit
+    compute copies (half the fp32 shards' bytes, ZeRO-Infinity's 2 bytes per parameter), and the
+    run (edit, load_state_dict, sharded checkpoint round trip) matches no offload bit for bit: a
+    copy not refreshed after any of them would change a loss. Reads stay exact fp32."""
+    want = run_distributed(_bf16_gathers, 2, {}, str(tmp_path / "want"))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    got = run_distributed(_bf16_gathers, 2, {"param": "nvme", "optimizer": optimizer, "nvme_path": str(nvme),
+                                             **({"sub_group_size": 20_000} if optimizer != "none" else {})},
+                          str(tmp_path / "got"))
+    for g, w in zip(got, want):
+        assert g["losses"] == w["losses"]
+        for name, value in w["weights"].items():
+            assert value.dtype == torch.float32 and torch.equal(g["weights"][name], value), name
+        # Every group is gathered once in a forward; each record is padded to whole 4096-byte blocks.
+        groups = len(models.GPT(d=64).state_dict())
+        assert g["shard_bytes"] / 2 <= min(g["forward_reads"]) <= g["shard_bytes"] / 2 + 4096 * groups, g
+    assert list(nvme.iterdir()) == []
 
 
 def _checkpoint_peak(rank: int, world: int, nvme_path: str, ckpt: str) -> dict:

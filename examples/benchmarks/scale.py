@@ -3,16 +3,19 @@
 ``zinf`` (the default): one process builds a GPT (examples/gpt.py) on the meta device, partitions it
 with :class:`~lightning_zinf.ZeroEngine` (transformer blocks as units) with parameters and optimizer
 state on NVMe (``OffloadConfig(param="nvme", optimizer="nvme")``), and takes real AdamW steps
-(``fused=True``, torch's vectorised CPU AdamW) on random tokens, micro-batch 1 x 128 tokens, fp32.
-Measured in the same run:
+(``fused=True``, torch's vectorised CPU AdamW) on random tokens, micro-batch 1 x 128 tokens, fp32
+(``--precision bf16-mixed``: gathered and computed in bf16, ``MixedPrecisionConfig(param_dtype=bf16)``,
+each shard's bf16 compute copy on NVMe as well). Measured in the same run:
   - the training state: bytes per parameter on NVMe (fp32 master, which is the parameter shard, the
-    fp32 gradient and the two Adam moments) and its total against this machine's RAM;
-  - per step: wall time, bytes read from and written to the swap files (the swapper's counters);
+    fp32 gradient and the two Adam moments, and under bf16 the compute copy) and its total against
+    this machine's RAM;
+  - per step: wall time, bytes read from and written to the swap files (the swapper's counters),
+    per parameter against ZeRO-Infinity's arithmetic for this layout;
   - peak RSS (``ru_maxrss``) against RAM;
   - the bound: bytes read / the disk's read bandwidth + bytes written / its write bandwidth + the
     step's matmul FLOPs (6 x parameters x tokens) / the measured matmul rate. Both rates are
     measured first, in this run: sequential ``O_DIRECT`` writes and reads of a 2 GiB file in 1 MiB
-    blocks, by 1 and by 4 threads (the better is used), in the swap folder's filesystem, and an fp32
+    blocks, by 1 and by 4 threads (the better is used), in the swap folder's filesystem, and an fp32 (bf16)
     ``(128, d) x (d, 4d)`` matmul, the shape of the model's largest;
   - the largest model that DDP and FSDP2 could train here, by arithmetic: fp32 AdamW keeps 16 bytes
     per parameter in RAM (parameter, gradient, two moments), replicated per rank under DDP and
@@ -28,7 +31,7 @@ model too large fails with an allocation error instead of invoking the kernel's 
 just above the arithmetic limit to confirm it. ``fsdp2``: the same with FSDP2 (``fully_shard`` per
 block and on the root) on 2 ranks, each capped at half the RAM.
 
-    python examples/benchmarks/scale.py zinf [--layers 29 --d-model 3072] [--steps 3] [--nvme-root /tmp]
+    python examples/benchmarks/scale.py zinf [--layers 29 --d-model 3072] [--steps 3] [--nvme-root /tmp] [--precision bf16-mixed]
     python examples/benchmarks/scale.py overlap --layers 8 --d-model 2048 --steps 4
     python examples/benchmarks/scale.py ddp --layers 14 --d-model 3072
     python examples/benchmarks/scale.py fsdp2 --layers 14 --d-model 3072
@@ -54,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from examples.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
-from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters  # noqa: E402
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters  # noqa: E402
 from lightning_zinf.offload import aligned_empty  # noqa: E402
 from lightning_zinf.offload.aligned import memory_view  # noqa: E402
 
@@ -100,9 +103,9 @@ def disk_bandwidth(folder: Path, threads: int, nbytes: int, chunk: int = 256 << 
     return rates[0], rates[1]
 
 
-def matmul_rate(d: int) -> float:
-    """fp32 FLOP/s of the model's largest matmul shape, (TOKENS, d) x (d, 4d)."""
-    x, w = torch.randn(TOKENS, d), torch.randn(4 * d, d)
+def matmul_rate(d: int, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s in ``dtype`` of the model's largest matmul shape, (TOKENS, d) x (d, 4d)."""
+    x, w = torch.randn(TOKENS, d, dtype=dtype), torch.randn(4 * d, d, dtype=dtype)
     torch.nn.functional.linear(x, w)
     start = time.perf_counter()
     for _ in range(5):
@@ -114,8 +117,10 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1e9:.1f} GB ({n / GIB:.1f} GiB)"
 
 
-def train(cfg: GPTConfig, steps: int, folder: Path, **offload) -> tuple[int, int, list[tuple[float, int, int, float]]]:
-    """Partition a GPT onto NVMe under ``folder`` and take ``steps`` AdamW steps.
+def train(cfg: GPTConfig, steps: int, folder: Path, param_dtype: torch.dtype | None = None,
+          **offload) -> tuple[int, int, list[tuple[float, int, int, float]]]:
+    """Partition a GPT onto NVMe under ``folder`` and take ``steps`` AdamW steps, gathering in
+    ``param_dtype`` (``None``: fp32).
 
     Returns:
         ``(parameters, bytes on NVMe, rows)``, one row per step: seconds, bytes read, bytes
@@ -127,7 +132,8 @@ def train(cfg: GPTConfig, steps: int, folder: Path, **offload) -> tuple[int, int
         model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     engine = ZeroEngine(model, block_classes=[Block], prefetch=PrefetchConfig(enabled=offload.pop("prefetch", True)),
-                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=str(folder), **offload))
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=str(folder), **offload),
+                        mixed_precision=MixedPrecisionConfig(param_dtype=param_dtype))
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     print(f"{n_params / 1e9:.2f}B parameters, partitioned onto NVMe in {time.perf_counter() - start:.0f} s", flush=True)
     swapper = engine.swapper
@@ -161,7 +167,8 @@ def steady(rows: list[tuple[float, int, int, float]]) -> tuple[float, float, flo
     return tuple(sum(r[k] for r in kept) / len(kept) for k in range(3))  # type: ignore[return-value]
 
 
-def run_zinf(cfg: GPTConfig, steps: int, nvme_root: Path, bandwidth_bytes: int = 2 * GIB) -> int:
+def run_zinf(cfg: GPTConfig, steps: int, nvme_root: Path, bandwidth_bytes: int = 2 * GIB,
+             param_dtype: torch.dtype | None = None) -> int:
     ram = ram_bytes()
     folder = Path(tempfile.mkdtemp(prefix="zinf-scale-", dir=nvme_root))
     try:
@@ -169,12 +176,12 @@ def run_zinf(cfg: GPTConfig, steps: int, nvme_root: Path, bandwidth_bytes: int =
         measured = {threads: disk_bandwidth(folder, threads, bandwidth_bytes) for threads in (1, 4)}
         write_bw = max(w for w, _ in measured.values())
         read_bw = max(r for _, r in measured.values())
-        flops_rate = matmul_rate(cfg.d_model)
+        flops_rate = matmul_rate(cfg.d_model, param_dtype or torch.float32)
         for threads, (w, r) in measured.items():
             print(f"disk (O_DIRECT, 1 MiB blocks, {threads} thread(s)): write {w / 1e9:.2f} GB/s, read {r / 1e9:.2f} GB/s")
-        print(f"matmul (128 x {cfg.d_model}) x ({cfg.d_model} x {4 * cfg.d_model}) fp32: {flops_rate / 1e9:.0f} GFLOP/s",
-              flush=True)
-        n_params, on_disk, rows = train(cfg, steps, folder)
+        print(f"matmul (128 x {cfg.d_model}) x ({cfg.d_model} x {4 * cfg.d_model}) {param_dtype or torch.float32}: "
+              f"{flops_rate / 1e9:.0f} GFLOP/s", flush=True)
+        n_params, on_disk, rows = train(cfg, steps, folder, param_dtype)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -189,6 +196,14 @@ def run_zinf(cfg: GPTConfig, steps: int, nvme_root: Path, bandwidth_bytes: int =
     print(f"peak RSS                 {fmt_bytes(peak_rss())} = {peak_rss() / ram:.2f}x RAM (target < 0.5)")
     print(f"step time (steps 1-)     {seconds:.1f} s")
     print(f"bytes per step           read {fmt_bytes(read)}, written {fmt_bytes(written)}")
+    # ZeRO-Infinity's arithmetic (SC'21, section 4) for this layout: each forward and backward reads every
+    # parameter in the gather dtype; the step reads and writes the fp32 master and both moments, and
+    # the fp32 gradient shard (written by backward, read by the step); a 16-bit gather dtype adds the
+    # write of the compute copy. Per parameter, against the measured:
+    gathered = (param_dtype or torch.float32).itemsize
+    expect_read, expect_written = 2 * gathered + 12 + 4, 12 + 4 + (gathered if gathered < 4 else 0)
+    print(f"per parameter            read {read / n_params:.2f} B (arithmetic {expect_read}), "
+          f"written {written / n_params:.2f} B (arithmetic {expect_written})")
     print(f"bound                    {bound:.1f} s = read {read / read_bw:.1f} + write {written / write_bw:.1f} "
           f"+ compute {flops / flops_rate:.1f}")
     print(f"step / bound             {seconds / bound:.2f} (target <= 2)")
@@ -300,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (zinf); the first creates the moments")
     parser.add_argument("--nvme-root", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--bandwidth-mib", type=int, default=2048, help="bytes of the disk measurement (zinf), MiB")
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true",
+                        help="zinf: gather and compute in bf16 (fp32 shards, masters and moments; bf16 compute copies)")
     args = parser.parse_args(argv)
     cfg = GPTConfig(vocab_size=8192, d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 128,
                     seq_len=TOKENS)
@@ -309,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_fsdp2(cfg)
     if args.mode == "overlap":
         return run_overlap(cfg, args.steps, args.nvme_root)
-    return run_zinf(cfg, args.steps, args.nvme_root, args.bandwidth_mib << 20)
+    return run_zinf(cfg, args.steps, args.nvme_root, args.bandwidth_mib << 20,
+                    torch.bfloat16 if args.precision == "bf16-mixed" else None)
 
 
 if __name__ == "__main__":

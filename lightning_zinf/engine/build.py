@@ -146,15 +146,16 @@ def stored_quantized(zero_pp: ZeroPPConfig, trainable: bool) -> bool:
 
 
 def swapped_shards(specs: list[UnitSpec], mixed_precision: MixedPrecisionConfig, zero_pp: ZeroPPConfig,
-                   world_size: int) -> list[tuple[torch.dtype, int]]:
-    """``(storage dtype, shard elements)`` of each flat group that parameter offload will put in a
-    swap file, from the plan alone (the parameters may still be on the meta device)."""
+                   world_size: int) -> list[tuple[torch.dtype, torch.dtype, int]]:
+    """``(storage dtype, compute dtype, shard elements)`` of each flat group that parameter offload
+    will put in a swap file, from the plan alone (the parameters may still be on the meta device)."""
     shards = []
     for spec in specs:
         for members in split_by_kind(spec.params):
             first = members[0][1]
             if not stored_quantized(zero_pp, first.requires_grad):
                 shards.append((mixed_precision.storage_dtype(first.dtype, first.requires_grad),
+                               mixed_precision.compute_dtype(first.dtype),
                                shard_numel(sum(p.numel() for _, p in members), world_size)))
     return shards
 

@@ -467,6 +467,8 @@ class ZeroEngine:
             if self.offload is not None:
                 stack.enter_context(self.offload.resident(self.optimizers, write_back, groups))
             yield
+            if write_back and self.param_offload is not None:
+                self.param_offload.refresh_copies(groups)  # while the shards are in memory
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""

@@ -72,6 +72,9 @@ class FlatGroup:
 
     Attributes:
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the storage dtype.
+        compute_shard: The same elements in ``compute_dtype``, where the NVMe parameter offload
+            keeps such a copy (a narrower ``compute_dtype``): gathers for compute read it instead
+            of ``shard``; ``None`` otherwise.
         full: The gather buffer for compute: ``W * shard_numel`` elements of ``compute_dtype``;
             zero bytes of storage when released (or gathered for reading).
         master: The fp32 master shard stepped by the optimizer (``shard`` itself when the dtype is
@@ -145,6 +148,7 @@ class FlatGroup:
         # (tied weights) would accumulate, and signal, once per use instead of once.
         self._empty = torch.empty(0, dtype=self.compute_dtype, device=device)
         self.master: Optional[Tensor] = None
+        self.compute_shard: Optional[Tensor] = None  # set by the NVMe parameter offload
         self.secondary: Optional[Tensor] = None
         self.codes: Optional[Tensor] = None  # frozen weights stored quantized: codes, scales, format
         self.scales: Optional[Tensor] = None
@@ -197,7 +201,8 @@ class FlatGroup:
 
         For compute (default): into :attr:`full`, in ``compute_dtype``, from the hpZ secondary
         partitions when this group has one and ``from_secondary``, else from the shards (cast to
-        ``compute_dtype`` first), as INT8 codes and scales with ``quantized`` (qwZ).
+        ``compute_dtype`` first, or their :attr:`compute_shard` copies), as INT8 codes and scales
+        with ``quantized`` (qwZ).
         With ``read``: the exact values, from the shards, in the parameters' dtype.
         """
         target = self._read if read else self.full
@@ -209,23 +214,25 @@ class FlatGroup:
             target.untyped_storage().resize_(self.padded_numel * target.element_size())
         if self.secondary is not None and from_secondary and not read:
             return self.comm.all_gather_secondary(target, self.secondary, async_op=True)
-        stored = self.codes if self.codes is not None else self.shard
+        # For compute, a 16-bit copy of the shard where the offload keeps one: half the bytes read and moved.
+        shard = self.shard if read or self.compute_shard is None else self.compute_shard
+        stored = self.codes if self.codes is not None else shard
         if stored.device == self.device:
-            return self._gather_from_stored(target, quantized and not read)[0]
+            return self._gather_from_stored(target, shard, quantized and not read)[0]
         # Offloaded to host memory: copy it over on the copy stream and gather from there, so that
         # neither the host nor the compute stream waits for the copy; only the consumer does, when
         # it waits on the handle (one rank's "gather" is a copy on the copy stream, and qwZ's
         # dequantization runs on the compute stream: the handle orders both after the copy
         # stream). What was staged on the copy stream lives until then.
         with self.transfers.on_copy_stream():
-            handle, staged = self._gather_from_stored(target, quantized and not read)
+            handle, staged = self._gather_from_stored(target, shard, quantized and not read)
         return self.transfers.hold(handle, *staged)
 
-    def _gather_from_stored(self, target: Tensor, quantized: bool) -> tuple[Handle, tuple[Tensor, ...]]:
+    def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool) -> tuple[Handle, tuple[Tensor, ...]]:
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
             codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
             return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
-        shard = self.transfers.to_device(self.shard)
+        shard = self.transfers.to_device(shard)
         if quantized:
             return self.comm.all_gather_quantized(target, shard, async_op=True), (shard,)
         shard = shard.to(target.dtype)

@@ -75,6 +75,7 @@ class Unit:
         self.state = RELEASED
         self.handles: list[Handle] = []
         self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
+        self.acquired_read = False  # ... their exact shards (a gather for reading), not compute copies
         self.quantized = False  # the last gather was qwZ-quantized
         self.forward_depth = 0
         self.held = False
@@ -148,8 +149,9 @@ class UnitStates:
             # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
             # from NVMe: this is where a shard is swapped in.
             unit.acquired = [g for g in unit.groups if (g.secondary is None or exact) and g.codes is None]
+            unit.acquired_read = read
             for group in unit.acquired:
-                self.param_offload.acquire(group)
+                self.param_offload.acquire(group, read)
         unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
         before = unit.gathered_nbytes
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
@@ -178,7 +180,7 @@ class UnitStates:
                 if isinstance(handle, HeldUntilWait):
                     handle.wait_on_host()
             for group in unit.acquired:
-                self.param_offload.drop(group)
+                self.param_offload.drop(group, unit.acquired_read)
             unit.acquired = []
         unit.handles, unit.state = [], GATHERED
 

@@ -1,5 +1,5 @@
-"""Parameter offload: each flat group's compute-dtype shard on the ``cpu`` or ``nvme`` tier
-(ZeRO-Infinity, Rajbhandari et al. SC'21, §5.1 and §6.2).
+"""Parameter offload: each flat group's shard on the ``cpu`` or ``nvme`` tier (ZeRO-Infinity,
+Rajbhandari et al. SC'21, §5.1 and §6.2).
 
 ``cpu``: the shard lives in CPU memory; a gather copies it to the device and all-gathers from there.
 
@@ -8,6 +8,14 @@ earlier along the prefetch trace (``read_ahead`` units ahead of the current one)
 soon as the all-gather has completed: the file still holds the same bytes, so nothing is written.
 It is written only when the shard changes: after an optimizer step, a load, or an edit made
 inside ``gathered(write_back=True)``.
+
+Under a narrower compute dtype (``MixedPrecisionConfig.param_dtype``: bf16 or fp16 gathers of fp32
+parameters) a group also keeps a *compute copy* on NVMe: its shard cast to the compute dtype, in a
+record of its own, rewritten whenever the shard is. Gathers for compute read only that copy, so
+each forward and backward reads 2 bytes per parameter from the disk instead of 4, as ZeRO-Infinity
+moves its 16-bit parameters (§4: "parameters ... in fp16"; its fp32 copy lives with the optimizer
+state). The fp32 shard stays the exact value that reads, checkpoints and the optimizer use; with
+the optimizer on NVMe it is the master itself (one record for both).
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ __all__ = ["ParamOffload"]
 
 
 class ParamOffload:
-    """Swaps the parameter shards of flat groups (``nvme`` tier); the ``cpu`` tier needs nothing
-    beyond placing the shards in CPU memory, which :class:`FlatGroup` does.
+    """Swaps the parameter shards of flat groups, and their compute copies (``nvme`` tier); the
+    ``cpu`` tier needs nothing beyond placing the shards in CPU memory, which :class:`FlatGroup`
+    does.
 
     Args:
         space: The rank's swapper and staging pool.
@@ -34,40 +43,68 @@ class ParamOffload:
     def __init__(self, space: SwapSpace) -> None:
         self.space = space
         self._shards: dict[int, SwapRecord] = {}
+        self._copies: dict[int, SwapRecord] = {}  # compute copies, by group
 
     @staticmethod
-    def planned_bytes(shards: Iterable[tuple[torch.dtype, int]]) -> int:
-        """Bytes the swap files of these shards take, each given as ``(dtype, shard elements)``
-        (as :meth:`add` writes them: one record per shard, padded to whole 4096-byte blocks)."""
-        return sum(record_layout(_shard_regions(dtype, numel))[1] for dtype, numel in shards)
+    def keeps_copy(dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+        """Whether a shard of ``dtype`` gathered in ``compute_dtype`` gets a compute copy: a
+        floating-point ``compute_dtype`` narrower than ``dtype``."""
+        return compute_dtype.is_floating_point and compute_dtype.itemsize < dtype.itemsize
+
+    @classmethod
+    def planned_bytes(cls, shards: Iterable[tuple[torch.dtype, torch.dtype, int]]) -> int:
+        """Bytes the swap files of these shards take, each given as ``(dtype, compute dtype, shard
+        elements)`` (as :meth:`add` writes them: one record per shard and one per compute copy,
+        each padded to whole 4096-byte blocks)."""
+        total = 0
+        for dtype, compute_dtype, numel in shards:
+            total += record_layout(_regions("shard", dtype, numel))[1]
+            if cls.keeps_copy(dtype, compute_dtype):
+                total += record_layout(_regions("copy", compute_dtype, numel))[1]
+        return total
 
     def add(self, group: FlatGroup, key: str) -> None:
-        """Take over ``group``'s shard: write it out and free its memory (at construction, so the
-        model never has all of its shards in memory)."""
-        record = self._shards[id(group)] = SwapRecord(self.space, key, _shard_regions(group.dtype, group.shard_numel))
+        """Take over ``group``'s shard, and make its compute copy where :meth:`keeps_copy` says
+        so: write them out and free their memory (at construction, so the model never has all of
+        its shards in memory)."""
+        record = self._shards[id(group)] = SwapRecord(self.space, key, _regions("shard", group.dtype, group.shard_numel))
         record.bind(group.shard, "shard")
         record.adopt()
+        if self.keeps_copy(group.dtype, group.compute_dtype):
+            group.compute_shard = group.shard.to(group.compute_dtype)
+            copy = self._copies[id(group)] = SwapRecord(
+                self.space, f"{key}.copy", _regions("copy", group.compute_dtype, group.shard_numel))
+            copy.bind(group.compute_shard, "copy")
+            copy.adopt()
+            copy.swap_out()
         record.swap_out()
 
     def record(self, group: FlatGroup) -> SwapRecord:
         """The swap record holding ``group``'s shard (region ``"shard"``)."""
         return self._shards[id(group)]
 
-    def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
-        """Start reading these groups' shards (they are gathered soon)."""
-        for group in groups:
-            self._shards[id(group)].swap_in(ahead=True)
+    def _source(self, group: FlatGroup, read: bool) -> SwapRecord:
+        """What a gather reads: the compute copy for compute (where there is one), else the shard."""
+        copy = None if read else self._copies.get(id(group))
+        return copy if copy is not None else self._shards[id(group)]
 
-    def acquire(self, group: FlatGroup) -> None:
-        """The shard in memory now (before its all-gather starts)."""
+    def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
+        """Start reading what these groups' gathers for compute read (they are gathered soon)."""
+        for group in groups:
+            self._source(group, read=False).swap_in(ahead=True)
+
+    def acquire(self, group: FlatGroup, read: bool = False) -> None:
+        """What the gather reads in memory now (before it starts): the shard for a gather for
+        reading (``read``: exact values), else the compute copy where there is one."""
         self.space.reap()
-        record = self._shards[id(group)]
+        record = self._source(group, read)
         record.swap_in()
         record.settle()
 
-    def drop(self, group: FlatGroup) -> None:
-        """After the all-gather completed: free the shard; its file is still current."""
-        record = self._shards[id(group)]
+    def drop(self, group: FlatGroup, read: bool = False) -> None:
+        """After the all-gather that :meth:`acquire` (same ``read``) served completed: free what
+        it read; its file is still current."""
+        record = self._source(group, read)
         record.settle()
         record.swap_out(write=False)
 
@@ -78,20 +115,37 @@ class ParamOffload:
         record.settle()
 
     def changed(self, group: FlatGroup) -> None:
-        """The shard was modified: write it out (behind) and free it once written."""
+        """The shard (in memory) was modified: refresh its compute copy, and write both out
+        (behind), each freed once written."""
+        self.refresh_copies([group])
         self._shards[id(group)].swap_out(write=True)
 
+    def refresh_copies(self, groups: Iterable[FlatGroup]) -> None:
+        """Rewrite the compute copies of these groups' shards (in memory, modified) from them;
+        written behind. Groups without a copy are skipped."""
+        for group in groups:
+            copy = self._copies.get(id(group))
+            if copy is None:
+                continue
+            copy.settle()  # a read ahead of the copy being replaced
+            copy.swap_in(read=False)
+            copy.settle()
+            group.compute_shard.copy_(group.shard)
+            copy.swap_out(write=True)
+
     def settle_all(self) -> None:
-        """Complete every transfer in flight, and free shards read ahead for gathers that did not
-        happen (the trace changed); their files are current."""
-        for record in self._shards.values():
+        """Complete every transfer in flight, and free shards and copies read ahead for gathers
+        that did not happen (the trace changed); their files are current."""
+        for record in [*self._shards.values(), *self._copies.values()]:
             record.settle()
             if record.resident:
                 record.swap_out(write=False)
 
     @contextmanager
     def resident(self, groups: Iterable[FlatGroup], write_back: bool) -> Iterator[None]:
-        """Every shard in memory for the block; afterwards written (``write_back``) or dropped."""
+        """Every shard in memory for the block; afterwards written (``write_back``: they were
+        modified; the caller refreshes their compute copies before the block ends,
+        :meth:`refresh_copies`) or dropped."""
         records = [self._shards[id(group)] for group in groups]
         with self.space.uncapped():
             for record in records:
@@ -110,10 +164,11 @@ class ParamOffload:
                     record.settle()
 
     def tier_bytes(self) -> dict[str, int]:
-        """Bytes of parameter shards in CPU memory now and in swap files."""
-        cpu = sum(s.nbytes for s in self._shards.values() if s.resident)  # staged, O_DIRECT-padded
-        return {"cpu": cpu, "nvme": sum(s.nbytes for s in self._shards.values()) - cpu}
+        """Bytes of parameter shards and compute copies in CPU memory now and in swap files."""
+        records = [*self._shards.values(), *self._copies.values()]
+        cpu = sum(r.nbytes for r in records if r.resident)  # staged, O_DIRECT-padded
+        return {"cpu": cpu, "nvme": sum(r.nbytes for r in records) - cpu}
 
 
-def _shard_regions(dtype: torch.dtype, numel: int) -> list[tuple[str, torch.dtype, int]]:
-    return [("shard", dtype, numel)]
+def _regions(name: str, dtype: torch.dtype, numel: int) -> list[tuple[str, torch.dtype, int]]:
+    return [(name, dtype, numel)]
