@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zinf import OffloadConfig, ZeroEngine, meta_parameters
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, ZeroEngine, meta_parameters
 from lightning_zinf.offload import SwapError
 from tests import models
 from tests.harness import run_distributed
@@ -32,12 +32,14 @@ def _swap_file_bytes(nvme: Path) -> int:
     return sum(f.stat().st_size for f in nvme.rglob("*.swp"))
 
 
-def _step(rank: int, world: int, nvme: str, param: str, dtype: str, optimizer: str) -> dict:
-    """Build a GPT with its state on NVMe, attach ``optimizer``, train one step; return what the
-    preflight counted (the run's total over both ranks) and the bytes of every rank's swap files."""
+def _step(rank: int, world: int, nvme: str, param: str, dtype: str, optimizer: str, gather: str | None = None) -> dict:
+    """Build a GPT with its state on NVMe (gathered in ``gather``, a ``param_dtype``), attach
+    ``optimizer``, train one step; return what the preflight counted (the run's total over both
+    ranks) and the bytes of every rank's swap files."""
     torch.manual_seed(0)
     model = models.GPT().to(getattr(torch, dtype))
-    engine = ZeroEngine(model, offload=OffloadConfig(param=param, optimizer="nvme", nvme_path=nvme))
+    engine = ZeroEngine(model, offload=OffloadConfig(param=param, optimizer="nvme", nvme_path=nvme),
+                        mixed_precision=MixedPrecisionConfig(param_dtype=gather))
     planned_params = engine.swapper.planned_bytes
     written_params = _swap_file_bytes(Path(nvme))
     engine.comm.barrier()
@@ -56,16 +58,17 @@ def _step(rank: int, world: int, nvme: str, param: str, dtype: str, optimizer: s
             "planned": engine.swapper.planned_bytes, "written": written}
 
 
-@pytest.mark.parametrize("param, dtype, optimizer", [
-    ("nvme", "float32", "adamw"),  # fp32 masters share the parameter shards' records
-    ("nvme", "bfloat16", "adamw"),  # bf16 shards, separate fp32 masters
-    ("cpu", "float32", "sgd"),  # momentum in one param group only
+@pytest.mark.parametrize("param, dtype, optimizer, gather", [
+    ("nvme", "float32", "adamw", None),  # fp32 masters share the parameter shards' records
+    ("nvme", "bfloat16", "adamw", None),  # bf16 shards, separate fp32 masters
+    ("nvme", "float32", "adamw", "bf16"),  # and bf16 compute copies of the fp32 shards
+    ("cpu", "float32", "sgd", None),  # momentum in one param group only
 ])
-def test_counted_need_is_what_is_written(tmp_path: Path, param: str, dtype: str, optimizer: str) -> None:
+def test_counted_need_is_what_is_written(tmp_path: Path, param: str, dtype: str, optimizer: str, gather) -> None:
     """The bytes the preflight counts (summed over the two ranks sharing the disk) equal the sizes of
-    the swap files on disk: after partitioning for the parameter shards, after one training step
-    for everything (masters, gradient shards, optimizer states)."""
-    for out in run_distributed(_step, 2, str(tmp_path), param, dtype, optimizer):
+    the swap files on disk: after partitioning for the parameter shards (and their compute copies),
+    after one training step for everything (masters, gradient shards, optimizer states)."""
+    for out in run_distributed(_step, 2, str(tmp_path), param, dtype, optimizer, gather):
         assert out["planned_params"] == out["written_params"], out
         assert out["planned"] == out["written"] > out["planned_params"], out
 
