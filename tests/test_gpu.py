@@ -33,12 +33,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 
 STEPS = 4
 BATCH = 8
-FEATURES = ("fp32", "bf16", "offload_cpu", "offload_nvme", "zero_pp", "tiling", "checkpointing", "lora_frozen_int8",
-            "activation_offload")
+FEATURES = ("fp32", "bf16", "offload_cpu", "offload_nvme", "offload_cpu_bf16", "offload_nvme_bf16", "zero_pp", "tiling",
+            "checkpointing", "lora_frozen_int8", "activation_offload")
 # Relative tolerance of the losses against the CPU run: reduction orders and attention kernels
 # differ between devices; bf16 and INT8-quantized weights round far more than that.
 TOLERANCE = {"fp32": 2e-3, "offload_cpu": 2e-3, "offload_nvme": 2e-3, "tiling": 2e-3, "checkpointing": 2e-3,
-             "activation_offload": 2e-3, "bf16": 3e-2, "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2}
+             "activation_offload": 2e-3, "bf16": 3e-2, "offload_cpu_bf16": 3e-2, "offload_nvme_bf16": 3e-2,
+             "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2}
 
 
 def _engine_kwargs(feature: str, nvme_path: str) -> dict:
@@ -46,6 +47,11 @@ def _engine_kwargs(feature: str, nvme_path: str) -> dict:
         "bf16": {"mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
         "offload_cpu": {"offload": OffloadConfig(param="cpu", optimizer="cpu")},
         "offload_nvme": {"offload": OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path)},
+        # Gathers read the shards' 16-bit compute copies (host memory; swap records).
+        "offload_cpu_bf16": {"offload": OffloadConfig(param="cpu", optimizer="cpu"),
+                             "mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
+        "offload_nvme_bf16": {"offload": OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path),
+                              "mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
         "zero_pp": {"zero_pp": ZeroPPConfig(qwz=True, hpz=True, qgz=True)},
         # Each rank a node of its own: qgZ's inter-node leg, chained on a side stream.
         "qgz_two_nodes": {"zero_pp": ZeroPPConfig(qgz=True, ranks_per_node=1)},
@@ -116,7 +122,8 @@ def test_every_feature_on_one_gpu_matches_the_cpu(feature: str, tmp_path: Path) 
             assert result["activation_bytes_copied"] == STEPS * want > 0, device
 
 
-@pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "activation_offload", "zero_pp", "qgz_two_nodes"])
+@pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "offload_cpu_bf16", "activation_offload", "zero_pp",
+                                     "qgz_two_nodes"])
 def test_two_ranks_sharing_one_gpu_through_gloo_match_two_cpu_ranks(feature: str, tmp_path: Path) -> None:
     """Two processes on one GPU, joined by gloo with CUDA tensors: real concurrency between each
     rank's copy stream, the collectives and compute, with gathers prefetched along the trace."""

@@ -389,29 +389,52 @@ def _bf16_gathers(rank: int, world: int, offload: dict, ckpt: str) -> dict:
         forward.remove()
     shard_bytes = sum(g.shard_numel * g.shard.element_size() for g in engine.groups)
     return {"losses": losses, "weights": _weights(engine, model), "forward_reads": forward_reads,
-            "shard_bytes": shard_bytes}
+            "shard_bytes": shard_bytes, "memory": engine.accounting.state_bytes()}
 
 
-@pytest.mark.parametrize("optimizer", ["none", "cpu", "nvme"])
-def test_bf16_gathers_read_16_bit_copies_from_nvme(tmp_path: Path, optimizer: str) -> None:
-    """fp32 parameters on NVMe under ``param_dtype=bf16``: a forward reads the shards' 16-bit
-    compute copies (half the fp32 shards' bytes, ZeRO-Infinity's 2 bytes per parameter), and the
-    run (edit, load_state_dict, sharded checkpoint round trip) matches no offload bit for bit: a
-    copy not refreshed after any of them would change a loss. Reads stay exact fp32."""
+@pytest.mark.parametrize("param, optimizer", [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme"),
+                                             ("cpu", "none"), ("cpu", "cpu"), ("cpu", "nvme")])
+def test_bf16_gathers_read_16_bit_copies(tmp_path: Path, param: str, optimizer: str) -> None:
+    """fp32 parameters offloaded under ``param_dtype=bf16``: gathers read the shards' 16-bit compute
+    copies; on NVMe a forward reads half the fp32 shards' bytes (ZeRO-Infinity's 2 bytes per
+    parameter). The run (edit, load_state_dict, sharded checkpoint round trip) matches no offload
+    bit for bit: a copy not refreshed after any of them would change a loss. Reads stay exact fp32.
+    On the ``cpu`` tier with the optimizer there too, the fp32 shard is the master (the host keeps
+    4 + 2 bytes per parameter, not 4 + 4 + 2)."""
     want = run_distributed(_bf16_gathers, 2, {}, str(tmp_path / "want"))
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    got = run_distributed(_bf16_gathers, 2, {"param": "nvme", "optimizer": optimizer, "nvme_path": str(nvme),
+    got = run_distributed(_bf16_gathers, 2, {"param": param, "optimizer": optimizer, "nvme_path": str(nvme),
                                              **({"sub_group_size": 20_000} if optimizer != "none" else {})},
                           str(tmp_path / "got"))
     for g, w in zip(got, want):
         assert g["losses"] == w["losses"]
         for name, value in w["weights"].items():
             assert value.dtype == torch.float32 and torch.equal(g["weights"][name], value), name
-        # Every group is gathered once in a forward; each record is padded to whole 4096-byte blocks.
-        groups = len(models.GPT(d=64).state_dict())
-        assert g["shard_bytes"] / 2 <= min(g["forward_reads"]) <= g["shard_bytes"] / 2 + 4096 * groups, g
+        if param == "nvme":
+            # Every group is gathered once in a forward; each record is padded to whole 4096-byte blocks.
+            groups = len(models.GPT(d=64).state_dict())
+            assert g["shard_bytes"] / 2 <= min(g["forward_reads"]) <= g["shard_bytes"] / 2 + 4096 * groups, g
+        elif optimizer == "cpu":
+            assert g["memory"]["shards_cpu"] == g["shard_bytes"] * 6 // 4, g["memory"]
+            # The two moments and the step counts: no separate master.
+            assert 2 * g["shard_bytes"] <= g["memory"]["optimizer"] < 2 * g["shard_bytes"] + 4096, g["memory"]
     assert list(nvme.iterdir()) == []
+
+
+def test_cpu_tier_keeps_copies_only_where_gathers_read_them() -> None:
+    """A LoRA GPT on the ``cpu`` tier under bf16 gathers with its frozen base stored as INT8 codes:
+    host memory holds each trainable fp32 shard and its bf16 copy (6 bytes per element) and the
+    frozen codes and scales, and no copy of a frozen shard (the gathers send its codes)."""
+    from lightning_zinf import ZeroPPConfig
+
+    torch.manual_seed(0)
+    engine = ZeroEngine(models.GPT(d=64, lora_rank=4), block_classes=["Block"], offload=OffloadConfig(param="cpu"),
+                        mixed_precision=MixedPrecisionConfig(param_dtype="bf16"), zero_pp=ZeroPPConfig(frozen_bits=8))
+    trainable = sum(g.shard_numel for g in engine.groups if g.trainable)
+    codes = sum(t.untyped_storage().nbytes() for g in engine.groups if g.codes is not None for t in (g.codes, g.scales))
+    assert trainable and codes
+    assert engine.accounting.state_bytes()["shards_cpu"] == 6 * trainable + codes
 
 
 def _checkpoint_peak(rank: int, world: int, nvme_path: str, ckpt: str) -> dict:

@@ -101,7 +101,7 @@ class MemoryAccounting:
 
         shards = "shards_cpu" if self.shards_offloaded else "shards_device"
         for group in self.groups:
-            for t in (group.shard, group.codes, group.scales):
+            for t in (group.shard, group.compute_shard, group.codes, group.scales):
                 add(shards, t)
             add("optimizer", group.master)
             add("grad_shards", group.grad_shard)

@@ -201,7 +201,7 @@ class ZeroEngine:
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
                                  persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
-                                 preloaded=preloaded).build(specs)
+                                 host_copies=offload.param == "cpu", preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
         self._gathered_depth = 0  # nested gathered() blocks
@@ -355,7 +355,8 @@ class ZeroEngine:
         if self.offload is not None:
             self.offload.place_masters(shard_resident)
         elif self._shards_offloaded:
-            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be it.
+            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be
+            # it, unless gathers read a host copy instead (FlatGroup.make_master decides).
             for group in self.groups:
                 if group.trainable and group.master is None:
                     with shard_resident(group):
@@ -466,9 +467,14 @@ class ZeroEngine:
                 stack.enter_context(self.param_offload.resident([g for g in groups if g.codes is None], write_back))
             if self.offload is not None:
                 stack.enter_context(self.offload.resident(self.optimizers, write_back, groups))
-            yield
-            if write_back and self.param_offload is not None:
-                self.param_offload.refresh_copies(groups)  # while the shards are in memory
+            try:
+                yield
+                if write_back and self.param_offload is not None:  # while the shards are in memory
+                    self.param_offload.refresh_copies(groups)  # (a failed load keeps the files as they were)
+            finally:
+                if write_back:  # host copies follow the host shards, loaded in full or not
+                    for group in groups:
+                        group.shard_changed()
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""

@@ -33,7 +33,7 @@ from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.transfer import Transfers
 from triton_kernels import dequantize, quantize
 
-__all__ = ["FlatGroup", "SHARD_ALIGN", "shard_numel"]
+__all__ = ["FlatGroup", "SHARD_ALIGN", "keeps_compute_copy", "shard_numel"]
 
 #: Shards are whole runs of this many elements, so every shard starts 32-byte aligned (bf16) in
 #: the gather buffer and the quantization kernels see 16-divisible sizes: on a GPU both the
@@ -47,6 +47,12 @@ def shard_numel(numel: int, world: int) -> int:
     """Elements of each rank's shard of a flat buffer of ``numel`` elements over ``world`` ranks:
     ``ceil(numel / world)`` rounded up to a multiple of :data:`SHARD_ALIGN`."""
     return -(-numel // (world * SHARD_ALIGN)) * SHARD_ALIGN
+
+
+def keeps_compute_copy(dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether an offloaded shard of ``dtype`` gathered in ``compute_dtype`` gets a compute copy
+    (:attr:`FlatGroup.compute_shard`): a floating-point ``compute_dtype`` narrower than ``dtype``."""
+    return compute_dtype.is_floating_point and compute_dtype.itemsize < dtype.itemsize
 
 
 class FlatGroup:
@@ -69,12 +75,15 @@ class FlatGroup:
         transfers: The device's copy streams (default: their own). Host-side shards and
             gradient shards are page-locked when it overlaps copies.
         pin_shard: Page-lock a host-side shard (``False`` when it moves into NVMe staging memory at once).
+        host_copy: Keep :attr:`compute_shard` in host memory, page-locked when copies overlap, where
+            :func:`keeps_compute_copy` says so (the ``cpu`` parameter tier): gathers then copy 16-bit
+            bytes to the device, and the fp32 shard can be the optimizer's master.
 
     Attributes:
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the storage dtype.
-        compute_shard: The same elements in ``compute_dtype``, where the NVMe parameter offload
-            keeps such a copy (a narrower ``compute_dtype``): gathers for compute read it instead
-            of ``shard``; ``None`` otherwise.
+        compute_shard: The same elements in ``compute_dtype``, where an offload tier keeps such a
+            copy (a narrower ``compute_dtype``: ``host_copy``, or the NVMe parameter offload's
+            record): gathers for compute read it instead of ``shard``; ``None`` otherwise.
         full: The gather buffer for compute: ``W * shard_numel`` elements of ``compute_dtype``;
             zero bytes of storage when released (or gathered for reading).
         master: The fp32 master shard stepped by the optimizer (``shard`` itself when the dtype is
@@ -108,6 +117,7 @@ class FlatGroup:
         ledger: Optional[MemoryLedger] = None,
         transfers: Optional[Transfers] = None,
         pin_shard: bool = True,
+        host_copy: bool = False,
     ) -> None:
         self.names = names
         self.params = params
@@ -133,7 +143,9 @@ class FlatGroup:
             source = torch.cat([p.detach().reshape(-1) for p in params])
         start, stop = self.shard_start, min(self.shard_start + self.shard_numel, self.numel)
         shard_device = shard_device or device
-        if shard_device != device and pin_shard:
+        self._host_copy = host_copy and keeps_compute_copy(self.dtype, self.compute_dtype)
+        # Page-locked only what the copies to the device read: the host copy, where there is one.
+        if shard_device != device and pin_shard and not self._host_copy:
             self.shard = self.transfers.host_zeros(self.shard_numel, self.dtype)
         else:
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=shard_device)
@@ -148,7 +160,9 @@ class FlatGroup:
         # (tied weights) would accumulate, and signal, once per use instead of once.
         self._empty = torch.empty(0, dtype=self.compute_dtype, device=device)
         self.master: Optional[Tensor] = None
-        self.compute_shard: Optional[Tensor] = None  # set by the NVMe parameter offload
+        self.compute_shard: Optional[Tensor] = None  # or set by the NVMe parameter offload
+        if self._host_copy:
+            self.compute_shard = self.transfers.host_empty(self.shard_numel, self.compute_dtype).copy_(self.shard)
         self.secondary: Optional[Tensor] = None
         self.codes: Optional[Tensor] = None  # frozen weights stored quantized: codes, scales, format
         self.scales: Optional[Tensor] = None
@@ -262,6 +276,7 @@ class FlatGroup:
         self.code_format = (bits, block)
         self._set_codes(*quantize(self.shard, bits, block))
         self.shard = self.shard.new_empty(0)
+        self.compute_shard, self._host_copy = None, False  # gathers send the codes
 
     def _set_codes(self, codes: Tensor, scales: Tensor) -> None:
         # Host-side codes are copied to the device at every gather: page-locked, without blocking.
@@ -329,21 +344,36 @@ class FlatGroup:
             # 10x the time and index tensors twice the shard's size (state_dict.py benchmark).
             changed = (new != self.shard).to(self.master.device)
             torch.where(changed, new.to(self.master.device, torch.float32), self.master, out=self.master)
-        self.shard.copy_(new)  # the unedited elements are equal already
+        self.shard.copy_(new)  # the unedited elements are equal already (inside state_resident, which
+        # refreshes a compute copy once the block ends)
+
+    def shard_changed(self) -> None:
+        """The shard was rewritten (a step, a load, an edit): refresh the host compute copy
+        (``host_copy``). The NVMe offload refreshes its records itself. The host must not write
+        memory a copy to the device may still read: call after :meth:`Transfers.host_wait_h2d`."""
+        if self._host_copy:
+            self.compute_shard.copy_(self.shard)
 
     # --- optimizer state --------------------------------------------------------------------------
-    def make_master(self, state_device: Optional[torch.device] = None, separate: bool = False) -> None:
+    def make_master(self, state_device: Optional[torch.device] = None, separate: bool = False,
+                    swapped: bool = False) -> None:
         """Create the fp32 master shard and the per-parameter fragments the optimizer steps.
 
         Args:
             state_device: Where the master and the gradient shard live (default: ``device``).
             separate: Give fp32 groups a master of their own instead of stepping ``shard`` in place
-                (offload: the master lives on another tier than the shard the forward reads).
+                (offload: the master lives on another tier than the shard the forward reads),
+                unless the forward reads a host copy (``host_copy``) and the shard is where the
+                master goes.
+            swapped: The master will be swapped to NVMe (its tensor emptied between steps): never
+                the shard, which must stay in memory.
         """
         if self.master is None:
             self.state_device = state_device or self.device
             self.host_state = state_device is not None and state_device.type == "cpu"  # the optimizer offloaded
-            if self.dtype == torch.float32 and not separate and self.state_device == self.device:
+            # A host copy feeds the gathers: the fp32 shard beside it can be stepped in place.
+            in_place = (self.state_device == self.device and not separate) or (self._host_copy and not swapped)
+            if self.dtype == torch.float32 and in_place and self.shard.device == self.state_device:
                 self.master = self.shard
             else:
                 self.master = self.shard.to(self.state_device, torch.float32, copy=True)
@@ -374,8 +404,10 @@ class FlatGroup:
         it steps it); the gradients are consumed (the next backward starts a fresh accumulation, as
         after ``zero_grad``). The hpZ secondary partition, now stale, is dropped."""
         self.drop_secondary()
-        if self.master is not None and self.master is not self.shard and not self.host_state:
-            self.shard.copy_(self.master)  # an offloaded optimizer copies as it steps (OptimizerOffload)
+        if self.master is not None and not self.host_state:  # an offloaded optimizer copies as it steps
+            if self.master is not self.shard:
+                self.shard.copy_(self.master)
+            self.shard_changed()
         self._consumed = True
 
     def free_consumed_grads(self) -> None:

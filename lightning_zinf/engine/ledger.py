@@ -22,7 +22,7 @@ CATEGORIES = {
     "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output)",
     "pooled": "free gradient buffers kept for reuse (CPU only; the caching allocator pools on accelerators)",
     "shards_device": "parameter shards (or frozen codes) on the compute device",
-    "shards_cpu": "parameter shards (or frozen codes) in CPU memory",
+    "shards_cpu": "parameter shards (or frozen codes) and their 16-bit compute copies in CPU memory",
     "shards_nvme": "parameter shards in NVMe swap files",
     "grad_shards": "fp32 gradient shards accumulated over micro-batches (resident bytes)",
     "optimizer": "fp32 master shards separate from the parameter shards, and optimizer states (resident bytes)",

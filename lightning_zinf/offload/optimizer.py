@@ -93,7 +93,7 @@ class OptimizerOffload:
         self.settle_all()
 
     def _place_master(self, i: int, group: FlatGroup, cpu: torch.device) -> None:
-        group.make_master(state_device=cpu, separate=True)
+        group.make_master(state_device=cpu, separate=True, swapped=self.nvme)
         if not self.nvme:
             return
         group.swapped_optimizer = True
@@ -294,7 +294,9 @@ class OptimizerOffload:
                 self.params.will_overwrite(group)
             # The compute-dtype shard the next forward gathers (on the device: through the copy
             # stream, overlapping the next sub-group's step; the engine orders compute after it).
-            group.transfers.copy_to_device(group.shard, group.master)
+            if group.master is not group.shard:  # stepped in place beside a host copy
+                group.transfers.copy_to_device(group.shard, group.master)
+            group.shard_changed()
         if self.params is not None:
             self.params.changed(group)
         if not self.nvme:

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.flat import FlatGroup, keeps_compute_copy
 from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
 
 __all__ = ["ParamOffload"]
@@ -46,31 +46,25 @@ class ParamOffload:
         self._copies: dict[int, SwapRecord] = {}  # compute copies, by group
 
     @staticmethod
-    def keeps_copy(dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
-        """Whether a shard of ``dtype`` gathered in ``compute_dtype`` gets a compute copy: a
-        floating-point ``compute_dtype`` narrower than ``dtype``."""
-        return compute_dtype.is_floating_point and compute_dtype.itemsize < dtype.itemsize
-
-    @classmethod
-    def planned_bytes(cls, shards: Iterable[tuple[torch.dtype, torch.dtype, int]]) -> int:
+    def planned_bytes(shards: Iterable[tuple[torch.dtype, torch.dtype, int]]) -> int:
         """Bytes the swap files of these shards take, each given as ``(dtype, compute dtype, shard
         elements)`` (as :meth:`add` writes them: one record per shard and one per compute copy,
         each padded to whole 4096-byte blocks)."""
         total = 0
         for dtype, compute_dtype, numel in shards:
             total += record_layout(_regions("shard", dtype, numel))[1]
-            if cls.keeps_copy(dtype, compute_dtype):
+            if keeps_compute_copy(dtype, compute_dtype):
                 total += record_layout(_regions("copy", compute_dtype, numel))[1]
         return total
 
     def add(self, group: FlatGroup, key: str) -> None:
-        """Take over ``group``'s shard, and make its compute copy where :meth:`keeps_copy` says
-        so: write them out and free their memory (at construction, so the model never has all of
-        its shards in memory)."""
+        """Take over ``group``'s shard, and make its compute copy where
+        :func:`~lightning_zinf.engine.flat.keeps_compute_copy` says so: write them out and free
+        their memory (at construction, so the model never has all of its shards in memory)."""
         record = self._shards[id(group)] = SwapRecord(self.space, key, _regions("shard", group.dtype, group.shard_numel))
         record.bind(group.shard, "shard")
         record.adopt()
-        if self.keeps_copy(group.dtype, group.compute_dtype):
+        if keeps_compute_copy(group.dtype, group.compute_dtype):
             group.compute_shard = group.shard.to(group.compute_dtype)
             copy = self._copies[id(group)] = SwapRecord(
                 self.space, f"{key}.copy", _regions("copy", group.compute_dtype, group.shard_numel))
