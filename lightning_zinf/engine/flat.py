@@ -98,9 +98,9 @@ class FlatGroup:
             ``grad_shard`` and does the post-step copy into ``shard`` itself. Gradients are handed to
             the optimizer only inside its step (``exposed`` says which fragments have one meanwhile),
             and the norms below are recorded.
-        grad_sq_norms: With ``swapped_optimizer``, per fragment the squared L2 norm of its gradient
-            after the last :meth:`accumulate` (fp32, 0-d each), so clipping needs no pass over
-            gradients that were swapped out.
+        grad_norms: With ``swapped_optimizer``, per fragment the L2 norm of its gradient after the
+            last :meth:`accumulate` (fp32, 0-d each), so clipping needs no pass over gradients that
+            were swapped out.
     """
 
     def __init__(
@@ -170,7 +170,7 @@ class FlatGroup:
         self.fragments: list[Tensor] = []
         self.grad_shard: Optional[Tensor] = None
         self._grad_fragments: list[Tensor] = []
-        self.grad_sq_norms: list[Tensor] = []
+        self.grad_norms: list[Tensor] = []
         self.state_device = device
         self.host_state = False  # master and gradient shard offloaded to host memory
         self.swapped_optimizer = False
@@ -609,7 +609,7 @@ class FlatGroup:
 
     def _record_norms(self) -> None:
         if self.swapped_optimizer:
-            self.grad_sq_norms = [g.pow(2).sum() for g in self._grad_fragments]
+            self.grad_norms = list(torch._foreach_norm(self._grad_fragments))
 
     @property
     def fresh_accumulation(self) -> bool:

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.flat import FlatGroup
 
-__all__ = ["shard_optimizer", "clip_grad_norm_", "refuse_unsharded_steps"]
+__all__ = ["shard_optimizer", "clip_grad_norm_", "local_grad_sq_norm", "refuse_unsharded_steps"]
 
 # Optimizers whose update mixes elements of one tensor (factored or matrix-wise statistics, line
 # search over the whole model): stepping them on shards would change the mathematics.
@@ -150,12 +150,21 @@ def clip_grad_norm_(fragments: Iterable[Tensor], max_norm: float, comm: Collecti
         the gradients non-finite too (a mixed-precision loss scaler then skips the step).
     """
     grads = [f.grad for f in fragments if f.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        total += g.float().pow(2).sum()
-    norm = comm.all_reduce_sum(total).sqrt()
+    # Multi-tensor kernels: a few launches for all fragments, not four per fragment.
+    norm = comm.all_reduce_sum(local_grad_sq_norm(list(torch._foreach_norm(grads)) if grads else [])).sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm
+
+
+def local_grad_sq_norm(norms: list[Tensor]) -> Tensor:
+    """This rank's squared gradient norm from the L2 norms of its gradient fragments (fp32 0-d
+    tensors, as ``torch._foreach_norm`` gives them, in the order of the engine's fragments): the
+    square of their vector norm, as ``torch.nn.utils.get_total_norm`` combines them. One function
+    for resident gradients (:func:`clip_grad_norm_`) and for norms recorded before the gradients
+    were swapped out (NVMe optimizer offload), so both clip bit for bit alike. Empty: a 0-d zero
+    on the CPU."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).float().pow(2)

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.optim import local_grad_sq_norm
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
 
@@ -168,16 +169,13 @@ class OptimizerOffload:
     # --- clipping and the step --------------------------------------------------------------------
     def global_grad_sq_norm(self) -> Tensor:
         """This rank's share of the squared gradient norm (fp32, 0-d, CPU), from the per-fragment
-        norms recorded at accumulation (``nvme``: the gradients themselves may be on disk). Summed
-        fragment by fragment in the order :func:`~lightning_zinf.engine.optim.clip_grad_norm_` sums
-        resident gradients, so clipping gives bit-identical results with and without offload."""
-        total = torch.zeros((), dtype=torch.float32)
-        for i in self.trainable:
-            group = self.groups[i]
-            for has, sq in zip(group.exposed, group.grad_sq_norms):
-                if has:
-                    total += sq
-        return total
+        norms recorded at accumulation (``nvme``: the gradients themselves may be on disk),
+        combined in the order and by the function
+        (:func:`~lightning_zinf.engine.optim.local_grad_sq_norm`) that
+        :func:`~lightning_zinf.engine.optim.clip_grad_norm_` uses for resident gradients, so
+        clipping gives bit-identical results with and without offload."""
+        norms = [n for i in self.trainable for has, n in zip(self.groups[i].exposed, self.groups[i].grad_norms) if has]
+        return local_grad_sq_norm(norms)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step ``optimizer`` sub-group by sub-group (``sub_group_size`` elements at most), and
