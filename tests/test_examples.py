@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -163,3 +164,24 @@ def test_engine_loop_example_gives_ddp_losses(tmp_path: Path) -> None:
     assert zinf[1] < zinf[0] - 0.1
     assert sorted(p.name for p in (tmp_path / "ckpt").rglob("*") if p.is_file()) == [
         "meta.pt", "rank_00000.safetensors", "rank_00001.safetensors"]
+
+
+def test_gpu_check_steps_share_one_triton_cache_that_outlives_the_run(tmp_path: Path, monkeypatch) -> None:
+    """Every step of ``gpu_check.py`` (a process of its own) gets the same ``TRITON_CACHE_DIR``:
+    a folder of the checkout, not the run's temporary folder, so a kernel compiled by one step is
+    found by the next (``test_kernel_compile.py`` checks that a second process finds it), and by
+    a later run; a cache the caller chose is kept."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    env = gpu_check.step_env(tmp_path / "site")
+    assert env["TRITON_CACHE_DIR"] == str(gpu_check.REPO_ROOT / ".triton_cache")
+    assert str(tmp_path / "site") in env["PYTHONPATH"].split(os.pathsep)
+    (tmp_path / "mine" / "0123").mkdir(parents=True)
+    (tmp_path / "mine" / "0123" / "__grp___quantize_kernel.json").write_text("{}")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    env = gpu_check.step_env(tmp_path / "site")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    found = gpu_check.prerequisites(gpu_check.parse_args(["--device", "cpu"]), env, [])
+    assert found["triton_cache"] == {"dir": str(tmp_path / "mine"), "kernels_before": 1}

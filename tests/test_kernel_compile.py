@@ -4,8 +4,10 @@ The interpreter tests (``test_kernels.py``) check the kernels' values; this chec
 GPU compiler can tell: that every launch configuration compiles to a cubin, spills nothing to
 local memory, and, when the sizes are whole 16-element runs, moves its data with 16-byte vector
 loads and stores (the kernels are memory-bound; byte-wide accesses would cap them far below the
-copy bandwidth). ``tests/compile_kernels.py`` does the compiling in a fresh process, because the
-test session runs Triton's interpreter.
+copy bandwidth); that a new shard size compiles nothing new (the kernels specialise on the sizes'
+divisibility only where the vector accesses need it), and that a second process finds the
+kernels compiled by the first in Triton's on-disk cache. ``tests/compile_kernels.py`` does the
+compiling in a fresh process, because the test session runs Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ SCRIPT = Path(__file__).with_name("compile_kernels.py")
 ARCHS = (90, 80)
 
 
-@pytest.fixture(scope="module")
-def compiled() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, str(SCRIPT)] + [f"--arch={a}" for a in ARCHS]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+def run_script(*args: str, **env: str) -> list[dict]:
+    """``compile_kernels.py``'s JSON lines, run without the interpreter (and with ``env`` added)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"compiling the kernels failed:\n{done.stderr[-4000:]}"
     return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    return run_script(*(f"--arch={a}" for a in ARCHS))
 
 
 def test_every_configuration_compiles_for_each_arch(compiled: list[dict]) -> None:
@@ -63,3 +69,42 @@ def test_ragged_sizes_compile(compiled: list[dict]) -> None:
     they fall back to narrower accesses, which is why shards are padded to 16 elements."""
     ragged = [r for r in compiled if "ragged" in r["name"]]
     assert len(ragged) == 4 * len(ARCHS)
+
+
+def test_unspecialised_sizes_keep_every_vector_access(compiled: list[dict]) -> None:
+    """The sizes left unspecialised (block counts) cost no access width: each configuration moves
+    its data exactly as the same kernel compiled with every integer argument specialised does."""
+    changed = [(r["name"], r["arch"], r["global_ops_specialized"], r["global_ops"])
+               for r in compiled if r["global_ops"] != r["global_ops_specialized"]]
+    assert not changed, f"(configuration, arch, fully specialised, as launched): {changed}"
+
+
+def test_shard_sizes_share_one_compiled_kernel() -> None:
+    """Launches of one kernel and format at sizes with 1, 16, 32, 52 and 4096 blocks per row, all
+    whole 16-value runs (as every engine shard), have one specialization key: one compile serves
+    them all, where Triton would compile per block count that is 1, a multiple of 16 or neither
+    (three kernels). Sizes that are not whole runs share one other key (narrower accesses)."""
+    from tests.compile_kernels import ODD, WHOLE_RUNS
+
+    keys: dict[tuple[str, int, bool], set[str]] = {}
+    for r in run_script("--keys", *(f"--arch={a}" for a in ARCHS)):
+        assert r["n"] in WHOLE_RUNS or r["n"] in ODD
+        keys.setdefault((r["family"], r["arch"], r["n"] in WHOLE_RUNS), set()).add(r["key"])
+    assert len(keys) == 12 * 2 * len(ARCHS)
+    several = {k: len(v) for k, v in keys.items() if len(v) > 1}
+    assert not several, f"(family, arch, whole runs): distinct compiled kernels {several}"
+    for family, arch, whole in keys:
+        if whole:
+            assert keys[family, arch, True] != keys[family, arch, False], (family, arch)
+
+
+def test_a_second_process_finds_the_compiled_kernels_on_disk(tmp_path) -> None:
+    """Triton caches compiled kernels in ``TRITON_CACHE_DIR``: nothing in the kernels (a global
+    that changes, a kernel made anew per call) keeps a second process from using them, so GPU
+    runs that share the folder (``gpu_check.py``'s steps) compile each kernel once."""
+    only = ("--only=quantize bf16 INT4", "--arch=90")
+    first = run_script(*only, TRITON_CACHE_DIR=str(tmp_path))
+    second = run_script(*only, TRITON_CACHE_DIR=str(tmp_path))
+    assert first and not any(r["cache_hit"] for r in first)
+    assert [r["name"] for r in second] == [r["name"] for r in first] and all(r["cache_hit"] for r in second)
+    assert [r["global_ops"] for r in second] == [r["global_ops"] for r in first]

@@ -16,7 +16,13 @@ from ._common import KernelLaunch, kernel_view, kind, load_f32, pack_int4, quant
 from .layout import QMAX, code_cols, num_blocks
 
 
-@triton.jit
+# Block counts change with every shard size and no access depends on their divisibility: left
+# unspecialised, so one compiled kernel serves every size (Triton would otherwise compile again
+# whenever a count is 1 or a multiple of 16 or neither). The sizes that bound or offset the
+# accesses stay specialised: their divisibility by 16 is what proves the 16-byte vector loads and
+# stores in bounds (``do_not_specialize_on_alignment`` would drop just that). ``nodes`` and
+# ``ranks_per_node`` are fixed by the topology, and 1 spares the plain path the slot arithmetic.
+@triton.jit(do_not_specialize=["blocks_per_row", "total_blocks"])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr,
     n_valid, in_row_len, out_row_len, code_row_stride, blocks_per_row, total_blocks, nodes, ranks_per_node,

@@ -16,7 +16,12 @@ from ._common import KernelLaunch, kernel_view, kind, pack_int4, quantize_tile, 
 from .layout import QMAX, code_cols, num_blocks
 
 
-@triton.jit
+# As in quant_kernel: the block counts are left unspecialised, so a new shard size compiles
+# nothing; so is the scales' stride between operands (a block count: it offsets only the one fp32
+# scale each block loads, a scalar load either way). The sizes that bound or offset the code and
+# value accesses keep their divisibility by 16 (the 16-byte vectors), and ``n_operands`` its value 1
+# (plain dequantization, no loop).
+@triton.jit(do_not_specialize=["operand_scales", "blocks_per_row", "total_blocks"])
 def _reduce_kernel(
     codes_ptr, scales_ptr, out_ptr, out_scales_ptr,
     n_operands, operand_codes, operand_scales, row_len, code_row_stride, out_row_len, blocks_per_row,

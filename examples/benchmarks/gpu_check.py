@@ -11,9 +11,14 @@ then run, there, with that folder carried along with the tree:
     PYTHONPATH=. python3 examples/benchmarks/gpu_check.py --out $OUT/gpu_check.json
 
 Nothing is installed into the image's environment: pip installs the carried wheels, offline, into a
-temporary folder on the steps' ``PYTHONPATH``. The prerequisites are checked first, in seconds, and written to the JSON; then the
-steps run, most valuable first, each in its own process group with a timeout sized to what is left
-of ``--budget`` (a step that would get less than ``MIN_STEP_S`` is recorded as skipped):
+temporary folder on the steps' ``PYTHONPATH``. The steps compile the Triton kernels into one cache,
+``.triton_cache/`` in the checkout (``TRITON_CACHE_DIR``, unless it is set), so each kernel is
+compiled once, by the first step that launches it; the folder is kept between runs (git ignores
+it): copied to ``$OUT`` and carried back along with the wheels, it spares a later machine of the
+same kind and image the compiling (the prerequisites count the kernels found in it). The
+prerequisites are checked first, in seconds, and written to the JSON; then the steps run, most
+valuable first, each in its own process group with a timeout sized to what is left of ``--budget``
+(a step that would get less than ``MIN_STEP_S`` is recorded as skipped):
 
   suite     ``pytest -m gpu`` over the GPU test modules only (test_gpu.py, test_kernels.py): every
             engine feature at one rank on CUDA in an NCCL group, two ranks sharing the GPU through
@@ -76,6 +81,9 @@ REAL_COLLECTIVES_ENV = "ZINF_REAL_COLLECTIVES"
 #: The one-GPU feature tests that make distinct NCCL calls: gathers and reduce-scatters in fp32 and
 #: bf16, from host memory, qwZ/hpZ/qgZ (codes, secondary gathers, all-to-alls), frozen INT8 codes.
 NCCL_TESTS = ("-k", "every_feature_on_one_gpu and (fp32 or bf16 or offload_cpu or zero_pp or lora_frozen_int8)")
+#: The steps' Triton cache (``TRITON_CACHE_DIR``, unless the caller set one): in the checkout, so it
+#: outlives the run's temporary folder and can be carried to the next machine.
+TRITON_CACHE = REPO_ROOT / ".triton_cache"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -307,6 +315,15 @@ def unpack_wheels(folder: Path, into: Path) -> list[str]:
     return [w.name for w in wheels]
 
 
+def step_env(site: Path) -> dict[str, str]:
+    """The environment of every step: this one, with the repository and the wheels installed in
+    ``site`` on ``PYTHONPATH``, and one Triton cache that the steps (separate processes) share."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), str(site),
+                                                                   os.environ.get("PYTHONPATH")])))
+    env.setdefault("TRITON_CACHE_DIR", str(TRITON_CACHE))
+    return env
+
+
 def prerequisites(args: argparse.Namespace, env: dict[str, str], wheels: list[str]) -> dict[str, Any]:
     """What the steps rely on, found in seconds: versions, the device, which packages import."""
     found: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "wheels": wheels}
@@ -317,6 +334,8 @@ def prerequisites(args: argparse.Namespace, env: dict[str, str], wheels: list[st
         # through every step.
         props = torch.cuda.get_device_properties(0)
         found.update(device=props.name, capability=f"{props.major}.{props.minor}", gpu_total_bytes=props.total_memory)
+    cache = Path(env["TRITON_CACHE_DIR"])
+    found["triton_cache"] = {"dir": str(cache), "kernels_before": sum(1 for _ in cache.glob("*/__grp__*.json"))}
     found["ok"] = bool(found["pytest"] and found["lightning"] and (args.device == "cpu" or found["triton"]))
     return found
 
@@ -365,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         site = work / "site"
         wheels = unpack_wheels(WHEELS, site)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), str(site),
-                                                                         os.environ.get("PYTHONPATH")])))
+        env = step_env(site)
         results["prerequisites"] = prerequisites(args, env, wheels)
         out.write_text(json.dumps(results, indent=1))
         print(f"prerequisites: {'ok' if results['prerequisites']['ok'] else 'MISSING'} "
