@@ -13,6 +13,7 @@ Each rank writes ``<result_dir>/rank<r>.json`` with:
 
 import json
 import os
+import re
 import resource
 import subprocess
 import time
@@ -67,6 +68,17 @@ def proc_io() -> dict[str, int]:
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def swap_files(root: str) -> dict[str, int]:
+    """Bytes of the files under ``root`` by kind: summed over paths (relative to ``root``) that differ
+    only in their digits (``#``), e.g. one total per rank folder and file suffix."""
+    sizes: dict[str, int] = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            kind = re.sub(r"\d+", "#", os.path.relpath(os.path.join(folder, name), root))
+            sizes[kind] = sizes.get(kind, 0) + os.path.getsize(os.path.join(folder, name))
+    return sizes
 
 
 def write_rank_result(result_dir: str, rank: int, clock: StepClock) -> None:

@@ -1,8 +1,8 @@
 """ZeRO-Infinity with NVMe offload: lightning_zinf against DeepSpeed, side by side.
 
 Trains the same ~91M-parameter GPT (examples/gpt.py) as throughput.py (same random tokens, AdamW
-lr 1e-4, fp32, micro-batch 1 x 128 tokens per rank, 2 ranks on CPU with gloo, OMP_NUM_THREADS=1),
-with parameters and optimizer state (fp32 masters, gradients, Adam moments) on NVMe, under:
+lr 1e-4, micro-batch 1 x 128 tokens per rank, 2 ranks on CPU with gloo, OMP_NUM_THREADS=1), with
+parameters and optimizer state (fp32 masters, gradients, Adam moments) on NVMe, under:
 
   zinf_nvme       Lightning + ZeroInfinityStrategy(block_classes=["Block"],
                   offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=...)),
@@ -12,6 +12,15 @@ with parameters and optimizer state (fp32 masters, gradients, Adam moments) on N
                   device "nvme" through its libaio op, in the configuration that works on this
                   machine (run_deepspeed.py's nvme_config: prefetch and reuse distance 0 against
                   deepspeedai/DeepSpeed#3062, sub_group_size 1e7)
+
+--precision picks what both run in (default 32-true):
+  32-true     fp32 throughout. zinf's fp32 parameter shard is also its master (one swap record).
+  bf16-mixed  zinf_nvme: Trainer(precision="bf16-mixed"): forward under bf16 autocast, shards
+              gathered in bf16 from a bf16 compute copy of each shard on NVMe (rewritten after each
+              step), fp32 masters, fp32 gradient shards and AdamW state on NVMe.
+              deepspeed_nvme: DeepSpeed's "bf16": {"enabled": true}: the module's parameters in
+              bf16 (swapped to NVMe as bf16), fp32 masters, gradients and Adam moments in its
+              NVMe-offloaded optimizer, forward and loss under the same bf16 autocast.
 
 Each contender runs as its own ``torchrun --nproc_per_node 2`` job (throughput.py's driver), with its
 swap files in its own new folder under --nvme-root, removed afterwards. Measured per contender:
@@ -26,7 +35,11 @@ The ratios compare zinf_nvme with DeepSpeed: tokens/s (above 1: zinf faster; tar
 the largest per-rank peak RSS (below 1: zinf leaner; target <= 1).
 
     python examples/benchmarks/offload_vs_deepspeed.py [--steps 7] [--only zinf_nvme,deepspeed_nvme]
-        [--nvme-root /tmp] [--out examples/benchmarks/results/offload_vs_deepspeed.json]
+        [--precision {32-true,bf16-mixed}] [--nvme-root /tmp]
+        [--out examples/benchmarks/results/offload_vs_deepspeed.json (_bf16-mixed.json under bf16-mixed)]
+
+Each contender's rank 0 also prints, at the end of training, the bytes of the swap files by kind
+(``swap files:`` in its log): where each keeps what.
 
 --nvme-root must be on the disk to measure, not a tmpfs (check with ``df``; on the project's machine
 /tmp is on the virtio disk). DeepSpeed runs with the interpreter of a separate venv
@@ -69,18 +82,23 @@ COLUMNS = [
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, CONTENDERS, HERE / "results" / "offload_vs_deepspeed.json")
+    default_out = HERE / "results" / "offload_vs_deepspeed.json"
+    parser = benchmark_parser(__doc__, CONTENDERS, default_out)
     parser.add_argument("--nvme-root", default="/tmp", help="folder on the disk to swap to (a new folder is made in it)")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="what both contenders train in (see above; default: %(default)s)")
     args = parser.parse_args()
     check_args(parser, args, CONTENDERS)
+    if args.out == default_out and args.precision != "32-true":
+        args.out = default_out.with_name(f"offload_vs_deepspeed_{args.precision}.json")
 
     swap_root = tempfile.mkdtemp(prefix="zinf_offload_bench_", dir=args.nvme_root)
     try:
         swap_dirs = {name: Path(swap_root, name) for name in args.only}
         for path in swap_dirs.values():
             path.mkdir()
-        record = {**setup_record(args), "nvme_root": args.nvme_root}
-        script_args = {name: ["--nvme", str(path)] for name, path in swap_dirs.items()}
+        record = {**setup_record(args), "nvme_root": args.nvme_root, "precision": args.precision}
+        script_args = {name: ["--nvme", str(path), "--precision", args.precision] for name, path in swap_dirs.items()}
         results, ratios = run_all(args, record, "offload_vs_deepspeed", ours="zinf_nvme", script_args=script_args)
     finally:
         shutil.rmtree(swap_root, ignore_errors=True)

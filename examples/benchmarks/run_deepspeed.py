@@ -1,10 +1,18 @@
 """One rank of the ``deepspeed`` contender: a raw DeepSpeed ZeRO-3 engine on CPU with gloo.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 run_deepspeed.py --steps N --result-dir DIR [--nvme DIR]
+        [--precision {32-true,bf16-mixed}]
 
 With ``--nvme DIR`` it is ZeRO-Infinity: parameters and optimizer state offloaded to NVMe under DIR
 through DeepSpeed's libaio op (``nvme_config``, the working configuration of
-``shared/research/deepspeed_cpu_peer.md``).
+``shared/research/deepspeed_cpu_peer.md``); rank 0 prints the swap files' sizes by kind at the end of
+training (``swap files:``, one JSON line in the log).
+
+``--precision bf16-mixed`` adds DeepSpeed's ``"bf16": {"enabled": true}``: the engine holds the
+module's parameters in bf16 (with NVMe offload, swapped as bf16), keeps fp32 masters, gradients and
+Adam moments in its optimizer (on NVMe with ``--nvme``), and the forward and the loss run under
+``torch.autocast("cpu", dtype=torch.bfloat16)``, as Lightning's ``bf16-mixed`` runs them for the
+other contenders. The default, ``32-true``, is fp32 throughout.
 
 Runs in a separate venv with DeepSpeed installed (Lightning's DeepSpeedStrategy needs CUDA).
 A step is timed around ``engine(x)``, the loss, ``engine.backward`` and ``engine.step``.
@@ -12,6 +20,7 @@ A step is timed around ``engine(x)``, the loss, ``engine.backward`` and ``engine
 
 import argparse
 import gc
+import json
 
 import deepspeed
 import torch
@@ -20,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from data import RandomTokens
 from examples.gpt import GPT, GPTConfig, lm_loss
-from measure import LR, MICRO_BATCH, SEED, StepClock, write_rank_result
+from measure import LR, MICRO_BATCH, SEED, StepClock, swap_files, write_rank_result
 
 # fp32 ZeRO-3 without offload, with DeepSpeed's own defaults for everything else (prefetch,
 # persistence, bucket sizes): a speed comparison should not switch off its prefetch. (The
@@ -76,6 +85,11 @@ def nvme_config(nvme_path: str, largest_param: int = 10_000_000) -> dict:
     return {**DS_CONFIG, "zero_optimization": zero, "aio": aio}
 
 
+def with_precision(config: dict, precision: str) -> dict:
+    """``config`` with DeepSpeed's bf16 mode on for ``bf16-mixed`` (unchanged for ``32-true``)."""
+    return {**config, "bf16": {"enabled": True}} if precision == "bf16-mixed" else config
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
@@ -83,10 +97,13 @@ def main() -> None:
     parser.add_argument("--nvme", help="offload parameters and optimizer state to NVMe in this folder")
     parser.add_argument("--d-model", type=int, default=GPTConfig.d_model, help="model width (scale runs)")
     parser.add_argument("--layers", type=int, default=GPTConfig.n_layers, help="blocks (scale runs)")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="bf16-mixed: DeepSpeed's bf16 mode, forward under bf16 autocast (default: %(default)s)")
     args = parser.parse_args()
     cfg = GPTConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.d_model // 64)
     largest = max(4 * cfg.d_model * cfg.d_model, cfg.vocab_size * cfg.d_model)
-    config = nvme_config(args.nvme, largest) if args.nvme else DS_CONFIG
+    config = with_precision(nvme_config(args.nvme, largest) if args.nvme else DS_CONFIG, args.precision)
+    bf16 = args.precision == "bf16-mixed"
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -103,11 +120,16 @@ def main() -> None:
     clock = StepClock()
     for inputs, targets in DataLoader(data, batch_size=MICRO_BATCH, sampler=sampler):
         clock.start()
-        loss = lm_loss(engine(inputs), targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = lm_loss(engine(inputs), targets)
         engine.backward(loss)
         engine.step()
         clock.stop(loss.item())
     write_rank_result(args.result_dir, rank, clock)
+    if args.nvme:
+        dist.barrier()
+        if rank == 0:
+            print("swap files:", json.dumps(swap_files(args.nvme)), flush=True)
 
     # DeepSpeed has been seen to abort at interpreter exit (research note, section 4), so tear
     # down explicitly; the driver judges success by the results written above.

@@ -3,11 +3,18 @@
     torchrun --nproc_per_node 2 run_lightning.py {zinf,fsdp2,ddp} --steps N --result-dir DIR
     torchrun --nproc_per_node 2 run_lightning.py zinf_nvme --nvme DIR --steps N --result-dir DIR
     torchrun --nproc_per_node 2 run_lightning.py {zinf,ddp} --compile {blocks,model} --steps N --result-dir DIR
+    (any mode) [--precision {32-true,bf16-mixed}]
 
 ``zinf_nvme`` is ``zinf`` with parameters and optimizer state (fp32 masters, gradients, AdamW
 state) on NVMe: ``OffloadConfig(param="nvme", optimizer="nvme", nvme_path=DIR)``, everything else
 at the strategy's defaults, and torch's fused CPU AdamW (the offloaded step runs on the CPU; DeepSpeed
-steps with its own vectorised CPU Adam). It also snapshots the swapper's byte counters every step.
+steps with its own vectorised CPU Adam). It also snapshots the swapper's byte counters every step,
+and rank 0 prints the swap files' sizes by kind at the end of training (``swap files:``, one JSON line).
+
+``--precision`` is the ``Trainer``'s (default ``32-true``). Under ``bf16-mixed`` the forward runs under
+bf16 autocast; zinf then gathers its fp32 shards in bf16 and, with ``zinf_nvme``, keeps a bf16
+compute copy of each shard on NVMe, which the gathers read instead of the fp32 shard (masters,
+fp32 gradient shards and AdamW state stay fp32 on NVMe).
 
 ``--compile blocks`` compiles each transformer block (``block.compile()``) in ``configure_model``,
 ``--compile model`` the whole GPT (``model.compile()``); compile.py runs them.
@@ -17,6 +24,7 @@ optimizer step, plus Lightning's per-batch overhead, which every Lightning conte
 """
 
 import argparse
+import json
 import os
 
 import lightning as L
@@ -25,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from data import RandomTokens
 from examples.gpt import GPT, Block, lm_loss
-from measure import LR, MICRO_BATCH, SEED, StepClock, write_rank_result
+from measure import LR, MICRO_BATCH, SEED, StepClock, swap_files, write_rank_result
 
 
 class GPTModule(L.LightningModule):
@@ -81,6 +89,19 @@ class StepTimer(L.Callback):
         self.clock.stop(outputs["loss"].item())
 
 
+class SwapFiles(L.Callback):
+    """Rank 0 prints the bytes of the files under the swap folder by kind (summed over paths that
+    differ only in their digits, ``#``) when training ends, before the strategy removes them."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        trainer.strategy.barrier()
+        if trainer.global_rank == 0:
+            print("swap files:", json.dumps(swap_files(self.root)), flush=True)
+
+
 def make_strategy(mode: str, nvme_path: str | None = None):
     if mode in ("zinf", "zinf_nvme"):
         import lightning_zinf  # noqa: F401  (registers the strategy names)
@@ -106,6 +127,8 @@ def main() -> None:
     parser.add_argument("--nvme", help="folder for the swap files (zinf_nvme)")
     parser.add_argument("--compile", choices=["none", "blocks", "model"], default="none",
                         help="what configure_model compiles: each block, the whole GPT, or nothing")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                        help="the Trainer's precision (default: %(default)s)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
@@ -120,7 +143,8 @@ def main() -> None:
         accelerator="cpu",
         devices=world_size,
         max_steps=args.steps,
-        callbacks=[StepTimer(clock)],
+        precision=args.precision,
+        callbacks=[StepTimer(clock), *([SwapFiles(args.nvme)] if args.nvme else [])],
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
