@@ -223,6 +223,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         if self._preemption is None:
             self._preemption = Preemption(self.options.preemption)
             self._preemption.connect()  # collective: the agreement's gloo group
+            if self._watch is not None:  # every rank started its watch before that collective
+                self._watch.learn_pids()
         self._preemption.install()
 
     # --- preemption -------------------------------------------------------------------------------

@@ -296,6 +296,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if self._preemption is None:
             self._preemption = Preemption(self.options.preemption)
             self._preemption.connect()  # collective: the agreement's gloo group
+            if self._watch is not None:  # every rank started its watch before that collective
+                self._watch.learn_pids()
         self._preemption.install()  # a signal during set-up is acted on at the first step's end
 
     @property

@@ -128,7 +128,7 @@ class RankWatch:
         if self._thread is not None:
             return
         self._beat()
-        self._learn_pids()
+        self.learn_pids()
         self._thread = threading.Thread(target=self._run, name=f"zinf-rank-watch-{self.rank}", daemon=True)
         self._thread.start()
         self._previous_hook = sys.excepthook
@@ -280,7 +280,7 @@ class RankWatch:
         while time.monotonic() - started < self.interval and len(self._pids) < self.world_size - 1:
             if self._stop.wait(0.05):
                 return
-            self._learn_pids()
+            self.learn_pids()
         while not self._stop.wait(self.interval):
             if time.monotonic() - last > self.stale / 2:
                 # This process was suspended (SIGSTOP, a paused VM): the others' beats look old
@@ -318,9 +318,11 @@ class RankWatch:
             if time.monotonic() - posted_at >= self.grace:
                 self._end(failure)
 
-    def _learn_pids(self) -> None:
+    def learn_pids(self) -> None:
         """Note the host and pid of every rank that has beaten already (to know, without the store,
-        whether rank 0's process is alive)."""
+        whether rank 0's process is alive). The thread looks for them; call it after a collective
+        that every rank entered after :meth:`start`, so that all are known however late the
+        thread runs (a loaded machine: rank 0 killed before the thread saw its beat went unnamed)."""
         try:
             for rank in range(self.world_size):
                 if rank != self.rank and rank not in self._pids and self.store.check([f"beat/{rank}"]):
