@@ -113,6 +113,34 @@ def reference() -> dict:
     return _run(LitGPT(GLOBAL_BATCH), _trainer("auto", 1))
 
 
+class LitGPTDrawnInBf16(LitGPT):
+    """The model ``"bf16-true"`` builds (its parameters drawn in bf16, as Lightning's
+    ``HalfPrecision`` sets the default dtype while the model is built), trained in fp32."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                super().configure_model()
+            finally:
+                torch.set_default_dtype(default)
+            self.model.float()  # exact: every bf16 value is an fp32 value
+
+
+@pytest.fixture(scope="module")
+def bf16_drawn_reference() -> dict:
+    """The fp32 run from the initial weights a ``"bf16-true"`` run starts from. torch draws
+    random numbers in bf16 by another stream than in fp32 (``normal_``/``uniform_`` of a bf16
+    tensor are not the fp32 draws rounded; torch 2.11's CPU ``normal_`` differs entirely), so the
+    fp32 run of ``reference`` starts elsewhere: 17% apart from this one after 6 steps on torch
+    2.11, 1.0% on 2.13."""
+    torch.manual_seed(0)
+    lit = LitGPTDrawnInBf16(GLOBAL_BATCH)
+    _trainer("auto", 1).fit(lit)
+    return {"train": lit.train_losses}
+
+
 @pytest.mark.parametrize(
     "strategy, checkpointing",
     [
@@ -153,12 +181,14 @@ def _bf16_true_rank(rank: int, world: int) -> dict:
     return {"train": lit.train_losses, "dtypes": sorted({f"{g.dtype}/{g.master.dtype}" for g in groups})}
 
 
-def test_bf16_true_steps_fp32_masters(reference: dict) -> None:
-    """bf16 parameters, fp32 master shards: the loss curve follows the fp32 run within bf16's
-    rounding (measured: at most 1.2% apart over these 6 steps; bound 3%)."""
+def test_bf16_true_steps_fp32_masters(bf16_drawn_reference: dict) -> None:
+    """bf16 parameters, fp32 master shards: the loss curve follows the fp32 run from the same
+    initial weights within bf16's rounding (measured: at most 0.34% apart over these 6 steps on
+    torch 2.13, 0.18% on 2.11; bound 1%)."""
     zero = run_distributed(_bf16_true_rank, 2, init_pg=False)[0]
     assert zero["dtypes"] == ["torch.bfloat16/torch.float32"]
-    torch.testing.assert_close(torch.tensor(zero["train"]), torch.tensor(reference["train"]), rtol=3e-2, atol=0)
+    torch.testing.assert_close(torch.tensor(zero["train"]), torch.tensor(bf16_drawn_reference["train"]),
+                               rtol=1e-2, atol=0)
     assert zero["train"][-1] < zero["train"][0]
 
 
