@@ -57,6 +57,7 @@ def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: P
     got = gpu_check.copy_overlap(events)
     assert (got["copy_us"], got["copy_us_overlapping_compute"], got["overlap_fraction"]) == (20.0, 10.0, 0.5)
     assert got["compute_streams"] == ["7", "9"] and got["copy_streams"] == ["9"]
+    assert (got["HtoD_us"], got["HtoD_overlap_fraction"], got["DtoH_us"]) == (20.0, 0.5, 0.0)
 
 
 def test_gpu_check_keeps_to_its_budget_and_writes_after_every_step(tmp_path: Path) -> None:

@@ -265,28 +265,37 @@ def step_overlap(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def copy_overlap(events: list[dict]) -> dict[str, Any]:
     """From a Chrome trace's events: the host<->device copy time (µs), how much of it runs while
     a compute kernel runs (a kernel on a stream that carries no copy: the copy streams' own casts
-    are not compute), and the streams of each."""
+    are not compute), the same per direction (``HtoD``: parameter shards and activation reloads;
+    ``DtoH``: gradients and activations going out), and the streams of each."""
     copies: dict[Any, list[tuple[float, float]]] = {}
+    by_direction: dict[str, list[tuple[float, float]]] = {"HtoD": [], "DtoH": []}
     kernels: dict[Any, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         stream = (e.get("args") or {}).get("stream", e.get("tid"))
-        if e.get("cat") == "gpu_memcpy" and ("HtoD" in e.get("name", "") or "DtoH" in e.get("name", "")):
+        direction = next((d for d in by_direction if d in e.get("name", "")), None)
+        if e.get("cat") == "gpu_memcpy" and direction is not None:
             copies.setdefault(stream, []).append(span)
+            by_direction[direction].append(span)
         elif e.get("cat") == "kernel":
             kernels.setdefault(stream, []).append(span)
     copy_time = sum(end - start for spans in copies.values() for start, end in spans)
     compute = [span for stream, spans in kernels.items() if stream not in copies for span in spans]
     overlapped = sum(_intervals_overlap(spans, compute) for spans in copies.values())
-    return {
+    out = {
         "copy_streams": sorted(map(str, copies)),
         "compute_streams": sorted(map(str, kernels)),
         "copy_us": copy_time,
         "copy_us_overlapping_compute": overlapped,
         "overlap_fraction": overlapped / copy_time if copy_time else 0.0,
     }
+    for direction, spans in by_direction.items():
+        total = sum(end - start for start, end in spans)
+        out[f"{direction}_us"] = total
+        out[f"{direction}_overlap_fraction"] = _intervals_overlap(spans, compute) / total if total else 0.0
+    return out
 
 
 def _importable(module: str, env: dict[str, str]) -> bool:

@@ -57,8 +57,11 @@ class _Done:
 
 class _Then:
     """A handle that waits for its collectives (possibly none), then runs ``finish`` once
-    (dequantization, the rest of qgZ's steps); ``keep`` stays alive until then (tensors in use by
-    work on other streams)."""
+    (dequantization, the rest of qgZ's steps) on the stream current at ``wait()``; ``keep`` stays
+    alive until then (tensors in use by work on other streams) and is then recorded on that stream
+    (``record_stream``): tensors allocated on another stream (a copy stream's gather of offloaded
+    shards) that ``finish`` or the collectives read are not reused before that stream is done, the
+    collectives included, since ``wait()`` ordered it after them."""
 
     def __init__(self, works: list[Any], finish: Callable[[], None], keep: tuple = ()) -> None:
         self.works: list[Any] = works
@@ -72,6 +75,9 @@ class _Then:
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
+        for tensor in self.keep:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta"):
+                tensor.record_stream(torch.accelerator.current_stream(tensor.device))
         self.keep = ()
         return True
 
@@ -344,7 +350,7 @@ class Collectives:
         def dequantize_into_out() -> None:
             dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype, out=out.view(world, n))
 
-        handle = _Then(works, dequantize_into_out)
+        handle = _Then(works, dequantize_into_out, keep=(codes, scales, all_codes, all_scales))
         if not async_op:
             handle.wait()
         return handle

@@ -155,6 +155,7 @@ class FlatGroup:
         # Gathers for reading (exact values in the parameters' dtype): ``full`` itself when the dtypes agree.
         self._read = self.full if self.compute_dtype == self.dtype else torch.empty(self.padded_numel, dtype=self.dtype, device=device)
         self.active = self.full  # the buffer the parameters point into while gathered
+        self._copy_owned: list[Tensor] = []  # gather buffers allocated on the copy stream
         # Released parameters are empty tensors of the compute dtype: a parameter whose dtype changes
         # gets a new gradient accumulator from autograd, so a parameter used twice in one forward
         # (tied weights) would accumulate, and signal, once per use instead of once.
@@ -222,25 +223,48 @@ class FlatGroup:
         target = self._read if read else self.full
         other = self.full if read else self._read
         if other is not target:
-            other.untyped_storage().resize_(0)
+            self._free(other)
         self.active = target
-        if target.untyped_storage().nbytes() == 0:  # a gathered unit refills its buffer as it is
-            target.untyped_storage().resize_(self.padded_numel * target.element_size())
-        if self.secondary is not None and from_secondary and not read:
-            return self.comm.all_gather_secondary(target, self.secondary, async_op=True)
+        fresh = target.untyped_storage().nbytes() == 0  # else a gathered unit refills its buffer as it is
+        from_secondary = self.secondary is not None and from_secondary and not read
         # For compute, a 16-bit copy of the shard where the offload keeps one: half the bytes read and moved.
         shard = self.shard if read or self.compute_shard is None else self.compute_shard
         stored = self.codes if self.codes is not None else shard
-        if stored.device == self.device:
+        if from_secondary or stored.device == self.device:
+            if fresh:
+                self._allocate(target)
+            if from_secondary:
+                return self.comm.all_gather_secondary(target, self.secondary, async_op=True)
             return self._gather_from_stored(target, shard, quantized and not read)[0]
         # Offloaded to host memory: copy it over on the copy stream and gather from there, so that
         # neither the host nor the compute stream waits for the copy; only the consumer does, when
         # it waits on the handle (one rank's "gather" is a copy on the copy stream, and qwZ's
         # dequantization runs on the compute stream: the handle orders both after the copy
-        # stream). What was staged on the copy stream lives until then.
-        with self.transfers.on_copy_stream():
+        # stream). What was staged on the copy stream lives until then. A fresh buffer is the copy
+        # stream's own memory, so the copy need not wait for the compute queued before it (that is
+        # what lets prefetch run ahead); refilling a buffer compute may still read must.
+        if fresh:
+            self.transfers.limit_ahead(self.padded_numel * target.element_size())
+        with self.transfers.on_copy_stream(after_compute=not fresh):
+            if fresh:
+                self._allocate(target)
+                self._copy_owned.append(target)
             handle, staged = self._gather_from_stored(target, shard, quantized and not read)
+        if fresh:
+            self.transfers.for_compute(target)
         return self.transfers.hold(handle, *staged)
+
+    def _allocate(self, target: Tensor) -> None:
+        target.untyped_storage().resize_(self.padded_numel * target.element_size())
+
+    def _free(self, buffer: Tensor) -> None:
+        """Free a gather buffer's storage; one the copy stream allocated is reported to
+        :meth:`Transfers.done_with` (compute has queued its last read of it)."""
+        nbytes = buffer.untyped_storage().nbytes()
+        if any(buffer is owned for owned in self._copy_owned):
+            self._copy_owned = [owned for owned in self._copy_owned if owned is not buffer]
+            self.transfers.done_with(nbytes)
+        buffer.untyped_storage().resize_(0)
 
     def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool) -> tuple[Handle, tuple[Tensor, ...]]:
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
@@ -280,8 +304,8 @@ class FlatGroup:
 
     def _set_codes(self, codes: Tensor, scales: Tensor) -> None:
         # Host-side codes are copied to the device at every gather: page-locked, without blocking.
-        if self.transfers.overlapped and codes.device.type == "cpu":
-            codes, scales = codes.pin_memory(), scales.pin_memory()
+        if codes.device.type == "cpu":
+            codes, scales = self.transfers.host_copy(codes), self.transfers.host_copy(scales)
         self.codes, self.scales = codes, scales
 
     @contextmanager
@@ -326,8 +350,8 @@ class FlatGroup:
         """Free the gathered buffer; parameters become empty tensors until the next gather."""
         for p in self.params:
             p.data = self._empty
-        self.full.untyped_storage().resize_(0)
-        self._read.untyped_storage().resize_(0)
+        self._free(self.full)
+        self._free(self._read)
         self.active = self.full
 
     def write_back(self) -> None:

@@ -7,10 +7,12 @@ released after forward and gathered again for backward, so the saved view is val
 backward reads it, and copying it would move every weight of the model to the host and back each
 step. The copies to the host run on the device-to-host copy stream
 (:class:`~lightning_zinf.engine.transfer.Transfers`) into page-locked memory, so forward neither
-waits for them nor delays the parameter copies going the other way. A tensor comes back when
-backward asks for it, through the host-to-device stream, and compute waits for it on the device,
-not on the host; that copy is not started ahead of backward (as with ``save_on_cpu``), so its time
-is exposed. A non-contiguous saved tensor is copied dense, and views of one tensor saved twice are
+waits for them nor delays the parameter copies going the other way. In backward a tensor comes
+back through the host-to-device stream without waiting for compute, and compute waits for it on the
+device, not on the host. When backward asks for one tensor, the copy of the latest saved tensor not
+yet asked for starts too (backward mostly asks in reverse order of saving), so that copy overlaps
+the compute in between (``save_on_cpu`` copies each only when it is asked for); at most one such copy
+is started per request, so about one saved tensor waits on the device ahead of its use. A non-contiguous saved tensor is copied dense, and views of one tensor saved twice are
 copied twice (as with ``save_on_cpu``). Under a user's own ``autocast`` over fp32 weights the weight
 casts are new tensors, so they are copied; the strategy gathers weights in the compute dtype, so
 autocast makes no such casts there.
@@ -18,8 +20,9 @@ autocast makes no such casts there.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +30,47 @@ from torch import Tensor, nn
 from lightning_zinf.engine.transfer import Transfers
 
 __all__ = ["ActivationOffload"]
+
+
+class _Saved:
+    """One offloaded saved tensor: its host copy, the event of the copy there, and a copy back to
+    the device started ahead of the request (tensor, event)."""
+
+    __slots__ = ("host", "copied", "order", "ahead", "unpacked", "__weakref__")
+
+    def __init__(self, host: Tensor, copied: Any, order: "_Order") -> None:
+        self.host, self.copied, self.order = host, copied, order
+        self.ahead: Optional[tuple[Tensor, Any]] = None
+        self.unpacked = False
+        order.add(self)
+
+
+class _Order:
+    """One forward's offloaded tensors in the order they were saved (weakly: a freed graph takes
+    its host copies with it), and which to copy back ahead: the latest saved that is neither asked
+    for yet nor on its way (backward mostly asks for them in reverse; one out of order costs one
+    copy that was not started ahead, and the next request catches up)."""
+
+    __slots__ = ("saved", "cursor")
+
+    def __init__(self) -> None:
+        self.saved: list[weakref.ref[_Saved]] = []
+        self.cursor = -1
+
+    def add(self, saved: _Saved) -> None:
+        self.saved.append(weakref.ref(saved))
+        self.cursor = len(self.saved) - 1
+
+    def next_ahead(self) -> Optional[_Saved]:
+        """The latest saved tensor not asked for and not copied back ahead, or ``None``. Entries
+        passed over stay passed over (they are asked for, on their way, or freed), so the whole
+        backward scans the list once."""
+        while self.cursor >= 0:
+            saved = self.saved[self.cursor]()
+            if saved is not None and not saved.unpacked and saved.ahead is None:
+                return saved
+            self.cursor -= 1
+        return None
 
 
 class ActivationOffload:
@@ -48,10 +92,13 @@ class ActivationOffload:
         self.is_gathered = is_gathered
         self.copied_bytes = 0
         self.kept = 0
+        self._order = _Order()
+        self._handed_bytes = 0
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
         """Offload what autograd saves inside the block."""
+        self._order = _Order()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
@@ -66,15 +113,24 @@ class ActivationOffload:
         if keep:
             self.kept += 1
             return tensor
-        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=self.transfers.overlapped)
+        host = self.transfers.host_empty(tensor.numel(), tensor.dtype).view(tensor.size())
         copied = self.transfers.copy_to_host(host, tensor)
         self.copied_bytes += host.numel() * host.element_size()
-        return host, copied
+        if not self.transfers.overlapped:
+            return host
+        return _Saved(host, copied, self._order)
 
     def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        host, copied = packed
-        if not self.transfers.overlapped:
-            return host
-        return self.transfers.to_device_after(host, copied)
+        # The tensor handed out last time has had its backward queued by now.
+        self.transfers.done_with(self._handed_bytes)
+        tensor, event = packed.ahead or self.transfers.reload(packed.host, packed.copied)
+        packed.ahead, packed.unpacked = None, True
+        following = packed.order.next_ahead()
+        if following is not None:
+            following.ahead = self.transfers.reload(following.host, following.copied)
+        self.transfers.wait_on_device(event)
+        self.transfers.for_compute(tensor)  # the stream of the backward node asking for it
+        self._handed_bytes = tensor.numel() * tensor.element_size()
+        return tensor
