@@ -133,7 +133,9 @@ class OffloadConfig:
             in use at once follows ``read_ahead`` (parameters) and ``sub_group_size`` (optimizer).
         pin_memory: Page-lock the staging buffers (faster, asynchronous copies to an accelerator).
             ``None``: on when the compute device is an accelerator, off on the CPU, where pinning
-            fails; ``True`` without an accelerator is an error.
+            fails; ``True`` without an accelerator is an error. On CUDA the pool registers buffers
+            of its own with the runtime, so the page-locked bytes are the staging bytes, under
+            the same cap (:class:`~lightning_zinf.offload.staging.StagingPool`).
         overlap: Read the next sub-group ahead and write the previous one behind while the current
             one steps. ``False`` runs every transfer to completion first (to measure what overlap buys).
 

@@ -205,6 +205,50 @@ def test_monitor_logs_host_numbers_and_times_steps_on_the_device() -> None:
     assert got["zinf/device_max_allocated_bytes"][2] > 0
 
 
+def _refuse_flush() -> None:
+    raise AssertionError("torch's process-wide page-locked host cache was emptied")
+
+
+def test_nvme_staging_is_page_locked_memory_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       recwarn: pytest.WarningsRecorder) -> None:
+    """The NVMe staging pool on CUDA: its buffers are page-locked (``is_pinned()``, views too) without
+    torch's caching host allocator creating a block for them, copy to the device without blocking
+    and arrive intact; buffers freed under the cap are unregistered without an error; and NVMe
+    offload training under a small staging cap never empties torch's process-wide host cache."""
+    from lightning_zinf.offload.staging import StagingPool
+
+    monkeypatch.setattr(torch._C, "_host_emptyCache", _refuse_flush, raising=False)
+    device = torch.device("cuda", torch.cuda.current_device())
+    host_blocks = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    pool = StagingPool(cap=3 << 20, pin_memory=True, device=device)
+    a = pool.take(1 << 20)
+    assert a.is_pinned() and a[4096:].is_pinned() and a.untyped_storage().data_ptr() == a.data_ptr()
+    a.copy_(torch.arange(1 << 20) % 251)
+    on_device = a.to(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_device.cpu(), a)
+    pool.give(a)
+    del a
+    b = pool.take(3 << 20)  # frees the first buffer: unregistered and unmapped
+    assert b.is_pinned() and pool.held == 3 << 20
+    assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) == host_blocks
+    del pool, b
+    assert not [w for w in recwarn if "cudaHostUnregister" in str(w.message)]
+    torch.manual_seed(0)
+    model = models.GPT()
+    engine = ZeroEngine(model, block_classes=["Block"], device=device, prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=str(tmp_path),
+                                              sub_group_size=5_000, staging_bytes=300_000))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for step in range(2):
+        x, y = models.make_batch("gpt", step, BATCH)
+        models.loss_fn(model, x.to(device), y.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.release_all()
+    assert engine.space.pool.pin_memory and 0 < engine.space.pool.held <= 300_000
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "zero_pp", "qgz_two_nodes"])
 def test_two_gpus_with_nccl_match_two_cpu_ranks(feature: str, tmp_path: Path) -> None:

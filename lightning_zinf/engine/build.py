@@ -229,4 +229,4 @@ def make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.devi
     # At a clean exit: multiprocessing's exit hook covers worker processes (which leave through
     # os._exit, skipping atexit), and it is itself registered with atexit in a main process.
     multiprocessing.util.Finalize(swapper, swapper.close, exitpriority=10)
-    return SwapSpace(swapper, StagingPool(cap, pin_memory=pin))
+    return SwapSpace(swapper, StagingPool(cap, pin_memory=pin, device=device))

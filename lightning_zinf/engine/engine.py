@@ -217,7 +217,7 @@ class ZeroEngine:
         self.agreement = RankAgreement(self.comm, self.tracer, self.units, self.groups)
         self.states = UnitStates(self.units, comm=self.comm, ledger=self.ledger, pool=self.pool,
                                  agreement=self.agreement, prefetch=prefetch, param_offload=self.param_offload,
-                                 offload=self.offload)
+                                 offload=self.offload, transfers=self.transfers)
         self.accounting = MemoryAccounting(self.ledger, self.groups, self.optimizers,
                                            shards_offloaded=self._shards_offloaded, param_offload=self.param_offload,
                                            offload=self.offload, space=self.space)

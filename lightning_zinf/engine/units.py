@@ -30,7 +30,7 @@ from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.ranges import phase, phased
-from lightning_zinf.engine.transfer import HeldUntilWait
+from lightning_zinf.engine.transfer import HeldUntilWait, Transfers
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 
@@ -102,6 +102,7 @@ class UnitStates:
             goes on).
         param_offload: NVMe parameter offload, or None.
         offload: Optimizer offload, or None (gradient shards on the host).
+        transfers: The device's copy streams (those the gathers of offloaded shards copy on).
 
     Attributes:
         peak_gathered_bytes: The most bytes of full (gathered or in-flight) parameter buffers at
@@ -112,7 +113,7 @@ class UnitStates:
 
     def __init__(self, units: list[Unit], *, comm: Collectives, ledger: MemoryLedger, pool: BufferPool,
                  agreement: RankAgreement, prefetch: PrefetchConfig, param_offload: Optional[ParamOffload],
-                 offload: Optional[OptimizerOffload]) -> None:
+                 offload: Optional[OptimizerOffload], transfers: Transfers) -> None:
         self.units = units
         self.comm = comm
         self.ledger = ledger
@@ -121,6 +122,7 @@ class UnitStates:
         self.overlap_reduce = prefetch.overlap_reduce
         self.param_offload = param_offload
         self.offload = offload
+        self.transfers = transfers
         self.peak_gathered_bytes = 0
         self.gathered_ahead = 0
         self.keep_budget = 0
@@ -155,7 +157,15 @@ class UnitStates:
         unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
         before = unit.gathered_nbytes
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
-        unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
+        try:
+            unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
+        except BaseException:
+            if self.param_offload is not None:
+                # The swapped-in shards go back to the staging pool at the next settle, and their
+                # copies' handles are lost: the copies already issued (the failing group's may have
+                # no handle yet) must be done before the pool reuses or unmaps their buffers.
+                self.transfers.host_wait_h2d()
+            raise
         unit.state = INFLIGHT
         self._live[unit.index] = unit
         self.ledger.add("gathered", unit.gathered_nbytes - before)
