@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -363,3 +364,61 @@ def test_hpz_group_fails_within_the_given_timeout() -> None:
     rank that never joins is reported after the timeout (1 s), not when it finally exits (7 s)."""
     waited = run_distributed(_subgroup_timeout, 2)[0]
     assert waited < 4, waited
+
+
+def _groups_built(rank: int, world: int, ranks_per_node: int, timeouts: list) -> list[dict]:
+    """Collectives with hpZ (a partition per node) and qgZ, once per timeout; for each, the rank
+    sets of the ``new_group`` calls it made (the observer: torch's own function, wrapped) and
+    which process groups hpZ and qgZ use."""
+    real_new_group = torch.distributed.new_group
+    out = []
+    for seconds in timeouts:
+        built: list[tuple[int, ...]] = []
+
+        def counting(ranks: list[int], *args: object, **kwargs: object) -> torch.distributed.ProcessGroup:
+            built.append(tuple(ranks))
+            return real_new_group(ranks, *args, **kwargs)
+
+        with mock.patch.object(torch.distributed, "new_group", counting):
+            comm = Collectives(ranks_per_node=ranks_per_node, hpz_partition_size=ranks_per_node, qgz_bits=8,
+                               timeout=None if seconds is None else timedelta(seconds=seconds))
+        world_group, hpz = torch.distributed.group.WORLD, comm._hpz_group
+        intra, inter = comm._nodes.intra, comm._nodes.inter
+        out.append({
+            "built": built, "hpz_is_intra": hpz is intra, "hpz_is_world": hpz is world_group,
+            "inter_is_world": inter is world_group,
+            "hpz_ranks": None if hpz is None else torch.distributed.get_process_group_ranks(hpz),
+            "inter_ranks": None if inter is None else torch.distributed.get_process_group_ranks(inter),
+            # The timeout torch gave the group's backends (what a hung collective waits for).
+            "hpz_timeouts": None if hpz is None else {hpz._get_backend(d).options._timeout.total_seconds()
+                                                      for d in hpz._device_types},
+        })
+    return out
+
+
+def test_hpz_and_qgz_build_one_group_per_rank_set() -> None:
+    """With the hpZ partition a node (the usual setting), hpZ's partition groups are qgZ's intra-node
+    groups: one process group (on NCCL, one communicator with its GPU buffers) per rank set, shared.
+    4 ranks as 2 nodes: the control group, then {0,1}, {2,3} (hpZ and qgZ intra), {0,2}, {1,3}
+    (qgZ inter), once each; before, 7 groups."""
+    for rank, (got,) in enumerate(run_distributed(_groups_built, 4, 2, [60])):
+        assert got["built"] == [(0, 1, 2, 3), (0, 1), (2, 3), (0, 2), (1, 3)], got["built"]
+        assert got["hpz_is_intra"] and got["hpz_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert got["inter_ranks"] == [rank % 2, rank % 2 + 2]
+        assert got["hpz_timeouts"] == {60.0}
+
+
+def test_a_rank_set_of_the_whole_world_is_the_world_group_unless_its_timeout_differs() -> None:
+    """On 2 ranks of one node hpZ's partition and qgZ's node are the world: with the world's
+    timeout (torch's default here, 30 min, or none given) they use the world group and build only the
+    control group; with another timeout (1 s) one group of their own carries it, shared by both.
+    With one rank per node qgZ's inter-node group is the world (hpZ off: partitions of one rank)."""
+    for got in run_distributed(_groups_built, 2, 2, [None, 1800, 1]):
+        none_given, same, other = got
+        for reused in (none_given, same):
+            assert reused["built"] == [(0, 1)] and reused["hpz_is_world"] and reused["hpz_is_intra"], reused
+            assert reused["hpz_timeouts"] == {1800.0}
+        assert other["built"] == [(0, 1), (0, 1)] and not other["hpz_is_world"] and other["hpz_is_intra"], other
+        assert other["hpz_timeouts"] == {1.0}
+    for (got,) in run_distributed(_groups_built, 2, 1, [1800]):
+        assert got["built"] == [(0, 1)] and got["inter_is_world"], got

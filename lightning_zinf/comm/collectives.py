@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from lightning_zinf.comm.topology import NodeGroups, Topology, require_divisor
+from lightning_zinf.comm.topology import NodeGroups, RankSetGroups, Topology, require_divisor
 from triton_kernels import QgzLayout, dequantize, dequantize_reduce, dequantize_reduce_requantize, quantize, reorder_quantize
 
 __all__ = ["Collectives", "CommBytes", "Handle"]
@@ -207,7 +207,8 @@ class Collectives:
         block: Elements per scale of the qgZ codes.
         timeout: How long the collectives of the control, hpZ and qgZ groups wait for other ranks;
             pass the world group's (``None``: torch's default for a new group, 30 minutes for gloo,
-            10 for NCCL).
+            10 for NCCL). A rank set of hpZ or qgZ that is the whole world uses the world group
+            itself when its timeout is this one (or this is ``None``).
         device: The compute device. On an accelerator, qgZ chains its two all-to-all legs on a
             side stream of it (:meth:`reduce_scatter_mean_quantized`).
 
@@ -218,6 +219,8 @@ class Collectives:
         control_group: A gloo group over the same ranks (control plane), ``None`` on one rank.
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
         hpz: The topology of the hpZ partition groups (a "node" is one group), or ``None``.
+        rank_set_groups: The :class:`~lightning_zinf.comm.topology.RankSetGroups` hpZ and qgZ share
+            (one process group per rank set), or ``None`` without them or on one rank.
 
     Raises:
         ValueError: a size that does not divide the world size, or hpZ over a group other than the
@@ -266,17 +269,19 @@ class Collectives:
         if hierarchical and self.world_size > 1 and self.group is not dist.group.WORLD:
             # Their groups are built from world ranks.
             raise ValueError("hpZ and qgZ need the engine to partition over the world group (group=None).")
+        # hpZ's and qgZ's groups, one per rank set (on NCCL, one communicator per set).
+        self.rank_set_groups = RankSetGroups(timeout) if hierarchical and self.world_size > 1 else None
         if hpz_partition_size is not None:
             require_divisor("hpz_partition_size", hpz_partition_size, self.world_size,
                             "hpZ's secondary partitions are held by groups of that many consecutive ranks",
                             "Pass one of those (normally the ranks per node).")
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
-                self._hpz_group = NodeGroups(self.hpz, with_inter=False, timeout=timeout).intra
+                self._hpz_group = NodeGroups(self.hpz, with_inter=False, groups=self.rank_set_groups).intra
             elif not self.local:
                 self._hpz_group = self.group
         if qgz_bits is not None and self.world_size > 1:
-            self._nodes = NodeGroups(self.topology, timeout=timeout)
+            self._nodes = NodeGroups(self.topology, groups=self.rank_set_groups)
         elif qgz_bits is not None and not self.local:
             self._nodes = NodeGroups.of_one_rank(self.topology, self.group)
 

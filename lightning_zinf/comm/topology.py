@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "NodeGroups", "require_divisor"]
+__all__ = ["Topology", "NodeGroups", "RankSetGroups", "require_divisor"]
 
 
 def require_divisor(option: str, value: object, world_size: int, meaning: str, fix: str) -> None:
@@ -95,6 +95,47 @@ class Topology:
         return same * per_peer, other * per_peer
 
 
+class RankSetGroups:
+    """One process group per distinct set of world ranks, built when first asked for.
+
+    hpZ's partition groups and qgZ's node groups are the same rank sets when the partition is a
+    node (the usual setting), and a set may be the whole world (one node, or an hpZ partition of
+    every rank). On NCCL each process group is a communicator of its own, with its own GPU buffers and
+    setup, so every set gets one group, and the whole world is the world group itself when its
+    timeout is the one asked for (:func:`_timeouts`); otherwise a group of its own carries it.
+
+    Every rank must ask for the same sets in the same order, since ``torch.distributed.new_group``
+    is collective over the whole world; a set asked for again is not built again, on every rank.
+
+    Args:
+        timeout: How long the groups' collectives wait for other ranks (``None``: torch's default
+            for a new group, and the world group whatever its own).
+    """
+
+    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+        self.timeout = timeout
+        world = dist.group.WORLD
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        if timeout is None or _timeouts(world) == {timeout}:
+            self._groups[tuple(range(dist.get_world_size()))] = world
+
+    def get(self, ranks: list[int]) -> dist.ProcessGroup:
+        """The process group of the world ranks ``ranks`` (in order), built on the first request."""
+        key = tuple(ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(ranks, timeout=self.timeout)
+        return self._groups[key]
+
+
+def _timeouts(group: dist.ProcessGroup) -> set[Optional[timedelta]]:
+    """The timeouts of ``group``'s backends, one per device type (``init_process_group`` gives them
+    all its ``timeout``); ``None`` for a backend without options to read (a custom one), which then
+    matches no timeout asked for."""
+    # Backend.options._timeout is what init_process_group and new_group set (torch 2.11 to 2.15).
+    return {getattr(getattr(group._get_backend(device), "options", None), "_timeout", None)
+            for device in group._device_types}
+
+
 class NodeGroups:
     """The process groups of a :class:`Topology`: ``intra`` (this rank's node) and ``inter`` (the
     ranks with this rank's local rank, one per node). Every rank must build it at the same point,
@@ -105,24 +146,23 @@ class NodeGroups:
     Args:
         topology: Ranks and nodes; its ranks are ranks of the default (world) group.
         with_inter: Also build the ``inter`` groups (``False`` leaves ``inter`` ``None``).
-        backend: The groups' backend (default: the world's).
-        timeout: How long the groups' collectives wait for other ranks (default: torch's default
-            for a new group, not the world group's own).
+        groups: Where the groups come from, shared with other users of the same rank sets
+            (default: a :class:`RankSetGroups` of its own, with torch's default timeout).
     """
 
-    def __init__(self, topology: Topology, with_inter: bool = True, backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = None) -> None:
+    def __init__(self, topology: Topology, with_inter: bool = True, groups: Optional[RankSetGroups] = None) -> None:
+        groups = groups if groups is not None else RankSetGroups()
         self.topology = topology
         self.intra: Optional[dist.ProcessGroup] = None
         self.inter: Optional[dist.ProcessGroup] = None
         for node in range(topology.nodes):
-            group = dist.new_group(topology.node_ranks(node), backend=backend, timeout=timeout) if topology.ranks_per_node > 1 else None
+            group = groups.get(topology.node_ranks(node)) if topology.ranks_per_node > 1 else None
             if node == topology.node:
                 self.intra = group
         if not with_inter or topology.nodes == 1:
             return
         for local in range(topology.ranks_per_node):
-            group = dist.new_group(topology.peer_ranks(local), backend=backend, timeout=timeout)
+            group = groups.get(topology.peer_ranks(local))
             if local == topology.local_rank:
                 self.inter = group
 
