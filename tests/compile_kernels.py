@@ -93,10 +93,40 @@ def reduce(n: int, dtype: str | None, bits: int, block: int, operands: int, rows
     )
 
 
+def packed_quantize(n: int, dtype: str, bits: int, block: int):
+    """The launch of ``triton_kernels.quantize`` of ``n`` values into a packed row (qwZ's gather)."""
+    from triton_kernels import PackedRows
+    from triton_kernels.quant_kernel import quantize_launch
+
+    rows = PackedRows.of(n, bits, block)
+    codes, scales = rows.views(rows.empty(1))
+    return quantize_launch(
+        torch.zeros(n, dtype=DTYPES[dtype]), codes, scales, in_row_len=n, out_row_len=n, nodes=1, ranks_per_node=1,
+        bits=bits, block=block,
+    )  # fmt: skip
+
+
+def packed_reduce(n: int, dtype: str | None, bits: int, block: int, operands: int, rows: int):
+    """As :func:`reduce`, reading (and, requantizing, writing) packed rows: qwZ's gathered rows
+    (1 operand) and qgZ's legs."""
+    from triton_kernels import PackedRows
+    from triton_kernels.reduce_kernel import reduce_launch
+
+    packed = PackedRows.of(n, bits, block)
+    codes, scales = packed.views(packed.empty(operands * rows).view(operands, rows, -1))
+    if dtype is None:
+        out, out_scales = packed.views(packed.empty(rows))
+    else:
+        out, out_scales = torch.empty(rows, n, dtype=DTYPES[dtype]), None
+    return reduce_launch(
+        codes, scales, out, out_scales, row_len=n, out_row_len=n, bits=bits, block=block, multiplier=0.25
+    )
+
+
 def launches() -> Iterator[tuple[str, object]]:
     """``(name, KernelLaunch)`` for each configuration the public API can launch: every element
     kind and bit width at block 256, the smallest and largest blocks, qgZ's reorder and both
-    reduce steps, and ragged sizes."""
+    reduce steps, ragged sizes, and the launches that read and write packed rows."""
     for bits in (8, 4):
         for dtype in DTYPES:
             yield f"quantize {dtype} INT{bits}", quantize(ALIGNED, dtype, bits, 256)
@@ -108,6 +138,10 @@ def launches() -> Iterator[tuple[str, object]]:
         yield f"deq-reduce bf16 INT{bits}", reduce(ALIGNED, "bf16", bits, 256, 2, 1)
         yield f"quantize bf16 INT{bits} ragged", quantize(RAGGED, "bf16", bits, 256)
         yield f"reorder+quantize fp32 INT{bits} ragged", reorder(8 * RAGGED + 5, "fp32", bits, 256)
+        yield f"packed: quantize INT{bits} bf16", packed_quantize(ALIGNED, "bf16", bits, 256)
+        yield f"packed: dequantize INT{bits} bf16", packed_reduce(ALIGNED, "bf16", bits, 256, 1, 8)
+        yield f"packed: deq-reduce-requant INT{bits}", packed_reduce(ALIGNED, None, bits, 256, 4, 2)
+        yield f"packed: deq-reduce INT{bits} bf16", packed_reduce(ALIGNED, "bf16", bits, 256, 2, 1)
 
 
 #: Sizes (values per row or per shard) whose launches should share one compiled kernel: whole
@@ -130,6 +164,9 @@ def size_families() -> Iterator[tuple[str, int, object]]:
             yield f"reorder+quantize bf16 INT{bits}", n, reorder(8 * n, "bf16", bits, 256)
             yield f"deq-reduce-requant INT{bits}", n, reduce(n, None, bits, 256, 4, 2)
             yield f"deq-reduce fp32 INT{bits}", n, reduce(n, "fp32", bits, 256, 2, 1)
+            yield f"packed: quantize INT{bits} bf16", n, packed_quantize(n, "bf16", bits, 256)
+            yield f"packed: dequantize INT{bits} bf16", n, packed_reduce(n, "bf16", bits, 256, 1, 8)
+            yield f"packed: deq-reduce-requant INT{bits}", n, packed_reduce(n, None, bits, 256, 4, 2)
 
 
 def _bind(kernel, launch, backend):

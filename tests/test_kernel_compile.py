@@ -83,14 +83,16 @@ def test_shard_sizes_share_one_compiled_kernel() -> None:
     """Launches of one kernel and format at sizes with 1, 16, 32, 52 and 4096 blocks per row, all
     whole 16-value runs (as every engine shard), have one specialization key: one compile serves
     them all, where Triton would compile per block count that is 1, a multiple of 16 or neither
-    (three kernels). Sizes that are not whole runs share one other key (narrower accesses)."""
+    (three kernels). Sizes that are not whole runs share one other key (narrower accesses). The
+    launches that read or write packed rows (``PackedRows``, whose row stride is the padded row's
+    length) form families of their own, with the same property."""
     from tests.compile_kernels import ODD, WHOLE_RUNS
 
     keys: dict[tuple[str, int, bool], set[str]] = {}
     for r in run_script("--keys", *(f"--arch={a}" for a in ARCHS)):
         assert r["n"] in WHOLE_RUNS or r["n"] in ODD
         keys.setdefault((r["family"], r["arch"], r["n"] in WHOLE_RUNS), set()).add(r["key"])
-    assert len(keys) == 12 * 2 * len(ARCHS)
+    assert len(keys) == (12 + 6) * 2 * len(ARCHS)  # families (6 of packed rows) x whole or not x arch
     several = {k: len(v) for k, v in keys.items() if len(v) > 1}
     assert not several, f"(family, arch, whole runs): distinct compiled kernels {several}"
     for family, arch, whole in keys:

@@ -277,6 +277,53 @@ class _KernelChecks:
             tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
             torch.testing.assert_close(got.cpu().double().reshape(exact.shape), exact, rtol=tol, atol=1e-5)
 
+    @pytest.mark.parametrize("bits", [8, 4])
+    def test_packed_rows_are_written_and_read_in_place(self, bits: int) -> None:
+        """Every function writes (``out=``) and reads the codes and scales of a ``PackedRows``
+        buffer as views at its row stride, with the reference's results, and touches no padding
+        byte (the buffer starts filled with a marker)."""
+        marker = 0x5A
+
+        def buffer(packed: tk.PackedRows, *rows: int) -> torch.Tensor:
+            return self.put(torch.full((*rows, packed.row_bytes), marker, dtype=torch.uint8))
+
+        def padding(packed: tk.PackedRows, buf: torch.Tensor) -> torch.Tensor:
+            flat = buf.cpu().reshape(-1, packed.row_bytes)
+            return torch.cat([flat[:, packed.code_bytes : packed.scale_offset],
+                              flat[:, packed.scale_offset + 4 * packed.scales :]], dim=1)
+
+        n = 3 * 64 + 21  # a tail block; odd, so INT4's last byte is half filled
+        x = torch.randn(3, n, generator=torch.Generator().manual_seed(bits)) * torch.logspace(-2, 1, 3)[:, None]
+        packed = tk.PackedRows.of(n, bits, 64)
+        assert packed.row_bytes % tk.PACK_ALIGN == 0 and packed.scale_offset % tk.PACK_ALIGN == 0
+        buf = buffer(packed, 3)
+        got = tk.quantize(self.put(x), bits, 64, backend="triton", out=packed.views(buf))
+        assert got[0].data_ptr() == buf.data_ptr()
+        want = reference.quantize(x, bits, 64)
+        self.assert_quantized(packed.views(buf), want, bits)
+        assert (padding(packed, buf) == marker).all() and padding(packed, buf).numel() > 0
+        self.assert_values(tk.dequantize(*packed.views(buf), n, bits, 64, backend="triton"),
+                           reference.dequantize(*want, n, bits, 64, torch.float32))
+
+        layout = QgzLayout(6 * 100 - 7, nodes=2, ranks_per_node=3, bits=bits, block=64)
+        rows = layout.packed()
+        flat = torch.randn(layout.numel, generator=torch.Generator().manual_seed(10 + bits))
+        sent = buffer(rows, layout.world)
+        tk.reorder_quantize(self.put(flat), layout, backend="triton", out=rows.views(sent))
+        self.assert_quantized(rows.views(sent), reference.reorder_quantize(flat, layout), bits)
+        # Step 3 from [K=3, R=2] packed rows into [R] packed rows, step 5 from [K=2] packed rows.
+        partial = buffer(rows, layout.nodes)
+        operands = rows.views(sent.view(3, 2, -1))
+        tk.dequantize_reduce_requantize(*operands, layout, backend="triton", out=rows.views(partial))
+        ref_codes, ref_scales = reference.reorder_quantize(flat, layout)
+        want = reference.dequantize_reduce_requantize(ref_codes.view(3, 2, -1), ref_scales.view(3, 2, -1), layout, 1.0)
+        self.assert_quantized(rows.views(partial), want, bits)
+        self.assert_quantized(tk.dequantize_reduce_requantize(*operands, layout, backend="triton"), want, bits)
+        assert (padding(rows, sent) == marker).all() and (padding(rows, partial) == marker).all()
+        got = tk.dequantize_reduce(*rows.views(partial), layout, multiplier=0.5, backend="triton")
+        self.assert_values(got, reference.dequantize_reduce(want[0][:, None], want[1][:, None], layout, 0.5,
+                                                            torch.float32)[0])
+
     @pytest.mark.parametrize("nodes, ranks_per_node, bits, band", [(2, 4, 4, (0.15, 0.21)), (3, 2, 8, (0.008, 0.012))])
     def test_qgz_pipeline_gives_the_mean_partition(
         self, nodes: int, ranks_per_node: int, bits: int, band: tuple[float, float]

@@ -14,6 +14,9 @@ from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
+
+from typing import Any, Callable
+
 import pytest
 import torch
 
@@ -422,3 +425,83 @@ def test_a_rank_set_of_the_whole_world_is_the_world_group_unless_its_timeout_dif
         assert other["hpz_timeouts"] == {1.0}
     for (got,) in run_distributed(_groups_built, 2, 1, [1800]):
         assert got["built"] == [(0, 1)] and got["inter_is_world"], got
+
+
+def _collectives_ran(work: Callable[[], Any]) -> dict[str, int]:
+    """Run ``work`` under torch's profiler, an observer outside the engine: how many times each
+    gloo collective ran."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        work()
+    ran: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("gloo:"):
+            ran[event.name] = ran.get(event.name, 0) + 1
+    return ran
+
+
+def _one_collective_each(rank: int, world: int) -> dict:
+    from triton_kernels import quantize
+
+    n = 3001  # per rank: neither a multiple of a block nor even
+    comm = Collectives(ranks_per_node=2, qwz_block=256, qgz_bits=4, block=256)
+    shard = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    gathered, from_codes = torch.empty(world * n, dtype=torch.bfloat16), torch.empty(world * n, dtype=torch.bfloat16)
+    codes, scales = quantize(shard, 4, 128)  # as a frozen group stored in INT4 holds them
+    full = torch.randn(world * n, generator=torch.Generator().manual_seed(100 + rank))
+    mean = torch.empty(n)
+    counts, sent = {}, {}
+    for name, work in [("qwz", lambda: comm.all_gather_quantized(gathered, shard, async_op=True).wait()),
+                       ("codes", lambda: comm.all_gather_codes(from_codes, codes, scales, 4, 128)),
+                       ("qgz", lambda: comm.reduce_scatter_mean_quantized(mean, full.clone(), async_op=True).wait())]:
+        comm.bytes.reset()
+        counts[name] = _collectives_ran(work)
+        sent[name] = (comm.bytes.gathered, comm.bytes.reduce_scattered, comm.bytes.intra_node, comm.bytes.inter_node)
+    return {"counts": counts, "sent": sent, "gathered": gathered, "from_codes": from_codes, "mean": mean}
+
+
+def test_quantized_gathers_and_qgz_legs_are_one_collective_each() -> None:
+    """qwZ's gather, the gather of frozen codes and each of qgZ's two all-to-all legs move codes
+    and scales in one collective (torch's profiler counts those that ran), with the values of a
+    single-process computation from the same references (quantize -> dequantize for the gathers;
+    the five qgZ steps with the all-to-alls done by indexing) and the bytes of the packed rows,
+    padding included."""
+    from triton_kernels import PackedRows, QgzLayout, reference
+
+    nodes, per_node, n = 2, 2, 3001
+    world = nodes * per_node
+    ranks = run_distributed(_one_collective_each, world)
+    shards = [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16) for r in range(world)]
+    want_gathered = torch.cat([reference.dequantize(*reference.quantize(s, 8, 256), n, 8, 256, torch.bfloat16)
+                               for s in shards])
+    want_from_codes = torch.cat([reference.dequantize(*reference.quantize(s, 4, 128), n, 4, 128, torch.bfloat16)
+                                 for s in shards])
+    layout = QgzLayout(world * n, nodes, per_node, bits=4, block=256)
+    sent = [reference.reorder_quantize(torch.randn(world * n, generator=torch.Generator().manual_seed(100 + r)), layout)
+            for r in range(world)]
+    partial = {}
+    for node in range(nodes):
+        for local in range(per_node):  # intra-node leg: slots [local * N, (local + 1) * N) of each peer
+            peers = [sent[node * per_node + d] for d in range(per_node)]
+            rows = slice(local * nodes, (local + 1) * nodes)
+            partial[node, local] = reference.dequantize_reduce_requantize(
+                torch.stack([c[rows] for c, _ in peers]), torch.stack([s[rows] for _, s in peers]), layout, 1.0)
+    rows8, rows4, qgz_row = PackedRows.of(n, 8, 256), PackedRows.of(n, 4, 128), layout.packed().row_bytes
+    assert (rows8.row_bytes, rows4.row_bytes, qgz_row) == (3008 + 48, 1504 + 96, 1536 + 48)
+    for rank, got in enumerate(ranks):
+        node, local = divmod(rank, per_node)
+        assert got["counts"]["qwz"] == {"gloo:all_gather": 1}
+        assert got["counts"]["codes"] == {"gloo:all_gather": 1}
+        assert got["counts"]["qgz"] == {"gloo:all_to_all": 2}  # one per leg
+        assert torch.equal(got["gathered"], want_gathered)
+        assert torch.equal(got["from_codes"], want_from_codes)
+        # Inter-node leg: from each node m, row `node` of its ranks' (with this local rank) partial sums.
+        mine = reference.dequantize_reduce(torch.stack([partial[m, local][0][node] for m in range(nodes)])[:, None],
+                                           torch.stack([partial[m, local][1][node] for m in range(nodes)])[:, None],
+                                           layout, 1 / world, torch.float32)
+        assert torch.equal(got["mean"], mine.view(-1))
+        # Bytes: what the one collective moved, the other ranks' packed rows (half of them across nodes).
+        assert got["sent"]["qwz"] == (3 * rows8.row_bytes, 0, rows8.row_bytes, 2 * rows8.row_bytes)
+        assert got["sent"]["codes"] == (3 * rows4.row_bytes, 0, rows4.row_bytes, 2 * rows4.row_bytes)
+        assert got["sent"]["qgz"] == (0, 3 * qgz_row, 2 * qgz_row, qgz_row)

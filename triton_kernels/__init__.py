@@ -26,6 +26,9 @@ Format (details in :mod:`triton_kernels.layout` and :mod:`triton_kernels.referen
 - INT8 codes are int8 ``[n]``; INT4 codes are uint8 ``[ceil(n / 2)]``, value ``2i`` in the low
   nibble and ``2i + 1`` in the high nibble (two's complement), an odd count padded with code 0.
 - All-zero blocks (and blocks with ``absmax < qmax * 2**-126``) get scale 0 and codes 0.
+- Packed: :class:`PackedRows` puts each row's codes and scales in one uint8 row, so one
+  collective moves both; every function reads such views in place, and the quantizing ones write
+  into them (``out=``).
 - NaN/Inf: ``nonfinite="raise"`` (default) raises ``ValueError`` before quantizing (on a GPU this
   costs one synchronization); ``nonfinite="propagate"`` gives such a block scale NaN and codes 0,
   so it dequantizes to NaN and stays visible downstream. NaN scales propagate through the reduce
@@ -43,12 +46,15 @@ import torch
 
 from . import checks, reference
 from .checks import Backend, NonFinite
-from .layout import MAX_BLOCK, MIN_BLOCK, QMAX, QgzLayout, check_bits, check_block, code_cols, code_dtype, num_blocks
+from .layout import (MAX_BLOCK, MIN_BLOCK, PACK_ALIGN, QMAX, PackedRows, QgzLayout, check_bits, check_block, code_cols,
+                     code_dtype, num_blocks)
 
 __all__ = [
     "MAX_BLOCK",
     "MIN_BLOCK",
+    "PACK_ALIGN",
     "QMAX",
+    "PackedRows",
     "QgzLayout",
     "code_cols",
     "code_dtype",
@@ -62,7 +68,13 @@ __all__ = [
 
 
 def quantize(
-    x: torch.Tensor, bits: int = 8, block: int = 256, *, nonfinite: NonFinite = "raise", backend: Backend = "auto"
+    x: torch.Tensor,
+    bits: int = 8,
+    block: int = 256,
+    *,
+    nonfinite: NonFinite = "raise",
+    backend: Backend = "auto",
+    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise symmetric quantization (ZeRO++ §3.1, qwZ).
 
@@ -73,32 +85,43 @@ def quantize(
         block: Elements per scale, a power of two in [64, 4096].
         nonfinite: ``"raise"`` or ``"propagate"`` (see the package docstring).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        out: Optional ``(codes, scales)`` of the result's shapes and dtypes on ``x``'s device, rows
+            contiguous at any row stride (e.g. :meth:`PackedRows.views` of a packed buffer), to
+            write into (directly, on the Triton path).
 
     Returns:
         ``(codes, scales)``: codes ``[(R,) code_cols(n, bits)]`` of ``code_dtype(bits)``, scales
-        fp32 ``[(R,) ceil(n / block)]``, on ``x``'s device.
+        fp32 ``[(R,) ceil(n / block)]``, on ``x``'s device (``out`` when given).
 
     Raises:
-        TypeError: ``x`` is not an fp32/fp16/bf16 tensor.
-        ValueError: Unsupported ``bits``/``block``/shape, or non-finite values with ``nonfinite="raise"``.
+        TypeError: ``x`` is not an fp32/fp16/bf16 tensor, or ``out`` is not a pair of the format's dtypes.
+        ValueError: Unsupported ``bits``/``block``/shape, non-finite values with ``nonfinite="raise"``,
+            or an ``out`` of other shapes, device or non-contiguous rows.
     """
     checks.float_tensor(x, "x")
     check_bits(bits)
     check_block(block)
     if x.dim() not in (1, 2):
         raise ValueError(f"x has shape {tuple(x.shape)}: pass a 1-D tensor or 2-D rows (e.g. x.reshape(-1))")
+    lead, n = tuple(x.shape[:-1]), x.shape[-1]
+    if out is not None:
+        out = checks.quantized_out(out, bits, (*lead, code_cols(n, bits)), (*lead, num_blocks(n, block)), x.device,
+                                   "quantize")
     checks.finite(x, "x", nonfinite)
     if not checks.use_triton(backend, x.device):
-        return reference.quantize(x, bits, block)
+        return _into(reference.quantize(x, bits, block), out)
     from .quant_kernel import quantize_launch
 
-    rows, n = (1, x.shape[0]) if x.dim() == 1 else x.shape
-    codes = torch.empty(rows, code_cols(n, bits), dtype=code_dtype(bits), device=x.device)
-    scales = torch.empty(rows, num_blocks(n, block), dtype=torch.float32, device=x.device)
+    rows = lead[0] if lead else 1
+    if out is None:
+        out = (torch.empty(*lead, code_cols(n, bits), dtype=code_dtype(bits), device=x.device),
+               torch.empty(*lead, num_blocks(n, block), dtype=torch.float32, device=x.device))
+    codes, scales = out
     quantize_launch(
-        x.contiguous(), codes, scales, in_row_len=n, out_row_len=n, nodes=1, ranks_per_node=rows, bits=bits, block=block
-    ).run()
-    return (codes[0], scales[0]) if x.dim() == 1 else (codes, scales)
+        x.contiguous(), codes.view(rows, -1), scales.view(rows, -1), in_row_len=n, out_row_len=n, nodes=1,
+        ranks_per_node=rows, bits=bits, block=block,
+    ).run()  # fmt: skip
+    return out
 
 
 def dequantize(
@@ -159,7 +182,12 @@ def dequantize(
 
 
 def reorder_quantize(
-    flat: torch.Tensor, layout: QgzLayout, *, nonfinite: NonFinite = "raise", backend: Backend = "auto"
+    flat: torch.Tensor,
+    layout: QgzLayout,
+    *,
+    nonfinite: NonFinite = "raise",
+    backend: Backend = "auto",
+    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qgZ step 1, fused: cut ``flat`` into one partition per rank, put the partitions in slot
     order and quantize them, reading ``flat`` once (ZeRO++ §3.3).
@@ -169,12 +197,14 @@ def reorder_quantize(
         layout: The topology and format (:class:`QgzLayout`).
         nonfinite: As in :func:`quantize`.
         backend: As in :func:`quantize`.
+        out: As in :func:`quantize` (e.g. the views of a ``[W]`` :meth:`QgzLayout.packed` buffer,
+            which the intra-node all-to-all sends as it is).
 
     Returns:
         codes ``[W, layout.code_cols]`` of ``code_dtype(layout.bits)`` and fp32 scales
-        ``[W, layout.blocks_per_part]``; row ``j`` is rank ``layout.rank_of_slot(j)``'s partition,
-        zero-padded to ``layout.part_len`` values. Rows ``[k * nodes, (k + 1) * nodes)`` go to
-        local peer ``k`` in the intra-node all-to-all.
+        ``[W, layout.blocks_per_part]`` (``out`` when given); row ``j`` is rank
+        ``layout.rank_of_slot(j)``'s partition, zero-padded to ``layout.part_len`` values. Rows
+        ``[k * nodes, (k + 1) * nodes)`` go to local peer ``k`` in the intra-node all-to-all.
 
     Raises:
         TypeError, ValueError: As in :func:`quantize`; ``ValueError`` if ``flat`` does not have
@@ -186,13 +216,17 @@ def reorder_quantize(
             f"flat has shape {tuple(flat.shape)} but the layout is for a 1-D gradient of {layout.numel} elements:"
             " pass the flat gradient, or build QgzLayout(numel=flat.numel(), ...)"
         )
+    if out is not None:
+        out = checks.quantized_out(out, layout.bits, (layout.world, layout.code_cols),
+                                   (layout.world, layout.blocks_per_part), flat.device, "reorder_quantize")
     checks.finite(flat, "flat", nonfinite)
     if not checks.use_triton(backend, flat.device):
-        return reference.reorder_quantize(flat, layout)
+        return _into(reference.reorder_quantize(flat, layout), out)
     from .quant_kernel import quantize_launch
 
-    codes = torch.empty(layout.world, layout.code_cols, dtype=code_dtype(layout.bits), device=flat.device)
-    scales = torch.empty(layout.world, layout.blocks_per_part, dtype=torch.float32, device=flat.device)
+    codes, scales = out if out is not None else (
+        torch.empty(layout.world, layout.code_cols, dtype=code_dtype(layout.bits), device=flat.device),
+        torch.empty(layout.world, layout.blocks_per_part, dtype=torch.float32, device=flat.device))
     quantize_launch(
         flat.contiguous(), codes, scales, in_row_len=layout.part_numel, out_row_len=layout.part_len,
         nodes=layout.nodes, ranks_per_node=layout.ranks_per_node, bits=layout.bits, block=layout.block,
@@ -207,6 +241,7 @@ def dequantize_reduce_requantize(
     *,
     multiplier: float = 1.0,
     backend: Backend = "auto",
+    out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qgZ step 3, fused: dequantize ``K`` received operands, sum them in fp32, multiply by
     ``multiplier`` and requantize with the same bits and block (ZeRO++ §3.3).
@@ -222,28 +257,39 @@ def dequantize_reduce_requantize(
         multiplier: Applied to the fp32 sum before requantizing (e.g. ``1 / ranks_per_node``);
             keep the default 1 and average at the last step with ``1 / W``.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        out: As in :func:`quantize`, of the result's shapes (e.g. the views of an ``[R]``
+            :meth:`QgzLayout.packed` buffer, which the inter-node all-to-all sends as it is).
 
     Returns:
         codes ``[R, layout.code_cols]`` (``[layout.code_cols]`` for 2-D input) and fp32 scales
-        ``[R, layout.blocks_per_part]`` (likewise).
+        ``[R, layout.blocks_per_part]`` (likewise); ``out`` when given.
 
     Raises:
-        TypeError, ValueError: On dtypes or shapes that do not fit ``layout``, or a non-finite ``multiplier``.
+        TypeError, ValueError: On dtypes or shapes that do not fit ``layout``, a non-finite
+            ``multiplier``, or an ``out`` that does not fit the result.
     """
     codes3, scales3, squeeze = _operands(codes, scales, layout, "dequantize_reduce_requantize")
     multiplier = checks.multiplier_value(multiplier)
+    rows = codes3.shape[1]
+    if out is not None:
+        lead = () if squeeze else (rows,)
+        out = checks.quantized_out(out, layout.bits, (*lead, layout.code_cols), (*lead, layout.blocks_per_part),
+                                   codes3.device, "dequantize_reduce_requantize")
     if not checks.use_triton(backend, codes3.device):
-        out_codes, out_scales = reference.dequantize_reduce_requantize(codes3, scales3, layout, multiplier)
-    else:
-        from .reduce_kernel import reduce_launch
+        result = reference.dequantize_reduce_requantize(codes3, scales3, layout, multiplier)
+        return _into((result[0][0], result[1][0]) if squeeze else result, out)
+    from .reduce_kernel import reduce_launch
 
-        out_codes = torch.empty(codes3.shape[1:], dtype=codes3.dtype, device=codes3.device)
-        out_scales = torch.empty(scales3.shape[1:], dtype=torch.float32, device=codes3.device)
-        reduce_launch(
-            codes3, scales3, out_codes, out_scales, row_len=layout.part_len, out_row_len=layout.part_len,
-            bits=layout.bits, block=layout.block, multiplier=multiplier,
-        ).run()  # fmt: skip
-    return (out_codes[0], out_scales[0]) if squeeze else (out_codes, out_scales)
+    if out is None:
+        shape = (rows,) if not squeeze else ()
+        out = (torch.empty(*shape, layout.code_cols, dtype=codes3.dtype, device=codes3.device),
+               torch.empty(*shape, layout.blocks_per_part, dtype=torch.float32, device=codes3.device))
+    out_codes, out_scales = out
+    reduce_launch(
+        codes3, scales3, out_codes.view(rows, -1), out_scales.view(rows, -1), row_len=layout.part_len,
+        out_row_len=layout.part_len, bits=layout.bits, block=layout.block, multiplier=multiplier,
+    ).run()  # fmt: skip
+    return out
 
 
 def dequantize_reduce(
@@ -300,6 +346,17 @@ def dequantize_reduce(
         codes3, scales3, out.view(rows, layout.part_numel), None, row_len=layout.part_len,
         out_row_len=layout.part_numel, bits=layout.bits, block=layout.block, multiplier=multiplier,
     ).run()  # fmt: skip
+    return out
+
+
+def _into(
+    result: tuple[torch.Tensor, torch.Tensor], out: Optional[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's ``(codes, scales)``, copied into ``out`` when one was given."""
+    if out is None:
+        return result
+    out[0].copy_(result[0])
+    out[1].copy_(result[1])
     return out
 
 

@@ -87,6 +87,14 @@ def kernel_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+def rows_contiguous(t: torch.Tensor, name: str) -> None:
+    """Raise ``ValueError`` unless the last dimension of ``t`` is contiguous (the kernels take one
+    stride per leading dimension and step through a row element by element)."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} has strides {t.stride()}: its rows must be contiguous (stride 1 in the last "
+                         "dimension)")
+
+
 def tile_rows(total_blocks: int, block: int) -> int:
     """Blocks per program instance (a power of two) for a launch over ``total_blocks`` blocks."""
     if INTERPRETED:

@@ -79,7 +79,7 @@ def quantized(
     codes: object, scales: object, bits: int, code_shape: tuple[int, ...], scale_shape: tuple[int, ...], what: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check ``codes``/``scales`` against the shapes and dtypes the format requires; return them
-    contiguous."""
+    with contiguous rows (:func:`rows_contiguous`)."""
     if not isinstance(codes, torch.Tensor) or not isinstance(scales, torch.Tensor):
         raise TypeError(f"{what}: codes and scales must be torch.Tensors")
     want = code_dtype(bits)
@@ -94,7 +94,28 @@ def quantized(
         )
     if codes.device != scales.device:
         raise ValueError(f"{what}: codes are on {codes.device} but scales on {scales.device}; move both to one device")
-    return codes.contiguous(), scales.contiguous()
+    return rows_contiguous(codes), rows_contiguous(scales)
+
+
+def rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is contiguous (rows at any stride, as in views of a
+    packed buffer, which the kernels take as they are), else a contiguous copy."""
+    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def quantized_out(
+    out: object, bits: int, code_shape: tuple[int, ...], scale_shape: tuple[int, ...], device: torch.device, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check an ``out=(codes, scales)`` pair to be written: the format's dtypes and these shapes, on
+    ``device``, with contiguous rows (at any row stride: views of a ``PackedRows`` buffer fit)."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(f"{what}: out must be a (codes, scales) pair of tensors, got {type(out).__name__}")
+    codes, scales = quantized(*out, bits, code_shape, scale_shape, what)
+    if codes is not out[0] or scales is not out[1]:
+        raise ValueError(f"{what}: out's codes and scales must have contiguous rows (stride 1 in the last dimension)")
+    if codes.device != device:
+        raise ValueError(f"{what}: out is on {codes.device}; pass tensors on {device}")
+    return codes, scales
 
 
 def use_triton(backend: str, device: torch.device) -> bool:

@@ -162,3 +162,70 @@ class QgzLayout:
     def slot_order(self) -> list[int]:
         """Global ranks in slot order (2 nodes x 4: ``[0, 4, 1, 5, 2, 6, 3, 7]``)."""
         return [self.rank_of_slot(j) for j in range(self.world)]
+
+    def packed(self) -> PackedRows:
+        """The :class:`PackedRows` of one partition's codes and scales (what qgZ's legs send)."""
+        return PackedRows(self.code_cols, self.blocks_per_part, self.bits)
+
+
+#: Alignment of every part of a packed row: 16 bytes, so the kernels' 16-byte vector accesses to
+#: the codes stay provably aligned in every row, and the scales can be viewed as fp32.
+PACK_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows of blockwise codes and their fp32 scales in one uint8 buffer, so a collective moves
+    both in one call (ZeRO++'s qwZ gather §3.1 and qgZ's all-to-all legs §3.3 send each row's codes
+    with its scales).
+
+    A row of a ``[R, row_bytes]`` uint8 buffer holds ``code_bytes`` bytes of codes at offset 0,
+    zero or more bytes of padding, ``scales`` fp32 scales (native byte order) at ``scale_offset``,
+    then padding to ``row_bytes``. Both offsets and ``row_bytes`` are multiples of
+    :data:`PACK_ALIGN`; the padding is sent with the row (it is at most 30 bytes per row).
+    :meth:`views` gives the codes ``[R, code_bytes]`` and scales ``[R, scales]`` as views of the
+    buffer (rows strided by ``row_bytes``), which the kernels read and write in place.
+
+    Attributes:
+        code_bytes: Bytes of codes per row (``code_cols(numel, bits)``).
+        scales: fp32 scales per row (``ceil(numel / block)``).
+        bits: The codes' width, 8 or 4 (their dtype, :func:`code_dtype`).
+    """
+
+    code_bytes: int
+    scales: int
+    bits: int
+
+    @staticmethod
+    def of(numel: int, bits: int, block: int) -> PackedRows:
+        """The packed rows of ``numel`` values quantized with ``bits`` and ``block``."""
+        return PackedRows(code_cols(numel, bits), num_blocks(numel, block), bits)
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scales in a row: ``code_bytes`` rounded up to :data:`PACK_ALIGN`."""
+        return -(-self.code_bytes // PACK_ALIGN) * PACK_ALIGN
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per row, padding included: what a collective moves per row."""
+        return -(-(self.scale_offset + 4 * self.scales) // PACK_ALIGN) * PACK_ALIGN
+
+    def empty(self, rows: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """An uninitialised ``[rows, row_bytes]`` uint8 buffer on ``device``."""
+        return torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=device)
+
+    def views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes (``code_dtype(bits)``, ``[..., code_bytes]``) and fp32 scales (``[..., scales]``)
+        of ``buf``, a contiguous uint8 ``[..., row_bytes]`` buffer, as views sharing its memory.
+
+        Raises:
+            ValueError: ``buf`` is not a contiguous uint8 tensor of rows of ``row_bytes``.
+        """
+        if buf.dtype != torch.uint8 or buf.dim() < 1 or buf.shape[-1] != self.row_bytes or not buf.is_contiguous():
+            raise ValueError(f"packed rows: got a {buf.dtype} {tuple(buf.shape)} tensor; pass a contiguous uint8 "
+                             f"[..., {self.row_bytes}] buffer (PackedRows.empty)")
+        codes = buf[..., : self.code_bytes].view(code_dtype(self.bits))
+        # Byte offsets and row strides are multiples of 4 (of 16): a valid fp32 view.
+        scales = buf[..., self.scale_offset : self.scale_offset + 4 * self.scales].view(torch.float32)
+        return codes, scales

@@ -12,26 +12,31 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelLaunch, kernel_view, kind, load_f32, pack_int4, quantize_tile, tile_rows
+from ._common import KernelLaunch, kernel_view, kind, load_f32, pack_int4, quantize_tile, rows_contiguous, tile_rows
 from .layout import QMAX, code_cols, num_blocks
 
 
 # Block counts change with every shard size and no access depends on their divisibility: left
 # unspecialised, so one compiled kernel serves every size (Triton would otherwise compile again
-# whenever a count is 1 or a multiple of 16 or neither). The sizes that bound or offset the
-# accesses stay specialised: their divisibility by 16 is what proves the 16-byte vector loads and
-# stores in bounds (``do_not_specialize_on_alignment`` would drop just that). ``nodes`` and
-# ``ranks_per_node`` are fixed by the topology, and 1 spares the plain path the slot arithmetic.
-@triton.jit(do_not_specialize=["blocks_per_row", "total_blocks"])
+# whenever a count is 1 or a multiple of 16 or neither); so is the scales' row stride (a block
+# count, or a packed row's length in fp32 words: it offsets only the one scale each block stores).
+# The sizes that bound or offset the code accesses stay specialised: their divisibility by 16 is
+# what proves the 16-byte vector loads and stores in bounds (``do_not_specialize_on_alignment``
+# would drop just that); a packed row (``PackedRows``) is a multiple of 16 bytes for that reason.
+# ``nodes`` and ``ranks_per_node`` are fixed by the topology, and 1 spares the plain path the slot
+# arithmetic.
+@triton.jit(do_not_specialize=["scale_row_stride", "blocks_per_row", "total_blocks"])
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr,
-    n_valid, in_row_len, out_row_len, code_row_stride, blocks_per_row, total_blocks, nodes, ranks_per_node,
+    n_valid, in_row_len, out_row_len, code_row_bytes, code_row_stride, scale_row_stride, blocks_per_row,
+    total_blocks, nodes, ranks_per_node,
     IN_KIND: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     blk_ok = blk < total_blocks
     slot = blk // blocks_per_row
-    start = (blk % blocks_per_row) * BLOCK
+    in_row = blk % blocks_per_row
+    start = in_row * BLOCK
     src_row = (slot % nodes) * ranks_per_node + slot // nodes
     pos = start[:, None] + tl.arange(0, BLOCK)[None, :]
     src = src_row.to(tl.int64)[:, None] * in_row_len + pos
@@ -39,17 +44,16 @@ def _quantize_kernel(
     # to whole blocks, and the tail block of a plain row.
     x = load_f32(x_ptr, src, blk_ok[:, None] & (pos < in_row_len) & (src < n_valid), IN_KIND)
     codes, scale = quantize_tile(x, QMAX)
-    tl.store(scales_ptr + blk, scale, mask=blk_ok)
+    tl.store(scales_ptr + slot.to(tl.int64) * scale_row_stride + in_row, scale, mask=blk_ok)
     row_base = slot.to(tl.int64)[:, None] * code_row_stride
     if BITS == 8:
         tl.store(codes_ptr + row_base + pos, codes.to(tl.int8), mask=blk_ok[:, None] & (pos < out_row_len))
     else:
-        # Rows are contiguous, so the row stride is also the row's length in bytes. Bounding the
-        # contiguous ``byte`` (not ``2 * byte``) lets the compiler prove whole 16-byte runs in
-        # bounds and store them as vectors.
+        # Bounding the contiguous ``byte`` (not ``2 * byte``) lets the compiler prove whole
+        # 16-byte runs in bounds and store them as vectors.
         byte = start[:, None] // 2 + tl.arange(0, BLOCK // 2)[None, :]
         tl.store(
-            codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (byte < code_row_stride)
+            codes_ptr + row_base + byte, pack_int4(codes, ROWS, BLOCK), mask=blk_ok[:, None] & (byte < code_row_bytes)
         )
 
 
@@ -66,7 +70,8 @@ def quantize_launch(
     block: int,
 ) -> KernelLaunch:
     """The launch that quantizes ``x`` (contiguous, fp32/fp16/bf16) into preallocated ``codes`` ``[R, C]`` and
-    ``scales`` ``[R, ceil(out_row_len / block)]``, ``R = nodes * ranks_per_node``.
+    ``scales`` ``[R, ceil(out_row_len / block)]``, ``R = nodes * ranks_per_node``, each with
+    contiguous rows and any row stride (views of a packed buffer, ``PackedRows``, included).
 
     Output row ``j`` holds input elements ``[r * in_row_len, (r + 1) * in_row_len)`` with
     ``r = (j % nodes) * ranks_per_node + j // nodes`` (identity when ``nodes == 1``), zero-padded
@@ -75,11 +80,14 @@ def quantize_launch(
     of §3.3).
 
     Raises:
-        ValueError: ``codes`` rows are not ``C`` bytes (the kernel's masks assume they are).
+        ValueError: ``codes`` rows are not ``C`` bytes, or rows of ``codes`` or ``scales`` are not
+            contiguous.
     """
     rows = nodes * ranks_per_node
-    if codes.shape[-1] != code_cols(out_row_len, bits):  # the kernel's masks take the stride for the row's bytes
+    if codes.shape[-1] != code_cols(out_row_len, bits):
         raise ValueError(f"codes rows hold {codes.shape[-1]} bytes; {out_row_len} values need {code_cols(out_row_len, bits)}")
+    rows_contiguous(codes, "codes")
+    rows_contiguous(scales, "scales")
     blocks_per_row = num_blocks(out_row_len, block)
     total_blocks = rows * blocks_per_row
     tile = tile_rows(total_blocks, block)
@@ -88,7 +96,8 @@ def quantize_launch(
         triton.cdiv(total_blocks, tile),
         (
             kernel_view(x), codes, scales,
-            x.numel(), in_row_len, out_row_len, codes.shape[-1], blocks_per_row, total_blocks, nodes, ranks_per_node,
+            x.numel(), in_row_len, out_row_len, codes.shape[-1], codes.stride(0), scales.stride(0), blocks_per_row,
+            total_blocks, nodes, ranks_per_node,
         ),
         dict(
             IN_KIND=kind(x.dtype), BITS=bits, QMAX=QMAX[bits], BLOCK=block, ROWS=tile,

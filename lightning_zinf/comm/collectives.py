@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zinf.comm.topology import NodeGroups, RankSetGroups, Topology, require_divisor
-from triton_kernels import QgzLayout, dequantize, dequantize_reduce, dequantize_reduce_requantize, quantize, reorder_quantize
+from triton_kernels import (PackedRows, QgzLayout, dequantize, dequantize_reduce, dequantize_reduce_requantize,
+                            quantize, reorder_quantize)
 
 __all__ = ["Collectives", "CommBytes", "Handle"]
 
@@ -306,8 +307,10 @@ class Collectives:
 
     def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """qwZ's gather (ZeRO++ §3.1): quantize ``shard`` blockwise to INT8 (one fp32 scale per
-        ``qwz_block`` elements), all-gather codes and scales, and dequantize every rank's part, this
-        rank's own included (so all ranks hold identical values), into ``out`` in its dtype.
+        ``qwz_block`` elements) straight into one packed row (:class:`~triton_kernels.PackedRows`:
+        codes, then scales), all-gather the rows in one collective, and dequantize every rank's
+        part from the gathered rows in place, this rank's own included (so all ranks hold
+        identical values), into ``out`` in its dtype. ``bytes`` counts the rows, padding included.
 
         Args:
             out: 1-D tensor of ``world_size * n`` elements (fp32, fp16 or bf16).
@@ -319,16 +322,19 @@ class Collectives:
         """
         if self.qwz_block is None:
             raise RuntimeError("all_gather_quantized needs Collectives(qwz_block=...).")
+        packed = PackedRows.of(shard.numel(), 8, self.qwz_block)
+        row = packed.empty(1, shard.device)
         # A NaN or Inf weight dequantizes to NaN and shows in the loss, as it would unquantized.
-        codes, scales = quantize(shard, 8, self.qwz_block, nonfinite="propagate")
-        return self.all_gather_codes(out, codes, scales, 8, self.qwz_block, async_op)
+        quantize(shard.view(1, -1), 8, self.qwz_block, nonfinite="propagate", out=packed.views(row))
+        return self._all_gather_packed(out, row, packed, self.qwz_block, async_op)
 
     def all_gather_codes(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int,
                          async_op: bool = False) -> Handle:
         """All-gather every rank's blockwise codes and scales (as :func:`triton_kernels.quantize`
         made them from an ``n``-element shard) and dequantize them, in rank order, into ``out``
-        (``world_size * n`` elements, in its dtype). The gather of qwZ and of frozen weights
-        stored quantized.
+        (``world_size * n`` elements, in its dtype). The gather of frozen weights stored quantized:
+        codes and scales are copied into one packed row (:class:`~triton_kernels.PackedRows`) and
+        gathered in one collective; ``bytes`` counts the rows, padding included.
 
         Args:
             out: 1-D fp32/fp16/bf16 tensor of ``world_size * n`` elements.
@@ -338,24 +344,32 @@ class Collectives:
             block: The codes' format: elements per scale.
             async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
         """
+        packed = PackedRows.of(out.numel() // self.world_size, bits, block)
+        row = packed.empty(1, codes.device)
+        row_codes, row_scales = packed.views(row)
+        row_codes.copy_(codes.view(1, -1))
+        row_scales.copy_(scales.view(1, -1))
+        return self._all_gather_packed(out, row, packed, block, async_op)
+
+    def _all_gather_packed(self, out: torch.Tensor, row: torch.Tensor, packed: PackedRows, block: int,
+                           async_op: bool) -> Handle:
+        """Gather every rank's packed ``row`` (``[1, packed.row_bytes]`` uint8) in one collective and
+        dequantize the gathered rows, read in place, into ``out`` (``world_size * n`` elements)."""
         world = self.world_size
         n = out.numel() // world
-        per_rank = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
-        self.bytes.gathered += (world - 1) * per_rank
-        self.bytes.add_split(self.topology.split_bytes(range(world), per_rank))
+        self.bytes.gathered += (world - 1) * packed.row_bytes
+        self.bytes.add_split(self.topology.split_bytes(range(world), packed.row_bytes))
         if self.local:
-            all_codes, all_scales, works = codes.view(1, -1), scales.view(1, -1), []
+            rows, works = row, []
         else:
-            all_codes = codes.new_empty(world, codes.numel())
-            all_scales = scales.new_empty(world, scales.numel())
-            one_node = self.topology.nodes == 1
-            works = [_all_gather_flat(all_codes.view(-1), codes, self.group, one_node, async_op=True),
-                     _all_gather_flat(all_scales.view(-1), scales, self.group, one_node, async_op=True)]
+            rows = packed.empty(world, row.device)
+            works = [_all_gather_flat(rows.view(-1), row.view(-1), self.group, self.topology.nodes == 1, async_op=True)]
 
         def dequantize_into_out() -> None:
-            dequantize(all_codes, all_scales, n, bits, block, dtype=out.dtype, out=out.view(world, n))
+            all_codes, all_scales = packed.views(rows)
+            dequantize(all_codes, all_scales, n, packed.bits, block, dtype=out.dtype, out=out.view(world, n))
 
-        handle = _Then(works, dequantize_into_out, keep=(codes, scales, all_codes, all_scales))
+        handle = _Then(works, dequantize_into_out, keep=(row, rows))
         if not async_op:
             handle.wait()
         return handle
@@ -423,6 +437,10 @@ class Collectives:
         block the host) ``wait()`` runs 3-5. Any ``n`` and any number of nodes work (no fallback
         path). Non-finite gradients come out as NaN.
 
+        Each leg is one all-to-all of packed rows (:class:`~triton_kernels.PackedRows`: a
+        partition's codes, then its scales), which steps 1 and 3 write and steps 3 and 5 read in
+        place; ``bytes`` counts the rows sent, padding included.
+
         Args:
             out: 1-D fp32 (or fp16/bf16) tensor of ``n`` elements.
             full: 1-D fp32/fp16/bf16 tensor of ``world_size * n`` elements.
@@ -436,40 +454,41 @@ class Collectives:
         topo = self.topology
         layout = QgzLayout(full.numel(), topo.nodes, topo.ranks_per_node, bits=self.qgz_bits, block=self.block,
                            part_numel=out.numel())
-        codes, scales = reorder_quantize(full, layout, nonfinite="propagate")  # [W, C], [W, P], slot order
-        row = codes.shape[1] * codes.element_size() + scales.shape[1] * scales.element_size()
+        packed = layout.packed()
+        send = packed.empty(layout.world, full.device)  # [W] rows in slot order: codes, then scales
+        reorder_quantize(full, layout, nonfinite="propagate", out=packed.views(send))
+        row = packed.row_bytes
         nodes, local_peers = topo.nodes, topo.ranks_per_node
         sent_intra, sent_inter = (local_peers - 1) * nodes * row, (nodes - 1) * row
         self.bytes.reduce_scattered += sent_intra + sent_inter
         self.bytes.add_split((sent_intra, sent_inter))
+        # One all-to-all per leg: each row carries its codes and scales.
         if self._nodes is not None and self._nodes.intra is not None:
-            recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
-            works = [dist.all_to_all_single(recv_codes, codes, group=self._nodes.intra, async_op=True),
-                     dist.all_to_all_single(recv_scales, scales, group=self._nodes.intra, async_op=True)]
+            received = torch.empty_like(send)
+            works = [dist.all_to_all_single(received, send, group=self._nodes.intra, async_op=True)]
         else:
-            recv_codes, recv_scales, works = codes, scales, []
+            received, works = send, []
 
-        def inter_node() -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-            """Steps 3-4 (after step 2's works have been waited for): the codes of this rank's own
-            partition, and the works that deliver them."""
-            partial_codes, partial_scales = dequantize_reduce_requantize(
-                recv_codes.view(local_peers, nodes, -1), recv_scales.view(local_peers, nodes, -1), layout)
+        def inter_node() -> tuple[torch.Tensor, list[Any]]:
+            """Steps 3-4 (after step 2's works have been waited for): the packed rows of this rank's
+            own partition, and the works that deliver them."""
+            partial = packed.empty(nodes, full.device)
+            dequantize_reduce_requantize(*packed.views(received.view(local_peers, nodes, -1)), layout,
+                                         out=packed.views(partial))
             if self._nodes is None or self._nodes.inter is None:
-                return partial_codes, partial_scales, []
-            mine_codes, mine_scales = torch.empty_like(partial_codes), torch.empty_like(partial_scales)
-            return mine_codes, mine_scales, [
-                dist.all_to_all_single(mine_codes, partial_codes, group=self._nodes.inter, async_op=True),
-                dist.all_to_all_single(mine_scales, partial_scales, group=self._nodes.inter, async_op=True)]
+                return partial, []
+            mine = torch.empty_like(partial)
+            return mine, [dist.all_to_all_single(mine, partial, group=self._nodes.inter, async_op=True)]
 
-        def dequantize_mine(mine_codes: torch.Tensor, mine_scales: torch.Tensor) -> None:
-            dequantize_reduce(mine_codes, mine_scales, layout, multiplier=1 / self.world_size, dtype=out.dtype, out=out)
+        def dequantize_mine(mine: torch.Tensor) -> None:
+            dequantize_reduce(*packed.views(mine), layout, multiplier=1 / self.world_size, dtype=out.dtype, out=out)
 
         if self._chain is None:
             def finish() -> None:
-                mine_codes, mine_scales, inter = inter_node()
+                mine, inter = inter_node()
                 for work in inter:
                     work.wait()
-                dequantize_mine(mine_codes, mine_scales)
+                dequantize_mine(mine)
 
             handle = _Then(works, finish)
         else:
@@ -480,18 +499,18 @@ class Collectives:
             with self._chain:
                 for work in works:
                     work.wait()
-                mine_codes, mine_scales, inter = inter_node()
+                mine, inter = inter_node()
             chained = torch.Event(device=self._device)
             chained.record(self._chain)
 
             def finish_on_device() -> None:
                 # Step 3's output (one node: no inter-node works to wait for) is on the side stream.
                 torch.accelerator.current_stream(self._device).wait_event(chained)
-                dequantize_mine(mine_codes, mine_scales)
+                dequantize_mine(mine)
 
             # The intra-node leg's buffers were released by NCCL at the chain's wait; the compute
             # stream frees them only after waiting for the chain (which waited for that leg).
-            handle = _Then(inter, finish_on_device, keep=(codes, scales, recv_codes, recv_scales))
+            handle = _Then(inter, finish_on_device, keep=(send, received))
         if not async_op:
             handle.wait()
         return handle
