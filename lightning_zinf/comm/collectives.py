@@ -509,8 +509,10 @@ class Collectives:
                 dequantize_mine(mine)
 
             # The intra-node leg's buffers were released by NCCL at the chain's wait; the compute
-            # stream frees them only after waiting for the chain (which waited for that leg).
-            handle = _Then(inter, finish_on_device, keep=(send, received))
+            # stream frees them only after waiting for the chain (which waited for that leg). Step
+            # 3's output, the chain's memory, is recorded on the stream that waits too, whichever
+            # stream issues the next reduce.
+            handle = _Then(inter, finish_on_device, keep=(send, received, mine))
         if not async_op:
             handle.wait()
         return handle

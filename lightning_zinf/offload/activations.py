@@ -93,7 +93,6 @@ class ActivationOffload:
         self.copied_bytes = 0
         self.kept = 0
         self._order = _Order()
-        self._handed_bytes = 0
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
@@ -123,8 +122,6 @@ class ActivationOffload:
     def _unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        # The tensor handed out last time has had its backward queued by now.
-        self.transfers.done_with(self._handed_bytes)
         tensor, event = packed.ahead or self.transfers.reload(packed.host, packed.copied)
         packed.ahead, packed.unpacked = None, True
         following = packed.order.next_ahead()
@@ -132,5 +129,7 @@ class ActivationOffload:
             following.ahead = self.transfers.reload(following.host, following.copied)
         self.transfers.wait_on_device(event)
         self.transfers.for_compute(tensor)  # the stream of the backward node asking for it
-        self._handed_bytes = tensor.numel() * tensor.element_size()
+        # When autograd drops it, the node that read it has been queued (on the stream current
+        # then): the rate limiter counts its memory from there. Not at exit: no device calls then.
+        weakref.finalize(tensor, self.transfers.done_with, tensor.numel() * tensor.element_size()).atexit = False
         return tensor
