@@ -305,6 +305,58 @@ class Collectives:
         work = _all_gather_flat(out, shard, self.group, self.topology.nodes == 1, async_op=async_op)
         return work if async_op else _Done()
 
+    def all_gather_coalesced(self, outs: list[torch.Tensor], shards: list[torch.Tensor],
+                             async_op: bool = False) -> Handle:
+        """Gather several flat buffers by one collective: for each ``i``, every rank's
+        ``shards[i]`` into ``outs[i]`` as :meth:`all_gather` would (rank r's at
+        ``outs[i][r*n_i:(r+1)*n_i]``), counted in :attr:`bytes` as those gathers would be.
+
+        Each rank packs its shards end to end (cast to the outputs' dtype on the way), one
+        all-gather moves the packed buffers (rank-major: rank 0's shards, then rank 1's, ...), and
+        ``wait()`` copies each group's column of it into its output. Many small gathers (the
+        persistent units after every step) then pay one collective's latency instead of one each,
+        for two local copies of their bytes and transient buffers of
+        :meth:`coalesced_nbytes`. On one rank (:attr:`local`), one copy per shard into its output.
+        The packing and the copy-out are one multi-tensor kernel each on an accelerator
+        (``torch._foreach_copy_``; ``torch.split_with_sizes_copy``, FSDP2's copy-out).
+
+        Args:
+            outs: 1-D tensors of ``world_size * n_i`` elements, all of one dtype and device.
+            shards: 1-D tensors of ``n_i`` elements on that device, all of one dtype (any).
+            async_op: Return before the data has arrived; ``wait()`` on the handle fills ``outs``.
+
+        Returns:
+            A handle whose ``wait()`` returns when every ``outs[i]`` is filled.
+        """
+        world, itemsize = self.world_size, outs[0].element_size()
+        sizes = [shard.numel() for shard in shards]
+        for out, n in zip(outs, sizes):
+            self.bytes.gathered += (out.numel() - n) * itemsize
+            self.bytes.add_split(self.topology.split_bytes(range(world), n * itemsize))
+        if self.local:
+            torch._foreach_copy_(outs, shards)
+            return _Done()
+        total = sum(sizes)
+        packed = outs[0].new_empty(total)
+        torch._foreach_copy_(list(packed.split(sizes)), shards)
+        gathered = outs[0].new_empty(world * total)
+        work = _all_gather_flat(gathered, packed, self.group, self.topology.nodes == 1, async_op=True)
+
+        def unpack() -> None:
+            torch.split_with_sizes_copy(gathered.view(world, total), sizes, dim=1,
+                                        out=[out.view(world, n) for out, n in zip(outs, sizes)])
+
+        handle = _Then([work], unpack, keep=(packed, gathered))
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def coalesced_nbytes(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes of the transient buffers :meth:`all_gather_coalesced` allocates (until its
+        ``wait()``) for shards of ``numel`` elements in all, gathered in ``dtype``: the packed
+        shards and the packed gather (``(world_size + 1) * numel`` elements); 0 on one rank."""
+        return 0 if self.local else (self.world_size + 1) * numel * dtype.itemsize
+
     def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """qwZ's gather (ZeRO++ §3.1): quantize ``shard`` blockwise to INT8 (one fp32 scale per
         ``qwz_block`` elements) straight into one packed row (:class:`~triton_kernels.PackedRows`:

@@ -211,6 +211,38 @@ class FlatGroup:
         ptr = tensor.untyped_storage().data_ptr()
         return ptr != 0 and ptr in (self.full.untyped_storage().data_ptr(), self._read.untyped_storage().data_ptr())
 
+    def open_gather(self, read: bool = False) -> Tensor:
+        """Allocate the buffer a gather fills and make it the active one: :attr:`full` for compute,
+        or with ``read`` the buffer of exact values in the parameters' dtype (the other one is
+        freed). A gathered group keeps its buffer, refilled as it is. Returns it (1-D,
+        ``padded_numel`` elements); the parameters point into it after :meth:`finish_gather`."""
+        target = self._activate(read)
+        if target.untyped_storage().nbytes() == 0:
+            self._allocate(target)
+        return target
+
+    def _activate(self, read: bool) -> Tensor:
+        # The buffer a gather (for compute, or with ``read`` for reading) fills becomes the active
+        # one, the other is freed; returned as it is, allocated or not.
+        target = self._read if read else self.full
+        other = self.full if read else self._read
+        if other is not target:
+            self._free(other)
+        self.active = target
+        return target
+
+    def exact_source(self) -> Optional[Tensor]:
+        """What an exact gather for compute all-gathers, where it is a plain device-resident
+        tensor: the shard, or its :attr:`compute_shard` copy (cast to ``compute_dtype`` on the way,
+        if it is not in it). ``None`` for a group stored quantized (frozen codes) or whose shard
+        lives on another tier (offload): those take :meth:`start_gather`'s path. Several groups'
+        sources can then be gathered by one collective
+        (:meth:`~lightning_zinf.comm.Collectives.all_gather_coalesced`)."""
+        if self.codes is not None:
+            return None
+        shard = self.shard if self.compute_shard is None else self.compute_shard
+        return shard if shard.device == self.device else None
+
     def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False) -> Handle:
         """Allocate the gather buffer and start all-gathering into it (asynchronously).
 
@@ -220,11 +252,7 @@ class FlatGroup:
         with ``quantized`` (qwZ).
         With ``read``: the exact values, from the shards, in the parameters' dtype.
         """
-        target = self._read if read else self.full
-        other = self.full if read else self._read
-        if other is not target:
-            self._free(other)
-        self.active = target
+        target = self._activate(read)
         fresh = target.untyped_storage().nbytes() == 0  # else a gathered unit refills its buffer as it is
         from_secondary = self.secondary is not None and from_secondary and not read
         # For compute, a 16-bit copy of the shard where the offload keeps one: half the bytes read and moved.
@@ -513,15 +541,17 @@ class FlatGroup:
         got = list(self._ready)
         if self.casts_gradients:
             # One pass over autograd's gradients casts them into the reduce-scatter input (FSDP2's
-            # copy-in); zeros where a parameter got none, and in the padding.
+            # copy-in); zeros where a parameter got none, and in the padding. One multi-tensor
+            # kernel each on an accelerator, not one per parameter: the gradients share a dtype,
+            # and each is copied into a 1-D slice of its own size.
             flat = pool.take(self.padded_numel, self.reduce_dtype, "reduce_pending")
-            for j, (p, offset, numel) in enumerate(zip(self.params, self.offsets, self.numels)):
-                if p.grad is None:
-                    flat[offset : offset + numel].zero_()
-                else:
-                    flat[offset : offset + numel].copy_(p.grad.reshape(-1))
-                    got[j] = True
-            flat[self.numel :].zero_()
+            slices = flat.split([*self.numels, self.padded_numel - self.numel])  # the last: padding
+            has = [p.grad is not None for p in self.params]
+            if any(has):
+                torch._foreach_copy_([dst for dst, h in zip(slices, has) if h],
+                                     [p.grad.reshape(-1) for p, h in zip(self.params, has) if h])
+            torch._foreach_zero_([dst for dst, h in zip(slices, [*has, False]) if not h])
+            got = [a or h for a, h in zip(got, has)]
         else:
             if self._grad_flat is None:
                 # No pre-backward hook ran (a parameter used outside any hooked module's output

@@ -19,8 +19,10 @@ accumulated into the rank's gradient shard when the next one starts or at the en
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
@@ -34,12 +36,20 @@ from lightning_zinf.engine.transfer import HeldUntilWait, Transfers
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 
-__all__ = ["Unit", "UnitStates", "RELEASED", "INFLIGHT", "GATHERED"]
+__all__ = ["Unit", "UnitStates", "RELEASED", "INFLIGHT", "GATHERED", "COALESCE_BYTES"]
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
 
 #: Groups whose gradient slices may wait in landing buffers for their host-side add at once.
 _MAX_LANDING = 2
+
+#: Most bytes of gather buffer per coalesced collective (:meth:`UnitStates.gather_exact`), and
+#: the largest group packed. Coalescing saves per-collective latency (a kernel launch and a
+#: rendezvous each on NCCL, a round trip on gloo), which dominates small gathers; a gather of tens
+#: of MiB is bandwidth-bound, and packing it would only add a copy of its bytes and a transient
+#: buffer of its size. The persistent units (of at most ``persistence_threshold`` = 100k
+#: elements each by default) fit in one collective unless there are hundreds of them.
+COALESCE_BYTES = 32 << 20
 
 
 class Unit:
@@ -146,6 +156,28 @@ class UnitStates:
             RuntimeError: the ranks are about to gather different units (:class:`RankAgreement`).
         """
         exact = exact or read
+        before = self._open(unit, exact, read)
+        # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
+        with self._copies_done_on_error():
+            unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
+        self._opened(unit, before)
+
+    @contextmanager
+    def _copies_done_on_error(self) -> Iterator[None]:
+        """If issuing gathers raises under NVMe parameter offload, wait for the copies issued so far."""
+        try:
+            yield
+        except BaseException:
+            if self.param_offload is not None:
+                # The swapped-in shards go back to the staging pool at the next settle, and their
+                # copies' handles are lost: the copies already issued (the failing group's may have
+                # no handle yet) must be done before the pool reuses or unmaps their buffers.
+                self.transfers.host_wait_h2d()
+            raise
+
+    def _open(self, unit: Unit, exact: bool, read: bool) -> int:
+        """The start of a gather of ``unit``: agreed with the other ranks, shards swapped in from
+        NVMe, qwZ decided. Returns the unit's gathered bytes before it (for :meth:`_opened`)."""
         self.agreement.note_gather(unit)
         if self.param_offload is not None:
             # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
@@ -155,21 +187,63 @@ class UnitStates:
             for group in unit.acquired:
                 self.param_offload.acquire(group, read)
         unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
-        before = unit.gathered_nbytes
-        # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
-        try:
-            unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
-        except BaseException:
-            if self.param_offload is not None:
-                # The swapped-in shards go back to the staging pool at the next settle, and their
-                # copies' handles are lost: the copies already issued (the failing group's may have
-                # no handle yet) must be done before the pool reuses or unmaps their buffers.
-                self.transfers.host_wait_h2d()
-            raise
+        return unit.gathered_nbytes
+
+    def _opened(self, unit: Unit, before: int) -> None:
+        """The end of issuing ``unit``'s gather (its handles set): in flight, and accounted."""
         unit.state = INFLIGHT
         self._live[unit.index] = unit
-        self.ledger.add("gathered", unit.gathered_nbytes - before)
+        self._account(unit.gathered_nbytes - before)
+
+    def _account(self, nbytes: int) -> None:
+        self.ledger.add("gathered", nbytes)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.ledger.now["gathered"])
+
+    @phased("zinf.gather")
+    def _start_exact_coalesced(self, units: list[Unit]) -> int:
+        """Issue exact gathers for compute of ``units`` (persistent units after a step or a load).
+        Their groups whose shards are plain device-resident tensors (:meth:`FlatGroup.exact_source`)
+        go in one collective per compute dtype, packed in buckets of at most :data:`COALESCE_BYTES`
+        of gather buffer, as DeepSpeed's ZeRO-3 re-gathers its persistent parameters together
+        after each step (its stage 3 ``_post_step``): one collective's latency instead of one per
+        group. The others (stored quantized, offloaded, larger than a bucket) each take their own,
+        as :meth:`start_gather` issues it. Every rank packs the same groups in the same order:
+        what decides it (tiers, storage format, sizes, dtypes) is the same on all ranks.
+
+        Returns:
+            The bytes of the transient packing buffers, accounted under ``"gathered"`` until the
+            caller has waited for every unit and removes them.
+        """
+        buckets: dict[torch.dtype, list[tuple[int, list[Unit], list[Tensor], list[Tensor]]]] = {}
+        for unit in units:
+            before = self._open(unit, exact=True, read=False)
+            unit.handles = []
+            for group in unit.groups:
+                source = group.exact_source()
+                nbytes = group.padded_numel * group.compute_dtype.itemsize
+                if source is None or nbytes > COALESCE_BYTES:
+                    with self._copies_done_on_error():
+                        unit.handles.append(group.start_gather(from_secondary=False))
+                    continue
+                open_buckets = buckets.setdefault(group.compute_dtype, [])
+                if not open_buckets or open_buckets[-1][0] + nbytes > COALESCE_BYTES:
+                    open_buckets.append((0, [], [], []))
+                filled, owners, outs, sources = open_buckets[-1]
+                open_buckets[-1] = (filled + nbytes, owners, outs, sources)
+                if unit not in owners:
+                    owners.append(unit)
+                outs.append(group.open_gather())
+                sources.append(source)
+            self._opened(unit, before)
+        transient = 0
+        for dtype, open_buckets in buckets.items():
+            for _, owners, outs, sources in open_buckets:
+                handle = self.comm.all_gather_coalesced(outs, sources, async_op=True)
+                transient += self.comm.coalesced_nbytes(sum(s.numel() for s in sources), dtype)
+                for unit in owners:
+                    unit.handles.append(handle)  # waited for once: the other units' waits return at once
+        self._account(transient)
+        return transient
 
     def wait_gather(self, unit: Unit) -> None:
         """Wait for ``unit``'s gather if it is in flight (it is then gathered); hand its swapped-in
@@ -198,7 +272,9 @@ class UnitStates:
         """Gather ``units`` exactly and wait, for compute (persistent units) or for reading
         (``read``): a released or gathered unit is (re-)gathered from the current shards, except
         one gathered for reading that is asked for reading again; one in flight is waited for, and
-        gathered again if its gather was quantized (qwZ) or in the other dtype."""
+        gathered again if its gather was quantized (qwZ) or in the other dtype. Gathers for compute
+        are coalesced (:meth:`_start_exact_coalesced`); gathers for reading go unit by unit."""
+        todo = []
         for unit in units:
             fits = not unit.quantized and all(g.holds_exact if read else g.holds_compute for g in unit.groups)
             if unit.state == INFLIGHT:
@@ -207,9 +283,16 @@ class UnitStates:
                 self.wait_gather(unit)
             elif unit.state == GATHERED and read and fits:
                 continue
-            self.start_gather(unit, exact=True, read=read)
+            todo.append(unit)
+        transient = 0
+        if read:  # one by one: gathering the whole model at once would need twice its bytes
+            for unit in todo:
+                self.start_gather(unit, exact=True, read=True)
+        elif todo:
+            transient = self._start_exact_coalesced(todo)
         for unit in units:
             self.wait_gather(unit)
+        self._account(-transient)
 
     def prefetch(self, unit: Unit) -> None:
         """Start gathering a released ``unit`` ahead of its use; it stays gathered until

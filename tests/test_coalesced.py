@@ -1,0 +1,184 @@
+"""Persistent units are re-gathered by one collective after a step, and bf16 gradients are cast
+for the reduce-scatter by multi-tensor kernels.
+
+The collectives are counted by torch's profiler (the ``gloo:*`` events of the collectives gloo
+actually ran: an observer outside the engine); the values are checked against single-process
+float64 PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zinf import MixedPrecisionConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
+from tests import models
+from tests.harness import run_distributed
+
+BF16 = MixedPrecisionConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+LR = 0.5
+
+
+class Mixed(nn.Module):
+    """Six small Linear layers, the second and fifth in bf16: their units have no fp32 parameter,
+    so the persistent units' groups have two compute dtypes without a precision policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.layers[1].to(torch.bfloat16)
+        self.layers[4].to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype))).float()
+        return x
+
+
+def _build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return Mixed() if kind == "mixed" else models.GPT(layers=4, lora_rank=4 if kind == "lora" else 0)
+
+
+def _loss(model: nn.Module, kind: str, rank: int, world: int) -> torch.Tensor:
+    """The mean loss over this rank's equal share of the global batch (over all of it at world 1)."""
+    if kind == "mixed":
+        g = torch.Generator().manual_seed(7)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+        out = model(x[rank::world])
+        return torch.nn.functional.mse_loss(out.double(), y[rank::world].double())
+    x, y = models.make_batch("gpt", 0, 4)
+    return models.loss_fn(model, x[rank::world], y[rank::world])
+
+
+def _count_gathers(fn) -> int:
+    """All-gathers gloo ran during ``fn()``, by torch's profiler."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    assert not any(e.name == "gloo:broadcast" for e in prof.events())  # gloo's in-place form of large gathers
+    return sum(e.name == "gloo:all_gather" for e in prof.events())
+
+
+def _step_on_ranks(rank: int, world: int, kind: str, precision: str) -> dict:
+    """One SGD step under the engine, every unit persistent: the all-gathers of the step (its
+    post-hook, after_step, re-gathers every persistent unit) and the parameters forward sees
+    afterwards (the persistent units' gathered buffers)."""
+    model = _build(kind)
+    engine = ZeroEngine(model, block_classes=["Linear"] if kind == "mixed" else ["Block"],
+                        prefetch=PrefetchConfig(persistence_threshold=10**9),
+                        mixed_precision=BF16 if precision == "bf16" else MixedPrecisionConfig(),
+                        zero_pp=ZeroPPConfig(frozen_bits=8 if kind == "lora" else None))
+    assert all(u.persistent for u in engine.units)
+    opt = engine.shard_optimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR))
+    _loss(model, kind, rank, world).backward()
+    step = _count_gathers(opt.step)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with engine.gathered():  # the shards' exact values, gathered unit by unit for reading
+        exact = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # What a unit of frozen INT8 codes alone takes (the codes' own gathers, not packed).
+    frozen_only = next((u for u in engine.units if u.trainable_groups == 0), None)
+    frozen_each = _count_gathers(lambda: engine.states.gather_exact([frozen_only])) if frozen_only else 0
+    return {"step": step, "groups": len(engine.groups), "frozen": sum(not g.trainable for g in engine.groups),
+            "frozen_each": frozen_each, "params": params, "exact": exact}
+
+
+def _reference(kind: str) -> dict[str, torch.Tensor]:
+    """The same step in one process, in float64, on the whole global batch."""
+    model = _build(kind)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    model.double()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    _loss(model, kind, 0, 1).backward()
+    opt.step()
+    return {n: p.detach().to(dtypes[n]) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind, precision", [("gpt", "fp32"), ("gpt", "bf16"), ("mixed", "fp32"), ("lora", "fp32")])
+def test_persistent_units_are_gathered_by_one_collective_per_dtype(kind: str, precision: str) -> None:
+    """After a step, every persistent unit (the GPT's 4 blocks, 2 embeddings and final norm; the
+    Mixed model's 6 layers) is re-gathered by ONE all-gather per compute dtype, where it took one
+    per flat group; frozen groups stored as INT8 codes (LoRA) keep their own gathers. Forward then
+    sees the stepped parameters: bit for bit the exact values (the unit-by-unit gather for
+    reading) in the compute dtype, and the float64 reference's."""
+    world = 2
+    results = run_distributed(_step_on_ranks, world, kind, precision)
+    reference = _reference(kind)
+    dtypes = 2 if kind == "mixed" else 1
+    for got in results:
+        assert got["groups"] - got["frozen"] >= 3 * dtypes  # so one collective per group would show
+        assert got["step"] == dtypes + got["frozen"] * got["frozen_each"]
+        assert kind != "lora" or got["frozen_each"] > 0
+        for name, value in reference.items():
+            param = got["params"][name]
+            assert param.dtype == (torch.bfloat16 if precision == "bf16" else value.dtype)
+            assert torch.equal(param, got["exact"][name].to(param.dtype)), name
+            if kind == "gpt" and precision == "fp32":
+                torch.testing.assert_close(param, value, rtol=1e-5, atol=1e-6, msg=name)
+            else:  # bf16 layers: gradients about 1% off float64's; INT8 frozen weights: up to 3%
+                bound = 0.05 if kind == "lora" else 0.02
+                assert (param.double() - value.double()).norm() <= bound * value.double().norm(), name
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
+
+
+def test_bf16_gradient_cast_launches_multi_tensor_kernels() -> None:
+    """The cast of a bf16 unit's gradients into the fp32 reduce-scatter input is one
+    ``_foreach_copy_`` (and one ``_foreach_zero_`` for the padding and parameters without a
+    gradient), not a copy per parameter (torch's profiler, counting aten calls); the step matches
+    the float64 reference."""
+    from torch.profiler import profile
+
+    model = _build("gpt")
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        mixed_precision=BF16)
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    with profile() as prof:
+        _loss(model, "gpt", 0, 1).backward()
+    names = [e.name for e in prof.events()]
+    reduced = sum(g.trainable for g in engine.groups)
+    assert names.count("aten::_foreach_copy_") == reduced
+    assert names.count("aten::_foreach_zero_") == reduced
+    opt.step()
+    reference = _reference("gpt")
+    with engine.gathered():
+        for name, p in model.named_parameters():
+            # bf16 forward and backward: gradients about 1% off float64's.
+            value = reference[name].double()
+            assert (p.detach().double() - value).norm() <= 0.02 * value.norm(), name
+
+
+def _coalesced_against_one_by_one(rank: int, world: int, sizes: list[int]) -> dict:
+    """Shards of several sizes (fp32, rank-dependent values) gathered into bf16 buffers by one
+    coalesced collective and, for comparison, one ``all_gather`` each."""
+    from datetime import timedelta
+
+    from lightning_zinf.comm import Collectives
+
+    comm = Collectives(timeout=timedelta(seconds=60))
+    shards = [torch.arange(n, dtype=torch.float32).mul_(0.37).add_(100 * rank + i) for i, n in enumerate(sizes)]
+    together = [torch.full((world * n,), -1.0, dtype=torch.bfloat16) for n in sizes]
+    comm.all_gather_coalesced(together, shards, async_op=True).wait()
+    bytes_together = (comm.bytes.gathered, comm.bytes.intra_node, comm.bytes.inter_node)
+    comm.bytes.reset()
+    alone = [torch.full((world * n,), -1.0, dtype=torch.bfloat16) for n in sizes]
+    for out, shard in zip(alone, shards):
+        comm.all_gather(out, shard.to(torch.bfloat16))
+    return {"together": together, "alone": alone, "bytes_together": bytes_together,
+            "bytes_alone": (comm.bytes.gathered, comm.bytes.intra_node, comm.bytes.inter_node)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_gather_against_the_definition(world: int) -> None:
+    """Every buffer holds every rank's shard in rank order, cast to its dtype, bit for bit what one
+    all-gather per buffer gives, and the byte counts are those of the separate gathers."""
+    sizes = [16, 48, 32 * 5]
+    for got in run_distributed(_coalesced_against_one_by_one, world, sizes):
+        for i, n in enumerate(sizes):
+            expected = torch.cat([torch.arange(n, dtype=torch.float32).mul_(0.37).add_(100 * r + i)
+                                  for r in range(world)])
+            assert torch.equal(got["together"][i], expected.to(torch.bfloat16)), i
+            assert torch.equal(got["alone"][i], got["together"][i])
+        assert got["bytes_together"] == got["bytes_alone"]
+        assert got["bytes_together"][0] == sum((world - 1) * n * 2 for n in sizes)
