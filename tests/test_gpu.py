@@ -256,3 +256,36 @@ def test_two_gpus_with_nccl_match_two_cpu_ranks(feature: str, tmp_path: Path) ->
     stream, not the host), the gloo control group beside it."""
     gpu = run_distributed(_nccl_two_gpus, 2, feature, str(tmp_path / "gpu"), backend="nccl")
     _assert_two_ranks_match_the_cpu(gpu, feature, tmp_path)
+
+
+def test_an_offloaded_gather_copies_while_earlier_compute_still_runs() -> None:
+    """Issue 30 item 5 on the hardware: with the compute stream busy for a while (matmuls queued
+    first), the gather of a cpu-tier shard into a released buffer is copied over before that
+    compute ends; its event completes while the compute stream's does not. Compute then waits for
+    it only at the handle, and the values arrive intact."""
+    from lightning_zinf.comm.collectives import Collectives
+    from lightning_zinf.engine.flat import FlatGroup
+    from lightning_zinf.engine.transfer import Transfers
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    transfers = Transfers(device)
+    values = torch.randn(1 << 20)
+    params = [torch.nn.Parameter(torch.empty(1 << 20, device=device))]
+    group = FlatGroup(["w"], params, values, Collectives(), device, shard_device=torch.device("cpu"),
+                      transfers=transfers)
+    a = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    busy = a
+    for _ in range(40):  # about 5 TFLOP: tens of milliseconds on an H100
+        busy = busy @ a
+        busy = busy / busy.norm()
+    compute_done = torch.cuda.Event()
+    compute_done.record()
+    handle = group.start_gather()
+    copy_done = handle.event
+    copy_done.synchronize()  # the host waits for the copy alone
+    assert not compute_done.query(), "the copy waited for the compute queued before it"
+    handle.wait()
+    group.finish_gather()
+    torch.cuda.synchronize()
+    assert torch.equal(params[0].detach().cpu(), values)
