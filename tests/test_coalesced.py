@@ -182,3 +182,80 @@ def test_coalesced_gather_against_the_definition(world: int) -> None:
             assert torch.equal(got["alone"][i], got["together"][i])
         assert got["bytes_together"] == got["bytes_alone"]
         assert got["bytes_together"][0] == sum((world - 1) * n * 2 for n in sizes)
+
+
+def test_an_error_while_issuing_the_regather_leaves_no_unit_with_old_values(monkeypatch) -> None:
+    """An error in the middle of issuing the coalesced re-gather after a step (an out-of-memory in
+    one group's buffer, here injected) reaches the caller, and no unit is left looking gathered
+    with the previous step's values: the forward afterwards equals plain PyTorch's after the same
+    SGD step."""
+    from lightning_zinf.engine.flat import FlatGroup
+
+    torch.manual_seed(0)
+    reference = models.GPT(layers=4)
+    model = models.GPT(layers=4)
+    model.load_state_dict(reference.state_dict())
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=10**9))
+    assert all(u.persistent for u in engine.units)
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for net in (model, reference):
+        _loss(net, "gpt", 0, 1).backward()
+    ref_opt.step()
+
+    real, calls = FlatGroup.open_gather, []
+
+    def failing(self, read: bool = False):
+        calls.append(self)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory (injected)")
+        return real(self, read)
+
+    monkeypatch.setattr(FlatGroup, "open_gather", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    monkeypatch.setattr(FlatGroup, "open_gather", real)
+    assert len(calls) == 3
+    with torch.no_grad():
+        got, want = _loss(model, "gpt", 0, 1), _loss(reference, "gpt", 0, 1)
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), (got, want)
+
+
+def _bounded_buckets(rank: int, world: int) -> dict:
+    from lightning_zinf.comm.collectives import Collectives
+    from lightning_zinf.engine import units as units_module
+
+    units_module.COALESCE_BYTES = 64 << 10  # this rank process's own copy of the module
+    real, live, most = Collectives.all_gather_coalesced, [], []
+
+    def observed(self, outs, sources, async_op=False):
+        handle = real(self, outs, sources, async_op=async_op)
+        live.append(handle)
+        most.append(sum(h.finish is not None for h in live))  # issued and not waited for
+        return handle
+
+    Collectives.all_gather_coalesced = observed
+    torch.manual_seed(0)
+    reference = models.GPT(layers=4)
+    model = models.GPT(layers=4)
+    model.load_state_dict(reference.state_dict())
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=10**9))
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    _loss(model, "gpt", rank, world).backward()
+    _loss(reference, "gpt", 0, 1).backward()  # the whole batch: the mean of the ranks' equal shares
+    ref_opt.step()
+    live.clear(), most.clear()
+    opt.step()
+    with torch.no_grad():
+        got, want = _loss(model, "gpt", 0, 1), _loss(reference, "gpt", 0, 1)
+    return {"most": most, "got": got.item(), "want": want.item()}
+
+
+def test_at_most_two_coalesced_gathers_are_in_flight() -> None:
+    """With buckets far smaller than the persistent units (so there are many), each bucket's
+    collective is issued only once the one two before it was waited for: at most two buckets'
+    packing buffers exist at once. The values after the step still equal plain PyTorch's."""
+    for result in run_distributed(_bounded_buckets, 2):
+        assert len(result["most"]) >= 4 and max(result["most"]) == 2, result
+        assert result["got"] == pytest.approx(result["want"], rel=1e-5), result

@@ -43,7 +43,8 @@ RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
 #: Groups whose gradient slices may wait in landing buffers for their host-side add at once.
 _MAX_LANDING = 2
 
-#: Most bytes of gather buffer per coalesced collective (:meth:`UnitStates.gather_exact`), and
+#: Most bytes of gather buffer per coalesced collective (:meth:`UnitStates.gather_exact`; at most two
+#: such collectives are in flight at once), and
 #: the largest group packed. Coalescing saves per-collective latency (a kernel launch and a
 #: rendezvous each on NCCL, a round trip on gloo), which dominates small gathers; a gather of tens
 #: of MiB is bandwidth-bound, and packing it would only add a copy of its bytes and a transient
@@ -211,39 +212,74 @@ class UnitStates:
         what decides it (tiers, storage format, sizes, dtypes) is the same on all ranks.
 
         Returns:
-            The bytes of the transient packing buffers, accounted under ``"gathered"`` until the
-            caller has waited for every unit and removes them.
+            The most bytes of transient packing buffers alive at once (two buckets'), accounted
+            under ``"gathered"`` until the caller has waited for every unit and removes them.
         """
         buckets: dict[torch.dtype, list[tuple[int, list[Unit], list[Tensor], list[Tensor]]]] = {}
-        for unit in units:
-            before = self._open(unit, exact=True, read=False)
-            unit.handles = []
-            for group in unit.groups:
-                source = group.exact_source()
-                nbytes = group.padded_numel * group.compute_dtype.itemsize
-                if source is None or nbytes > COALESCE_BYTES:
-                    with self._copies_done_on_error():
-                        unit.handles.append(group.start_gather(from_secondary=False))
-                    continue
-                open_buckets = buckets.setdefault(group.compute_dtype, [])
-                if not open_buckets or open_buckets[-1][0] + nbytes > COALESCE_BYTES:
-                    open_buckets.append((0, [], [], []))
-                filled, owners, outs, sources = open_buckets[-1]
-                open_buckets[-1] = (filled + nbytes, owners, outs, sources)
-                if unit not in owners:
-                    owners.append(unit)
-                outs.append(group.open_gather())
-                sources.append(source)
+        opened: list[tuple[Unit, int]] = []
+        try:
+            for unit in units:
+                opened.append((unit, self._open(unit, exact=True, read=False)))
+                unit.handles = []
+                for group in unit.groups:
+                    source = group.exact_source()
+                    nbytes = group.padded_numel * group.compute_dtype.itemsize
+                    if source is None or nbytes > COALESCE_BYTES:
+                        with self._copies_done_on_error():
+                            unit.handles.append(group.start_gather(from_secondary=False))
+                        continue
+                    open_buckets = buckets.setdefault(group.compute_dtype, [])
+                    if not open_buckets or open_buckets[-1][0] + nbytes > COALESCE_BYTES:
+                        open_buckets.append((0, [], [], []))
+                    filled, owners, outs, sources = open_buckets[-1]
+                    open_buckets[-1] = (filled + nbytes, owners, outs, sources)
+                    if unit not in owners:
+                        owners.append(unit)
+                    outs.append(group.open_gather())
+                    sources.append(source)
+            transient, issued, sizes = 0, [], []
+            for dtype, open_buckets in buckets.items():
+                for _, owners, outs, sources in open_buckets:
+                    if len(issued) >= 2:
+                        # At most two buckets' packing buffers at once (the wait orders the stream,
+                        # it does not block the host under NCCL): the buckets bound each collective,
+                        # this bounds their sum.
+                        issued[-2].wait()
+                    handle = self.comm.all_gather_coalesced(outs, sources, async_op=True)
+                    issued.append(handle)
+                    sizes.append(self.comm.coalesced_nbytes(sum(s.numel() for s in sources), dtype))
+                    transient = max(transient, sum(sizes[-2:]))
+                    for unit in owners:
+                        unit.handles.append(handle)  # waited for once: the other units' waits return at once
+        except BaseException:
+            self._abandon(opened, [unit for unit in units if all(unit is not o for o, _ in opened)])
+            raise
+        # In flight only once every gather of theirs is issued: a unit marked so without its bucket's
+        # handle would be taken, at its wait, for gathered with the previous step's values.
+        for unit, before in opened:
             self._opened(unit, before)
-        transient = 0
-        for dtype, open_buckets in buckets.items():
-            for _, owners, outs, sources in open_buckets:
-                handle = self.comm.all_gather_coalesced(outs, sources, async_op=True)
-                transient += self.comm.coalesced_nbytes(sum(s.numel() for s in sources), dtype)
-                for unit in owners:
-                    unit.handles.append(handle)  # waited for once: the other units' waits return at once
         self._account(transient)
         return transient
+
+    def _abandon(self, opened: list[tuple[Unit, int]], unopened: list[Unit]) -> None:
+        """After an error while issuing coalesced gathers: every unit asked for is released, since
+        its buffer may hold the previous step's values (or nothing), once the gathers already
+        issued into it are done; each is gathered again from the shards when next needed."""
+        for unit, before in opened:
+            for handle in unit.handles:
+                handle.wait()
+            for group in unit.groups:
+                group.release()
+            self._account(-before)
+            unit.handles, unit.state = [], RELEASED
+            self._live.pop(unit.index, None)
+        for unit in unopened:
+            if unit.state == GATHERED:
+                self._account(-unit.gathered_nbytes)
+                for group in unit.groups:
+                    group.release()
+                unit.state = RELEASED
+                self._live.pop(unit.index, None)
 
     def wait_gather(self, unit: Unit) -> None:
         """Wait for ``unit``'s gather if it is in flight (it is then gathered); hand its swapped-in
