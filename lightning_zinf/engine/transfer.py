@@ -232,7 +232,8 @@ class Transfers:
         memory would grow towards the whole model's. So, as FSDP's ``limit_all_gathers``, the
         host waits for compute when more than twice the largest such allocation is freed but not
         yet reached by the device, oldest first; a host at most about two allocations ahead never
-        waits."""
+        waits. Gathers and activation reloads share the budget, which follows the largest
+        allocation seen so far (one large reload, fp32 logits say, loosens it for the run)."""
         if self.streams is None:
             return
         self._largest = max(self._largest, nbytes)
