@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -35,8 +35,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dict, matching_prefix, \
-    provided_parameters
+from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dicts, matching_prefix, \
+    overlapping_prefixes, provided_parameters
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import (
     MixedPrecisionConfig,
@@ -64,7 +64,8 @@ class ZeroOptions:
     :class:`~lightning_zinf.ZeroInfinityStrategy`'s argument of the same name).
 
     Mappings are accepted for the config fields (``offload={"optimizer": "cpu"}``) and a single
-    class or name for the class lists.
+    class or name for the class lists. ``load_full_weights`` is a checkpoint path or a mapping
+    ``{prefix: checkpoint path}``, kept with each prefix ending in a dot.
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -77,7 +78,7 @@ class ZeroOptions:
     zero_pp: ZeroPPConfig = ZeroPPConfig()
     mixed_precision: Optional[MixedPrecisionConfig] = None
     activation_checkpointing: Sequence[Union[str, type]] = ()
-    load_full_weights: Optional[Union[str, os.PathLike]] = None
+    load_full_weights: Optional[Union[Mapping[str, Union[str, os.PathLike]], str, os.PathLike]] = None
     load_prefix: Optional[str] = None
     exclude_frozen_parameters: bool = False
     state_dict_type: str = "sharded"
@@ -104,8 +105,49 @@ class ZeroOptions:
             "activation_checkpointing": classes(self.activation_checkpointing),
             "preemption": coerce_config(PreemptionConfig, self.preemption),
         }
+        if isinstance(self.load_full_weights, Mapping):
+            coerced["load_full_weights"] = _weight_prefixes(self.load_full_weights, self.load_prefix)
         for name, value in coerced.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here
+
+
+def _weight_prefixes(sources: Mapping[Any, Any], load_prefix: Optional[str]) -> dict[str, Union[str, os.PathLike]]:
+    """``load_full_weights`` given as ``{prefix: source}``, checked and with each prefix ending in
+    a dot (``"actor"`` and ``"actor."`` both name the submodule ``actor``; ``""`` the whole module).
+
+    Raises:
+        ValueError: ``load_prefix`` is also given, the mapping is empty, a key is not a string or a
+            value not a path, or two prefixes overlap (one names a submodule of the other's, or
+            both the same one); the message names them.
+    """
+    if load_prefix is not None:
+        raise ValueError(
+            f"load_prefix={load_prefix!r} cannot be combined with load_full_weights given as a mapping: the "
+            "mapping's keys are the prefixes (load_full_weights={'actor.': sft_folder, 'reward.': rm_folder})."
+        )
+    if not sources:
+        raise ValueError("load_full_weights={}: give at least one {prefix: checkpoint} entry, or leave it unset.")
+    normalised: dict[str, Union[str, os.PathLike]] = {}
+    given: dict[str, str] = {}
+    for key, source in sources.items():
+        if not isinstance(key, str) or not isinstance(source, (str, os.PathLike)):
+            raise ValueError(
+                f"load_full_weights={{{key!r}: {source!r}}}: each key must be a module prefix (a string such as "
+                "'actor.') and each value a checkpoint path (a Hugging Face model folder, a .safetensors or .bin file)."
+            )
+        prefix = key if key == "" or key.endswith(".") else key + "."
+        if prefix in normalised:
+            raise ValueError(f"load_full_weights: the prefixes {given[prefix]!r} and {key!r} overlap: both name the "
+                             f"submodule {prefix[:-1]!r}. Give each its own submodule.")
+        normalised[prefix], given[prefix] = source, key
+    clash = overlapping_prefixes(list(normalised))
+    if clash is not None:
+        first, second = (given[p] for p in clash)
+        raise ValueError(
+            f"load_full_weights: the prefixes {first!r} and {second!r} overlap: the parameters under the longer one "
+            "would be loaded from two checkpoints. Give each pretrained model its own submodule, and one prefix for it."
+        )
+    return normalised
 
 
 def build_engine(
@@ -140,7 +182,9 @@ def build_engine(
 
     Raises:
         ValueError: fp16 loss scaling with NVMe optimizer offload.
-        CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model.
+        CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model, or (a
+            mapping) a prefix names no submodule of ``module``, or none of a checkpoint's keys names a
+            parameter or buffer under its prefix.
 
     Warns:
         UserWarning: ``options.activation_checkpointing`` is set but the model already checkpoints
@@ -152,11 +196,8 @@ def build_engine(
             "gradients are on disk between backward and the optimizer step, so the scaler cannot unscale them "
             "or check them for inf/NaN. Use precision='bf16-mixed' (no scaler), or optimizer='cpu'."
         )
-    weights, prefix, preloaded = options.load_full_weights, options.load_prefix, []
-    if weights is not None:
-        keys = checkpoint_keys(weights)  # headers only; the load reads the values
-        prefix = prefix if prefix is not None else matching_prefix(module, keys)
-        preloaded = provided_parameters(module, keys, prefix)
+    parts = _weight_parts(module, options)
+    preloaded = [name for part in parts for name in provided_parameters(module, part.keys, part.prefix)]
     engine = ZeroEngine(
         module,
         block_classes=options.block_classes,
@@ -171,8 +212,8 @@ def build_engine(
         timeout=timeout,
         preloaded=preloaded,
     )
-    if weights is not None:
-        _load_full_weights(engine, weights, prefix, preloaded)
+    if parts:
+        _load_full_weights(engine, parts, preloaded)
     return engine
 
 
@@ -240,20 +281,80 @@ def _activation_checkpointing(module: nn.Module, classes: Sequence[Union[str, ty
     return ()
 
 
-def _load_full_weights(engine: ZeroEngine, weights: Union[str, os.PathLike], prefix: str, preloaded: list[str]) -> None:
-    unexpected = load_full_state_dict(engine, weights, prefix=prefix, strict=False)
-    if unexpected:
+class _WeightPart(NamedTuple):
+    """One checkpoint of ``load_full_weights`` and where it loads."""
+
+    key: Optional[str]  # the mapping's key (ends in a dot, or ""); None for a single checkpoint
+    prefix: str  # where its model's parameters sit in the module (``key`` and the model's own prefix)
+    source: Union[str, os.PathLike]
+    keys: set[str]  # its tensor names
+
+
+def _weight_parts(module: nn.Module, options: ZeroOptions) -> list[_WeightPart]:
+    """The checkpoints ``options.load_full_weights`` names, each with the prefix it loads under
+    (read from headers only; the load reads the values). A single checkpoint loads under
+    ``load_prefix``, by default the prefix under which the most of its keys name a parameter; a
+    mapping's checkpoint loads under its key, or under the submodule of it where the most of its
+    keys name a parameter (``"actor."`` holding a PEFT model loads at ``"actor.base_model.model."``).
+
+    Raises:
+        CheckpointError: a checkpoint cannot be read; a mapping's key names no submodule of
+            ``module`` (the message lists its top-level submodules), or none of its checkpoint's
+            keys names a parameter or buffer under it.
+    """
+    weights = options.load_full_weights
+    if weights is None:
+        return []
+    if not isinstance(weights, Mapping):
+        keys = checkpoint_keys(weights)
+        prefix = options.load_prefix if options.load_prefix is not None else matching_prefix(module, keys)
+        return [_WeightPart(None, prefix, weights, keys)]
+    submodules = dict(module.named_modules(remove_duplicate=False))
+    parts = []
+    for key, source in weights.items():
+        name = key[:-1]  # keys end in a dot (ZeroOptions), but the whole module's, ""
+        if name not in submodules:
+            raise CheckpointError(
+                f"load_full_weights: the prefix {key!r} names no submodule of {type(module).__name__}; its top-level "
+                f"submodules are {[n for n, _ in module.named_children()]}."
+            )
+        keys = checkpoint_keys(source)
+        try:
+            inner = matching_prefix(submodules[name], keys)
+        except CheckpointError:
+            raise CheckpointError(
+                f"load_full_weights[{key!r}]={str(source)!r}: none of its keys ({sorted(keys)[:5]} ...) names a "
+                f"parameter or buffer of {key!r} ({type(submodules[name]).__name__}) or of a submodule of it. Check "
+                "that the prefix names the module this checkpoint was saved from."
+            ) from None
+        parts.append(_WeightPart(key, key + inner, source, keys))
+    return parts
+
+
+def _load_full_weights(engine: ZeroEngine, parts: list[_WeightPart], preloaded: list[str]) -> None:
+    """Load ``parts`` into ``engine``'s model in one pass (:func:`load_full_state_dicts`), refuse
+    entries that match no parameter, and log what was loaded and what keeps its initialisation."""
+    unexpected = load_full_state_dicts(engine, {part.prefix: part.source for part in parts}, strict=False)
+    for part in parts:
+        extra = unexpected[part.prefix]
+        if not extra:
+            continue
+        option = (f"load_full_weights={str(part.source)!r}" if part.key is None
+                  else f"load_full_weights[{part.key!r}]={str(part.source)!r}")
+        advice = ("pass load_prefix= where the model sits in the LightningModule (e.g. 'model.')" if part.key is None
+                  else "give the prefix of the module it was saved from")
+        under = f"load_prefix={part.prefix!r}" if part.key is None else f"the prefix {part.prefix!r}"
         raise CheckpointError(
-            f"load_full_weights={str(weights)!r}: {len(unexpected)} of its entries match no parameter or buffer "
-            f"of the model under load_prefix={prefix!r}: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}. "
-            "Check that it is this model's checkpoint, and pass load_prefix= where the model sits in the "
-            "LightningModule (e.g. 'model.')."
+            f"{option}: {len(extra)} of its entries match no parameter or buffer of the model under {under}: "
+            f"{extra[:10]}{' ...' if len(extra) > 10 else ''}. Check that it is this model's checkpoint, and {advice}."
         )
     loaded = set(preloaded)
     fresh = [n for n, _ in engine.module.named_parameters() if n not in loaded]
+    for part in parts:
+        count = sum(1 for n in preloaded if n.startswith(part.prefix))
+        rank_zero_info(f"zero_infinity: loaded {count} parameters from {part.source} (prefix {part.prefix!r})")
     rank_zero_info(
-        f"zero_infinity: loaded {len(loaded)} parameters from {weights} (prefix {prefix!r}); "
-        f"{len(fresh)} are not in it and keep their initialisation"
+        f"zero_infinity: {len(fresh)} parameters are in no checkpoint and keep their initialisation"
         + (f": {fresh[:10]}{' ...' if len(fresh) > 10 else ''}" if fresh else "")
     )
 

@@ -12,7 +12,7 @@ import os
 import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Generator, Mapping, Optional, Sequence
 
 import torch
 import lightning.pytorch as pl
@@ -131,9 +131,18 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             Each rank reads only its shards' bytes; parameters built in ``configure_model`` that it
             holds are not initialised first. Parameters it does not hold (PEFT adapters) keep their
             initialisation, and the log says which; entries that match no parameter are an error.
+            For a LightningModule holding several pretrained models, a mapping ``{prefix: checkpoint}``
+            (``{"actor.": sft_folder, "reward.": "rm.safetensors"}``; in YAML a mapping of strings):
+            each prefix names a submodule (the trailing dot optional), and its checkpoint loads under
+            it, or under the submodule of it where the most of its keys name a parameter (``"actor."``
+            holding a PEFT model loads at ``"actor.base_model.model."``). All load in one pass, each
+            rank reading only its shards' bytes; parameters under no prefix keep their values or
+            initialisation. Raises ``ValueError`` at construction for overlapping prefixes (one a
+            submodule of the other's, naming both) or with ``load_prefix``, and ``CheckpointError``
+            at setup for a prefix naming no submodule (listing the top-level ones).
         load_prefix: Where the checkpoint's model sits in the LightningModule (``"model."``); by
             default the prefix under which the most checkpoint keys name a parameter (a PEFT-wrapped
-            layer's ``base_layer`` counts as the layer).
+            layer's ``base_layer`` counts as the layer). Only with a single checkpoint.
         exclude_frozen_parameters: Leave frozen parameters out of the checkpoints (DeepSpeed's option
             of this name): a LoRA run saves its adapters and their optimizer state only. Resuming is
             exact when the model is built with the same frozen values (``load_full_weights``).
@@ -180,7 +189,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: timedelta = default_pg_timeout,
-        load_full_weights: Optional[str | os.PathLike] = None,
+        # The mapping first: for a YAML mapping, jsonargparse would take its text as the str member.
+        load_full_weights: Optional[Mapping[str, str | os.PathLike] | str | os.PathLike] = None,
         load_prefix: Optional[str] = None,
         exclude_frozen_parameters: bool = False,
         state_dict_type: str = "sharded",

@@ -46,13 +46,15 @@ from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, FORMAT, META_F
                                              check_version, is_sharded_checkpoint, model_folders, read_meta, shard_file)
 from lightning_zinf.checkpoint.load import load_sharded, placed_scalar_state
 from lightning_zinf.checkpoint.save import optimizer_owners, save_sharded, save_sharded_models, shard_layout_state
-from lightning_zinf.checkpoint.sources import checkpoint_keys, load_full_state_dict, matching_prefix, provided_parameters
+from lightning_zinf.checkpoint.sources import (checkpoint_keys, load_full_state_dict, load_full_state_dicts, matching_prefix,
+                                              overlapping_prefixes, provided_parameters)
 from lightning_zinf.checkpoint.durable import CheckpointWriteError, remove_checkpoint
 from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
                                             load_full_optimizer_state_dict, save_full_checkpoint)
 
 __all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state",
            "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "model_folders", "load_sharded", "load_full_state_dict",
+           "load_full_state_dicts", "overlapping_prefixes",
            "checkpoint_keys", "matching_prefix", "provided_parameters", "is_sharded_checkpoint", "read_meta",
            "check_version", "shard_file", "ShardReader", "SAFETENSORS_DTYPES", "CheckpointError",
            "CheckpointWriteError", "CHECKPOINT_GLOBALS", "META_FILE", "FORMAT", "VERSION", "remove_checkpoint",

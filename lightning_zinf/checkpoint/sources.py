@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +16,8 @@ from lightning_zinf.checkpoint.format import CheckpointError, _RangeFile
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.tiling import tile_views
 
-__all__ = ["load_full_state_dict", "checkpoint_keys", "matching_prefix", "provided_parameters"]
+__all__ = ["load_full_state_dict", "load_full_state_dicts", "overlapping_prefixes", "checkpoint_keys", "matching_prefix",
+           "provided_parameters"]
 
 
 class _TorchFile:
@@ -183,7 +184,71 @@ def load_full_state_dict(
             or unexpected by name (checked before anything is loaded, so a model whose modules
             rename keys themselves loads with ``strict=False``); the message names them.
     """
-    src = _Source(source)
+    return load_full_state_dicts(engine, {prefix: source}, strict=strict)[prefix]
+
+
+def overlapping_prefixes(prefixes: Sequence[str]) -> Optional[tuple[str, str]]:
+    """Two of ``prefixes`` of which one starts with the other (the same parameter names could fall
+    under both), or ``None`` when each parameter name falls under at most one of them."""
+    for i, first in enumerate(prefixes):
+        for second in prefixes[i + 1:]:
+            if first.startswith(second) or second.startswith(first):
+                return first, second
+    return None
+
+
+def load_full_state_dicts(
+    engine: ZeroEngine,
+    sources: Mapping[str, os.PathLike | str | dict[str, Tensor]],
+    *,
+    strict: bool = True,
+) -> dict[str, list[str]]:
+    """:func:`load_full_state_dict` of several sources, each into its own part of the model, in one
+    ``load_state_dict`` pass (each unit gathered and written back once, whatever the number of
+    sources): a LightningModule holding several pretrained models (an RLHF actor and reward model)
+    starts each from its own checkpoint. Each rank reads only the bytes its shards need, as for one
+    source.
+
+    Collective: call it on every rank, with the same ``sources``.
+
+    Args:
+        engine: The engine partitioning the model.
+        sources: ``{prefix: source}``: parameter ``prefix + key`` of the partitioned model takes
+            that source's entry ``key`` (each source as :func:`load_full_state_dict` takes it).
+            Parameters under no prefix are left as they are.
+        strict: As for :func:`load_full_state_dict`, checked for every source before anything is loaded.
+
+    Returns:
+        For each prefix, the keys of its source that no module took (empty when ``strict``).
+
+    Raises:
+        ValueError: two prefixes overlap (one starts with the other); the message names both.
+        CheckpointError: as :func:`load_full_state_dict` raises it, for any source.
+    """
+    clash = overlapping_prefixes(list(sources))
+    if clash is not None:
+        raise ValueError(f"The prefixes {clash[0]!r} and {clash[1]!r} overlap: parameters under both would be "
+                         "loaded from two sources. Give each pretrained model its own submodule.")
+    opened = {prefix: _Source(source) for prefix, source in sources.items()}
+    mapping: dict[str, Tensor] = {}
+    for prefix, src in opened.items():
+        mapping.update(_entries(engine, src, prefix, strict))
+    unexpected = engine.module.load_state_dict(mapping, strict=False).unexpected_keys
+    found: dict[str, list[str]] = {}
+    for prefix, src in opened.items():
+        available = src.keys()
+        found[prefix] = sorted(k[len(prefix):] for k in unexpected
+                               if k.startswith(prefix) and k[len(prefix):] in available)
+    return found
+
+
+def _entries(engine: ZeroEngine, src: _Source, prefix: str, strict: bool) -> dict[str, Tensor]:
+    """The ``load_state_dict`` entries (qualified names in ``engine.module``) that load ``src``
+    under ``prefix``: memory-mapped tensors, read when their unit loads.
+
+    Raises:
+        CheckpointError: a shape differs, or (``strict``) keys are missing or unexpected by name.
+    """
     available = src.keys()
     module = engine.module
     aliases: dict[int, list[str]] = {}  # parameter id -> its names in the model (tied: several)
@@ -239,5 +304,4 @@ def load_full_state_dict(
     # Entries that match no name go in too, under the prefix: a module may rename them to its own
     # in its _load_from_state_dict (LitGPT's LoRA layers); what nobody takes is torch's to report.
     mapping.update({prefix + key: src.tensor(key) for key in unmatched})
-    result = module.load_state_dict(mapping, strict=False)
-    return sorted(k[len(prefix):] for k in result.unexpected_keys if k.startswith(prefix) and k[len(prefix):] in available)
+    return mapping
