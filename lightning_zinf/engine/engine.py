@@ -334,7 +334,7 @@ class ZeroEngine:
     # --- optimizer -------------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
-        run :meth:`after_step` after each of its steps (a step post-hook).
+        run :meth:`after_step` for the flat groups it steps after each of its steps (a step post-hook).
 
         See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
         ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
@@ -370,7 +370,11 @@ class ZeroEngine:
             self.offload.wrap_zero_grad(optimizer)
         self.optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
-        optimizer.register_step_post_hook(lambda *_: self.after_step())
+        # The groups it steps: those holding a master fragment it was given (fixed from here on, as
+        # the layout above is).
+        held = {id(f) for param_group in optimizer.param_groups for f in param_group["params"]}
+        stepped = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
+        optimizer.register_step_post_hook(lambda *_: self.after_step(stepped))
         return optimizer
 
     def _swap_file_bytes(self) -> int:
@@ -456,7 +460,8 @@ class ZeroEngine:
         """The parameter shards, fp32 masters, gradient shards and optimizer states of ``groups``
         (default: all) in memory for the block (with NVMe offload they are in swap files
         otherwise); ``write_back``: they were modified (a load, an edit), so write them out
-        afterwards. For checkpoints and edits: one group at a time keeps memory to one group's state."""
+        afterwards, and drop their hpZ secondary partitions (which hold the old values). For
+        checkpoints and edits: one group at a time keeps memory to one group's state."""
         self._settle()
         self.transfers.host_wait_h2d()  # the host may write host-tier shards a gather still reads
         groups = self.groups if groups is None else groups
@@ -472,9 +477,10 @@ class ZeroEngine:
                 if write_back and self.param_offload is not None:  # while the shards are in memory
                     self.param_offload.refresh_copies(groups)  # (a failed load keeps the files as they were)
             finally:
-                if write_back:  # host copies follow the host shards, loaded in full or not
+                if write_back:  # host copies and hpZ secondaries follow the shards, loaded in full or not
                     for group in groups:
                         group.shard_changed()
+                        group.drop_secondary()
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
@@ -495,13 +501,26 @@ class ZeroEngine:
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
     @phased("zinf.after_step")
-    def after_step(self) -> None:
-        """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs): cast
-        masters into compute shards, mark gradients consumed, re-gather persistent units."""
+    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
+        """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs, with the
+        flat groups that optimizer steps: those holding a master fragment it was given): for
+        ``groups``, cast the masters into the compute shards, mark the gradients consumed and drop
+        the stale hpZ secondary partitions; then re-gather the persistent units that hold one of them.
+
+        Other groups are left alone, so that several models or optimizers in one engine do not
+        disturb each other: another optimizer's gradients keep accumulating across this step, as
+        in plain torch, and frozen groups keep their secondary partitions (a step cannot change
+        them; loads and edits drop them, :meth:`state_resident`). A group holding parameters of
+        two optimizers is consumed by the step of either.
+
+        Args:
+            groups: The groups the optimizer that stepped holds, or ``None`` (after a load): every group.
+        """
         self._settle(boundary=True)
         if self._shard_device != self.device:
             self.transfers.host_wait_h2d()  # host-tier shards are rewritten below
-        for group in self.groups:
+        stepped = self.groups if groups is None else groups
+        for group in stepped:
             # An offloaded optimizer rewrote the shards of what it stepped already (OptimizerOffload.step).
             rewrites = self.param_offload is not None and group.master is not None and not group.host_state
             if rewrites:
@@ -512,7 +531,8 @@ class ZeroEngine:
         # Updated shards copied from host-side masters (in order, on the copy stream) are read by
         # compute from here on: order it after them, without waiting on the host.
         self.transfers.wait_on_device(self.transfers.record())
-        self.states.gather_exact([u for u in self.units if u.persistent])
+        changed = {id(g) for g in stepped}
+        self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
 
     @contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:

@@ -350,7 +350,6 @@ class FlatGroup:
             yield
             if write_back:
                 self._set_codes(*quantize(self.shard, bits, block))
-                self.drop_secondary()
         finally:
             self.shard = self.shard.new_empty(0)
 
@@ -386,9 +385,9 @@ class FlatGroup:
         """Copy this rank's slice of the gathered buffer into the shard (and the fp32 master).
 
         Used after user code edited gathered parameters (gathered for reading); every rank must have
-        made the same edit. The hpZ secondary partition is dropped (it may hold the old values).
+        made the same edit. Call inside ``ZeroEngine.state_resident(write_back=True)``, which then
+        drops the hpZ secondary partition (it may hold the old values).
         """
-        self.drop_secondary()
         new = self.active[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         if self.master is not None and self.master is not self.shard:
             # Only edited elements: copying the whole shard would round unedited fp32 masters. A
