@@ -289,3 +289,57 @@ def test_mixed_precision_gradients_are_not_copied_into_a_unit_wide_buffer() -> N
     assert seen == [2 * numel], (seen, numel)
     seen, numel, unit = run_distributed(_grad_storages, 2, MixedPrecisionConfig())[0]
     assert len(seen) == 1 and seen[0] >= 4 * unit, (seen, unit)
+
+
+class _ActorAndReward(torch.nn.Module):
+    """Two models in one module, as in RLHF (issue 31): an actor with rank-4 adapters on a frozen
+    base, and a frozen reward model; each of its own depth."""
+
+    def __init__(self, actor_depth: int, reward_depth: int) -> None:
+        super().__init__()
+        self.actor = models.GPT(vocab=64, d=D, layers=actor_depth, heads=2, seq=16, lora_rank=4)
+        self.reward = models.GPT(vocab=64, d=D, layers=reward_depth, heads=2, seq=16)
+        self.reward.requires_grad_(False)
+
+
+def _two_models(rank: int, world: int, frozen_bits) -> dict:
+    out = {}
+    for depths in ((4, 4), (12, 4), (4, 12)):
+        torch.manual_seed(0)
+        module = _ActorAndReward(*depths)
+        unit_numel = sum(p.numel() for p in module.actor.blocks[0].parameters())
+        engine = ZeroEngine(module, block_classes=["Block"], prefetch=PrefetchConfig(bucket_size=unit_numel, persistence_threshold=0),
+                            zero_pp=ZeroPPConfig(frozen_bits=frozen_bits))
+        opt = engine.shard_optimizer(torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3))
+        for step in range(2):
+            x, y = models.make_batch("gpt", step, 2 * world)
+            x, y = x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]
+            engine.reset_memory_peaks()
+            with torch.no_grad():
+                score = module.reward(x).mean()  # the reward phase: forward only
+            loss = models.loss_fn(module.actor, x, y) - 0.0 * score
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        memory = engine.memory()
+        unit = max(sum(g.full.numel() * g.full.element_size() for g in u.groups) for u in engine.units)
+        out[depths] = {"gathered": memory["gathered"][1], "grad_buffers": memory["grad_buffers"][1],
+                       "reduce_pending": memory["reduce_pending"][1], "unit": unit, "loss": loss.item()}
+        engine.release_all()
+    return out
+
+
+@pytest.mark.parametrize("frozen_bits", [None, 8])
+def test_each_of_two_models_keeps_the_bound_as_it_deepens(frozen_bits) -> None:
+    """One engine over an actor (adapters on a frozen base) and a frozen reward model, stepped as an
+    RLHF step runs them (the reward's forward without gradients, the actor's forward, backward and
+    step): deepening either model by 8 blocks adds at most one unit to the peak of gathered bytes
+    and nothing to the gradient buffers, with the frozen weights as they are or stored as INT8."""
+    results = run_distributed(_two_models, 2, frozen_bits)[0]
+    base = results[(4, 4)]
+    for depths in ((12, 4), (4, 12)):
+        deep = results[depths]
+        assert deep["loss"] == deep["loss"]
+        for key in ("gathered", "grad_buffers", "reduce_pending"):
+            assert deep[key] - base[key] <= deep["unit"], (depths, key, base, deep)
+        assert 0 < deep["gathered"] <= 4 * deep["unit"], (depths, deep)
