@@ -268,6 +268,11 @@ class UnitStates:
         for unit, before in opened:
             for handle in unit.handles:
                 handle.wait()
+            if self.param_offload is not None:  # the swapped-in shards go back, once their copies are done
+                self.transfers.host_wait_h2d()
+                for group in unit.acquired:
+                    self.param_offload.drop(group, unit.acquired_read)
+                unit.acquired = []
             for group in unit.groups:
                 group.release()
             self._account(-before)
