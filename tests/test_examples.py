@@ -51,13 +51,15 @@ def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: P
     copy = {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "args": {"stream": 9}}
     kernel = {"ph": "X", "cat": "kernel", "name": "gemm"}
     # Copies on stream 9 at [0, 10) and [20, 30); compute on stream 7 at [5, 25): 10 µs overlap.
-    # The kernel on stream 9 (a copy stream's own cast) is not compute.
+    # The kernel on stream 9 (a copy stream's own cast) is not compute; the default stream's tiny
+    # pageable copy (a scalar moved to the device, as on the H100) leaves it a compute stream.
     events = [{**copy, "ts": 0, "dur": 10}, {**copy, "ts": 20, "dur": 10},
-              {**kernel, "ts": 5, "dur": 20, "args": {"stream": 7}}, {**kernel, "ts": 0, "dur": 30, "args": {"stream": 9}}]
+              {**copy, "ts": 40, "dur": 1, "args": {"stream": 7}},
+              {**kernel, "ts": 5, "dur": 20, "args": {"stream": 7}}, {**kernel, "ts": 0, "dur": 3, "args": {"stream": 9}}]
     got = gpu_check.copy_overlap(events)
-    assert (got["copy_us"], got["copy_us_overlapping_compute"], got["overlap_fraction"]) == (20.0, 10.0, 0.5)
-    assert got["compute_streams"] == ["7", "9"] and got["copy_streams"] == ["9"]
-    assert (got["HtoD_us"], got["HtoD_overlap_fraction"], got["DtoH_us"]) == (20.0, 0.5, 0.0)
+    assert (got["copy_us"], got["copy_us_overlapping_compute"]) == (21.0, 10.0)
+    assert got["compute_streams"] == ["7"] and got["copy_streams"] == ["9"]
+    assert (got["HtoD_us"], got["HtoD_overlap_fraction"], got["DtoH_us"]) == (21.0, 10.0 / 21.0, 0.0)
 
 
 def test_gpu_check_keeps_to_its_budget_and_writes_after_every_step(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ def _train(rank: int, world: int, device: str, feature: str, nvme_path: str) -> 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device).index or 0)
         torch.cuda.reset_peak_memory_stats()
+    Path(nvme_path).mkdir(parents=True, exist_ok=True)  # nvme_path must exist (the swapper's rule)
     torch.manual_seed(0)
     model = models.GPT(lora_rank=4 if feature == "lora_frozen_int8" else 0)
     engine = ZeroEngine(model, block_classes=["Block"], device=device, prefetch=PrefetchConfig(persistence_threshold=0),

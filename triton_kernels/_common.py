@@ -30,7 +30,9 @@ _KIND = {torch.float32: FP32, torch.float16: FP16, torch.bfloat16: BF16_BITS}
 
 _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 _FP32_MIN_NORMAL = tl.constexpr(1.1754943508222875e-38)
-_NAN = tl.constexpr(float("nan"))
+# A NaN as its fp32 bit pattern: Triton re-checks a kernel's globals at each launch by equality,
+# which a NaN constant never passes ("Global variable has changed"); an int compares equal.
+_NAN_BITS = tl.constexpr(0x7FC00000)
 # Adding then subtracting 1.5 * 2**23 leaves x rounded to an integer, ties to even, for
 # |x| < 2**22: the sum's unit in the last place is 1. Exact in IEEE fp32 on every backend, and
 # available in the interpreter (libdevice's rint is not).
@@ -142,7 +144,8 @@ def quantize_tile(x, QMAX: tl.constexpr):
     qmax = tl.zeros_like(absmax) + QMAX
     inv = tl.where(live & (bad == 0), tl.math.div_rn(qmax, tl.where(live, absmax, qmax)), 0.0)
     scale = tl.where(live, tl.math.div_rn(absmax, qmax), 0.0)
-    scale = tl.where(bad, _NAN, scale)
+    nan = (tl.zeros_like(scale).to(tl.int32, bitcast=True) + _NAN_BITS).to(tl.float32, bitcast=True)
+    scale = tl.where(bad, nan, scale)
     r = (xf * inv[:, None] + _ROUNDER) - _ROUNDER
     r = tl.minimum(tl.maximum(r, -QMAX), QMAX)
     return r.to(tl.int32), scale
