@@ -8,6 +8,7 @@ live in ``_KernelChecks`` and run twice: ``TestKernelsInterpreter`` (CPU, bit-ex
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -574,3 +575,19 @@ def test_a_launch_with_tensors_on_two_devices_is_refused() -> None:
                              in_row_len=64, out_row_len=64, nodes=1, ranks_per_node=1, bits=8, block=64)
     with pytest.raises(ValueError, match=r"tensors on different devices \(\['cpu', 'meta'\]\)"):
         launch.run()
+
+
+def test_every_global_a_kernel_reads_equals_itself() -> None:
+    """Triton (3.6 on the H100 image) re-checks each global a JIT kernel reads at every launch,
+    by equality, and refuses the launch when it "has changed": a NaN constant never equals itself,
+    so every launch after the first failed. The interpreter (CI) does not check; this does."""
+    import math
+    import pkgutil
+
+    import triton.language as tl
+
+    for info in pkgutil.iter_modules(tk.__path__):
+        module = importlib.import_module(f"triton_kernels.{info.name}")
+        for name, value in vars(module).items():
+            if isinstance(value, tl.constexpr) and isinstance(value.value, float):
+                assert not math.isnan(value.value), f"triton_kernels.{info.name}.{name} is NaN"
