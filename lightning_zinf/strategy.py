@@ -38,7 +38,8 @@ from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, Preempti
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
-                                            load_full_optimizer_state_dict, save_full_checkpoint)
+                                            load_full_optimizer_state_dict, load_trainable_state_dict,
+                                            save_full_checkpoint, trainable_state_dict)
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
@@ -487,8 +488,12 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """With ``state_dict_type="full"``: the LightningModule's whole state dict on rank 0, on the
         CPU, gathered one unit at a time (the other ranks' holds its buffers; collective). With
-        ``"sharded"``: its buffers (replicated on every rank); the parameters go to the shard files."""
+        ``"sharded"``: its buffers (replicated on every rank); the parameters go to the shard files.
+        ``"full"`` with ``exclude_frozen_parameters=True``: the buffers and the trainable parameters
+        only, and no frozen unit is gathered (:func:`~lightning_zinf.checkpoint.full.trainable_state_dict`)."""
         assert self.lightning_module is not None
+        if self.options.state_dict_type == "full" and self.options.exclude_frozen_parameters:
+            return {**module_buffers(self.lightning_module), **trainable_state_dict(self.engine, rank0_only=True)}
         if self.options.state_dict_type == "full":
             with state_dict_options(self.lightning_module, rank0_only=True):
                 return self.lightning_module.state_dict()
@@ -569,10 +574,33 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """A file's ``state_dict`` loads through the LightningModule's ``load_state_dict`` (each
         rank keeps its shards' part, one unit at a time); after a sharded load, which filled the
-        shards, the buffers."""
+        shards, the buffers. A file saved with ``exclude_frozen_parameters=True`` (no frozen
+        parameter in it) loads the trainable parameters into their shards alone
+        (:func:`~lightning_zinf.checkpoint.full.load_trainable_state_dict`): the frozen ones keep
+        the values the model was built with.
+
+        Raises:
+            CheckpointError: such a file lacks a trainable parameter, or holds a key that names
+                neither a parameter nor a buffer of the module.
+        """
         assert self.lightning_module is not None
+        state = checkpoint.get("state_dict", {})
+        frozen = {n for n, p in self.lightning_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         if "zinf" in checkpoint:
-            self.lightning_module.load_state_dict(checkpoint.get("state_dict", {}), strict=False)
+            self.lightning_module.load_state_dict(state, strict=False)
+        elif self.options.exclude_frozen_parameters and frozen and not frozen & set(state):
+            load_trainable_state_dict(self.engine, state)
+            params = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
+            # The buffers are replicated: copied in place, since load_state_dict would gather every unit.
+            buffers = dict(self.lightning_module.named_buffers(remove_duplicate=False))
+            with torch.no_grad():
+                for name, value in state.items():
+                    if name in buffers:
+                        buffers[name].copy_(value)
+            unexpected = [k for k in state if k not in params and k not in buffers]
+            if unexpected and strict:
+                raise CheckpointError(f"The checkpoint's state_dict has keys the module does not: {unexpected[:5]}. "
+                                      "It was saved from another model: build the model as the run that saved it.")
         else:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 

@@ -15,7 +15,7 @@ import errno
 import os
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -26,9 +26,12 @@ from lightning_zinf.checkpoint.format import CHECKPOINT_GLOBALS, META_FILE, Chec
 from lightning_zinf.checkpoint.load import placed_scalar_state
 from lightning_zinf.checkpoint.save import optimizer_owners, shard_layout_state
 from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.offload.errors import free_bytes
+from lightning_zinf.tiling import tile_views
 
-__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint"]
+__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint",
+           "trainable_state_dict", "load_trainable_state_dict"]
 
 
 def _position(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> int:
@@ -173,6 +176,103 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Op
                 optimizer.state[fragment] = mine
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({key: v for key, v in saved.items() if key != "params"})
+
+
+def _trainable_groups(engine: ZeroEngine) -> Iterator[tuple[FlatGroup, list[list[str]]]]:
+    """The trainable flat groups, each with every name of each of its parameters (a tied one has
+    several).
+
+    Raises:
+        CheckpointError: a trainable parameter is a tile of a ``TiledLinear`` (its plain state dict
+            names the untiled weight, which these functions do not assemble)."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    views = tile_views(engine.module)
+    for group in engine.groups:
+        if not group.trainable:
+            continue
+        tiled = [n for p, n in zip(group.params, group.names) if id(p) in views]
+        if tiled:
+            raise CheckpointError(
+                f"'{tiled[0]}' is a trainable TiledLinear tile: a full checkpoint of the trainable parameters alone "
+                "(exclude_frozen_parameters=True) does not assemble tiles. Use state_dict_type='sharded', or "
+                "exclude_frozen_parameters=False."
+            )
+        yield group, [aliases.get(id(p), [n]) for p, n in zip(group.params, group.names)]
+
+
+def trainable_state_dict(engine: ZeroEngine, *, rank0_only: bool = True) -> dict[str, Tensor]:
+    """The full values of the trainable parameters of ``engine``'s model, keyed as its
+    ``state_dict()`` keys them (collective). Frozen parameters are neither gathered nor returned:
+    what a full checkpoint under ``exclude_frozen_parameters=True`` holds (DeepSpeed's option of
+    that name), at the cost of all-gathering the trainable flat groups, one group at a time
+    (FSDP's full state dict gathers one FlatParameter at a time: Zhao et al., VLDB'23, §3.4).
+
+    Args:
+        engine: The engine partitioning the model.
+        rank0_only: Only rank 0 keeps the values (the others return ``{}``).
+
+    Returns:
+        Name -> tensor at the parameter's full shape and own dtype (the shards' exact values, as
+        :meth:`~lightning_zinf.ZeroEngine.hold_exact` gathers them), on the CPU; a tied parameter
+        under each of its names.
+
+    Raises:
+        CheckpointError: a trainable parameter is a ``TiledLinear`` tile (see :func:`_trainable_groups`).
+    """
+    comm = engine.comm
+    keep = not rank0_only or comm.rank == 0
+    state: dict[str, Tensor] = {}
+    engine.begin_unit_access()
+    for group, names in _trainable_groups(engine):
+        with engine.state_resident(write_back=False, groups=[group]):
+            piece = group.shard.to(engine.device)
+            gathered = piece.new_empty(piece.numel() * comm.world_size)
+            comm.all_gather(gathered, piece)
+            del piece
+        if keep:
+            for aliases, offset, numel, shape in zip(names, group.offsets, group.numels, group.shapes):
+                value = gathered[offset : offset + numel].view(shape).to("cpu", copy=True)
+                state.update(dict.fromkeys(aliases, value))
+        del gathered
+    return state
+
+
+def load_trainable_state_dict(engine: ZeroEngine, state_dict: dict[str, Any]) -> None:
+    """Load the values :func:`trainable_state_dict` saved into the trainable parameters' shards
+    (and fp32 masters): each rank copies its shards' slices, no group is gathered, and the frozen
+    groups (the values the model was built or loaded with, or their INT8 codes) are not touched.
+    Every rank must pass the same dict. Not collective.
+
+    Raises:
+        CheckpointError: a trainable parameter is missing from ``state_dict`` or has another
+            shape there (a checkpoint of another model), or is a ``TiledLinear`` tile.
+    """
+    for group, names in _trainable_groups(engine):
+        values = []
+        for aliases, shape in zip(names, group.shapes):
+            value = next((state_dict[a] for a in aliases if a in state_dict), None)
+            if value is None or tuple(value.shape) != tuple(shape):
+                found = "missing" if value is None else f"of shape {tuple(value.shape)}"
+                raise CheckpointError(
+                    f"The checkpoint's state_dict has '{aliases[0]}' {found}; the model's trainable parameter has shape "
+                    f"{tuple(shape)}. It was saved from another model: build the model as the run that saved it."
+                )
+            values.append(value)
+        with engine.state_resident(write_back=True, groups=[group]):
+            lo = group.shard_start
+            for value, offset, numel in zip(values, group.offsets, group.numels):
+                # This parameter's elements [a, b) of the flat group that fall in this rank's shard.
+                a, b = max(offset, lo), min(offset + numel, lo + group.shard_numel)
+                if a >= b:
+                    continue
+                part = value.reshape(-1)[a - offset : b - offset]
+                group.shard[a - lo : b - lo].copy_(part)
+                if group.master is not None and group.master is not group.shard:
+                    group.master[a - lo : b - lo].copy_(part)
+    # Re-gather the persistent units holding a loaded group; frozen groups keep their hpZ secondaries.
+    engine.after_step([group for group, _ in _trainable_groups(engine)])
 
 
 def _tensor_bytes(value: Any) -> int:
