@@ -40,7 +40,8 @@ from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
-                                            load_full_optimizer_state_dict, save_full_checkpoint)
+                                            load_full_optimizer_state_dict, load_trainable_checkpoint,
+                                            save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
                                     init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
                                     preemption_exit_status, refuse_checkpoint_io, register_presets,
@@ -443,7 +444,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         (:func:`~lightning_zinf.checkpoint.save_sharded_models`).
         ``state_dict_type="full"``: one file from rank 0, what ``fabric.save`` writes under DDP: each
         model's full state dict and each optimizer's plain state dict under their keys, gathered one
-        unit at a time; ``filter`` (per key of ``state``, a ``(name, value) -> keep`` function)
+        unit at a time (with ``exclude_frozen_parameters=True``, a model's trainable parameters and
+        buffers only, and no frozen unit gathered); ``filter`` (per key of ``state``, a ``(name, value) -> keep`` function)
         keeps part of them (e.g. LoRA adapters only).
 
         Raises:
@@ -464,7 +466,10 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         if self.options.state_dict_type == "full":
             full: dict[str, Any] = {}
             for key, value in state.items():
-                if key in module_keys:
+                if key in module_keys and self.options.exclude_frozen_parameters:
+                    # Only the trainable flat groups are gathered: the frozen base never is.
+                    value = {**module_buffers(value), **trainable_state_dict(self.engine_of(value), rank0_only=True)}
+                elif key in module_keys:
                     with state_dict_options(value, rank0_only=True):
                         value = value.state_dict()
                 elif key in optimizer_keys:
@@ -612,7 +617,11 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             if key not in checkpoint:
                 continue
             if key in module_keys:
-                state[key].load_state_dict(checkpoint.pop(key), strict=strict)
+                saved = checkpoint.pop(key)
+                if self.options.exclude_frozen_parameters and trainable_only(self.engine_of(state[key]).module, saved):
+                    load_trainable_checkpoint(self.engine_of(state[key]), saved, strict)
+                else:
+                    state[key].load_state_dict(saved, strict=strict)
             elif key in optimizer_keys:
                 load_full_optimizer_state_dict(self.engine_of(state[key]), state[key], checkpoint.pop(key))
             elif isinstance(state[key], _Stateful):

@@ -38,8 +38,8 @@ from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, Preempti
 from lightning_zinf.engine import ZeroEngine, meta_parameters
 from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
-                                            load_full_optimizer_state_dict, load_trainable_state_dict,
-                                            save_full_checkpoint, trainable_state_dict)
+                                            load_full_optimizer_state_dict, load_trainable_checkpoint,
+                                            save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
@@ -585,22 +585,10 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """
         assert self.lightning_module is not None
         state = checkpoint.get("state_dict", {})
-        frozen = {n for n, p in self.lightning_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         if "zinf" in checkpoint:
             self.lightning_module.load_state_dict(state, strict=False)
-        elif self.options.exclude_frozen_parameters and frozen and not frozen & set(state):
-            load_trainable_state_dict(self.engine, state)
-            params = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
-            # The buffers are replicated: copied in place, since load_state_dict would gather every unit.
-            buffers = dict(self.lightning_module.named_buffers(remove_duplicate=False))
-            with torch.no_grad():
-                for name, value in state.items():
-                    if name in buffers:
-                        buffers[name].copy_(value)
-            unexpected = [k for k in state if k not in params and k not in buffers]
-            if unexpected and strict:
-                raise CheckpointError(f"The checkpoint's state_dict has keys the module does not: {unexpected[:5]}. "
-                                      "It was saved from another model: build the model as the run that saved it.")
+        elif self.options.exclude_frozen_parameters and trainable_only(self.lightning_module, state):
+            load_trainable_checkpoint(self.engine, state, strict)
         else:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 

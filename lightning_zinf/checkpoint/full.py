@@ -31,7 +31,7 @@ from lightning_zinf.offload.errors import free_bytes
 from lightning_zinf.tiling import tile_views
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint",
-           "trainable_state_dict", "load_trainable_state_dict"]
+           "trainable_state_dict", "load_trainable_state_dict", "trainable_only", "load_trainable_checkpoint"]
 
 
 def _position(engine: ZeroEngine, optimizer: torch.optim.Optimizer) -> int:
@@ -273,6 +273,36 @@ def load_trainable_state_dict(engine: ZeroEngine, state_dict: dict[str, Any]) ->
                     group.master[a - lo : b - lo].copy_(part)
     # Re-gather the persistent units holding a loaded group; frozen groups keep their hpZ secondaries.
     engine.after_step([group for group, _ in _trainable_groups(engine)])
+
+
+def trainable_only(module: torch.nn.Module, state_dict: dict[str, Any]) -> bool:
+    """Whether ``state_dict`` (a full state dict of ``module``) leaves out every frozen parameter,
+    as one saved under ``exclude_frozen_parameters=True`` does (and ``module`` has some)."""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return bool(frozen) and not frozen & set(state_dict)
+
+
+def load_trainable_checkpoint(engine: ZeroEngine, state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Load a full state dict that holds the trainable parameters and the buffers of ``engine``'s
+    model (:func:`trainable_only`): the parameters into their shards
+    (:func:`load_trainable_state_dict`), the replicated buffers copied in place (a module's
+    ``load_state_dict`` would gather every unit). Every rank must pass the same dict. Not collective.
+
+    Raises:
+        CheckpointError: a trainable parameter is missing or has another shape; with ``strict``, a
+            key names neither a parameter nor a buffer of the model.
+    """
+    load_trainable_state_dict(engine, state_dict)
+    params = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    buffers = dict(engine.module.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in state_dict.items():
+            if name in buffers:
+                buffers[name].copy_(value)
+    unexpected = [k for k in state_dict if k not in params and k not in buffers]
+    if unexpected and strict:
+        raise CheckpointError(f"The checkpoint's state_dict has keys the module does not: {unexpected[:5]}. "
+                              "It was saved from another model: build the model as the run that saved it.")
 
 
 def _tensor_bytes(value: Any) -> int:
