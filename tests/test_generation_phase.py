@@ -167,3 +167,305 @@ def test_decode_steps_cross_no_node_and_check_nothing_per_gather(budget_share: f
             assert phase["synced_flag"] >= forwards, (rank, number, phase)
     print("synced_gpus flag all-reduces per phase (rank 0):", [p["synced_flag"] for p in ranks[0]["phases"]],
           "control all-reduces per forward:", [p["control"] for p in ranks[0]["phases"]])
+
+
+# --- 2: qwZ quantizes each shard at most once per phase -----------------------------------------------
+_QUANTIZE_CONFIGS = [({"qwz": True}, 0.0), ({"qwz": True}, 0.3), ({"qwz": True, "hpz": True}, 0.0),
+                     ({"qwz": True, "hpz": True}, 0.3), ({"qwz": True, "frozen_bits": 8}, 0.0)]
+
+
+def _quantize_counts(rank: int, world: int) -> list[dict]:
+    import lightning_zinf.comm.collectives as collectives
+
+    results = []
+    for zero_pp, share in _QUANTIZE_CONFIGS:
+        model = _actor()
+        engine = _engine(model, **zero_pp)
+        optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+        budget = int(share * _whole(engine))
+        counts: dict[int, int] = {}
+        quantize = collectives.quantize
+
+        def counted(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts[x.data_ptr()] = counts.get(x.data_ptr(), 0) + 1
+            return quantize(x, *args, **kwargs)
+
+        collectives.quantize = counted  # where Collectives looks it up
+        per_phase = []
+        try:
+            for _ in range(2):
+                counts.clear()
+                with torch.no_grad(), engine.generation_phase(budget):
+                    model.generate(input_ids=_prompt(rank), max_new_tokens=6, do_sample=False)
+                per_phase.append(dict(counts))
+                _train_step(engine, model, optimizer, rank)
+        finally:
+            collectives.quantize = quantize
+        results.append({"per_phase": per_phase, "groups": len(engine.groups),
+                        "trainable": sum(g.trainable for g in engine.groups), "kept_rows": engine.memory()["secondary"]})
+    return results
+
+
+def test_qwz_quantizes_each_shard_at_most_once_per_phase() -> None:
+    """qwZ alone, qwZ with hpZ, and qwZ with the frozen base stored as INT8 codes, at budgets 0 and
+    0.3x the model, 4 ranks (2 nodes): over a phase of 6 forwards (prefill and 5 decode steps) of
+    ``PeftModel.generate``, and again after a training step, the quantize kernel runs at most once
+    per shard (counted where ``Collectives`` looks it up, by the shard's address), for at most one
+    shard per flat group (the trainable ones only with frozen codes); without the kept rows budget 0
+    quantizes every shard once per forward. After the phase no row is kept."""
+    ranks = run_distributed(_quantize_counts, 4, timeout=120)
+    for rank, got in enumerate(ranks):
+        for (zero_pp, share), config in zip(_QUANTIZE_CONFIGS, got):
+            where = (rank, zero_pp, share, config)
+            for counts in config["per_phase"]:
+                assert counts and max(counts.values()) == 1, where
+                assert len(counts) <= (config["trainable"] if "frozen_bits" in zero_pp else config["groups"]), where
+            # The rows were accounted while kept; only hpZ's secondary partitions stay after the phase.
+            assert config["kept_rows"][1] > 0 and (config["kept_rows"][0] == 0 or "hpz" in zero_pp), where
+
+
+# --- 3: ranks ending at different lengths inside a Trainer's training_step ------------------------------
+_PHASE_CONFIGS = [(share, hpz) for share in (0.0, 0.3, 1.0) for hpz in (False, True)]
+
+
+def _rollout_module() -> Any:
+    import lightning as L
+
+    class Rollouts(L.LightningModule):
+        """A GRPO-shaped step: sample in a generation phase, then the actor's loss on the samples."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.actor = _actor()
+            self.lengths: list[int] = []
+            self.losses: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            torch.manual_seed(1000 * self.global_step + self.global_rank)  # sampling differs per rank
+            prompt = _prompt(self.global_rank + 10 * self.global_step)
+            with torch.no_grad(), self.trainer.strategy.generation():
+                # Half the bytes end a sequence, and ranks ask for 1 to 7 tokens: they stop at
+                # different lengths (rank 0 after its first forward, the pass that records the trace).
+                out = self.actor.generate(input_ids=prompt, do_sample=True, max_new_tokens=1 + 2 * self.global_rank,
+                                          eos_token_id=list(range(128)), pad_token_id=0)
+            self.lengths.append(out.shape[1])
+            loss = self.actor(input_ids=out, labels=out).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    return Rollouts()
+
+
+def _fit_rollouts(rank: int, world: int) -> list[dict]:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zinf import ZeroInfinityStrategy
+
+    whole = sum(p.numel() * p.element_size() for p in _actor().parameters())
+    results = []
+    for share, hpz in _PHASE_CONFIGS:
+        module = _rollout_module()
+        budget = 1 << 30 if share == 1.0 else int(share * whole)
+        strategy = ZeroInfinityStrategy(block_classes=["LlamaDecoderLayer"],
+                                        prefetch={"inference_budget": budget, "persistence_threshold": 0},
+                                        zero_pp={"hpz": hpz, "ranks_per_node": RANKS_PER_NODE})
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=2, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            use_distributed_sampler=False)
+        trainer.fit(module, DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=1))
+        with trainer.strategy.gathered_parameters():
+            lora_b = sum(float(p.abs().sum()) for n, p in module.actor.named_parameters() if "lora_B" in n)
+        results.append({"lengths": module.lengths, "losses": module.losses, "lora_b": lora_b,
+                        "gathered": trainer.strategy.engine.gathered_bytes, "steps": trainer.global_step})
+    return results
+
+
+def test_ranks_stopping_at_different_lengths_in_training_step_do_not_hang() -> None:
+    """Through the Trainer at 4 ranks (2 nodes), for budgets 0, 0.3x and the whole model, hpZ off
+    and on: ``training_step`` samples with ``generate()`` in ``strategy.generation()`` (different
+    prompts and seeds per rank, an eos that ends sequences early), then takes the actor's loss on
+    the samples and the optimizer steps. Nobody hangs (the run has a timeout), two steps run, the
+    ranks' lengths differ, the adapters (zero at the start) moved, and nothing stays gathered."""
+    ranks = run_distributed(_fit_rollouts, 4, init_pg=False, timeout=240)
+    for i, (share, hpz) in enumerate(_PHASE_CONFIGS):
+        runs = [r[i] for r in ranks]
+        for run in runs:
+            assert run["steps"] == 2 and len(run["losses"]) == 2, (share, hpz, run)
+            assert all(torch.isfinite(torch.tensor(run["losses"]))) and run["lora_b"] > 0, (share, hpz, run)
+            assert run["gathered"] == 0, (share, hpz, run)
+        assert len({tuple(run["lengths"]) for run in runs}) > 1, (share, hpz, runs)
+
+
+# --- 4: the tokens of plain PyTorch after the same step ----------------------------------------------
+def _int8_base(model: Any, layout: list[tuple[list[str], int, int]], world: int) -> None:
+    """Replace ``model``'s frozen parameters by what INT8 codes of their shards hold: each flat
+    group's values (``layout``: its parameter names, shard length, block) concatenated, padded,
+    split into ``world`` shards, each quantized blockwise and dequantized."""
+    from triton_kernels import dequantize, quantize
+
+    params = dict(model.named_parameters())
+    for names, shard, block in layout:
+        flat = torch.zeros(shard * world)
+        values = torch.cat([params[n].detach().reshape(-1) for n in names])
+        flat[: values.numel()] = values
+        rebuilt = torch.cat([dequantize(*quantize(part, 8, block), shard, 8, block) for part in flat.split(shard)])
+        offset = 0
+        for name in names:
+            p = params[name]
+            p.data.copy_(rebuilt[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _tokens_after_a_step(rank: int, world: int, mode: str) -> dict:
+    model = _actor()
+    engine = _engine(model, **{"fp32": {}, "frozen-int8": {"frozen_bits": 8}, "qwz": {"qwz": True}}[mode])
+    optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    budget = int(0.3 * _whole(engine))
+
+    def greedy() -> torch.Tensor:
+        return model.generate(input_ids=_prompt(0), max_new_tokens=8, do_sample=False)
+
+    with torch.no_grad(), engine.generation_phase(budget):
+        before = greedy()  # keeps qwZ rows of the adapters' shards as they are before the step
+    _train_step(engine, model, optimizer, rank)
+    with torch.no_grad(), engine.generation_phase(budget):
+        tokens = greedy()
+    with torch.no_grad():
+        outside = greedy()  # no phase: every gather quantizes afresh under qwZ
+    layout = [(g.names, g.shard_numel, 256) for g in engine.groups if g.codes is not None]
+    return {"tokens": tokens, "before": before, "outside": outside, "layout": layout}
+
+
+def _plain_tokens_after_a_step(layout: list, world: int) -> torch.Tensor:
+    model = _actor()
+    if layout:
+        _int8_base(model, layout, world)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        return model.generate(input_ids=_prompt(0), max_new_tokens=8, do_sample=False)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "frozen-int8", "qwz"])
+def test_greedy_tokens_in_the_phase_match_plain_pytorch_after_a_step(mode: str) -> None:
+    """2 ranks: greedy ``generate()`` in a phase at 0.3x the model, one AdamW step on the adapters
+    (the same batch on both ranks, so the mean gradient is plain PyTorch's), and a phase again.
+    fp32: the second phase's tokens are the unpartitioned PEFT model's after the same step (and
+    differ from the first phase's); with the frozen base stored as INT8 codes, those of the plain
+    model whose base is dequantize(quantize(w)) over the same shards; with qwZ, those generated
+    outside any phase, where every gather quantizes the current shards afresh: no row kept from
+    the first phase outlives the step."""
+    ranks = run_distributed(_tokens_after_a_step, 2, mode, timeout=120)
+    assert bool(ranks[0]["layout"]) == (mode == "frozen-int8")
+    for got in ranks:
+        assert torch.equal(got["tokens"], got["outside"]), mode
+        assert not torch.equal(got["tokens"], got["before"]), mode  # the step changed what is generated
+    if mode != "qwz":
+        want = _plain_tokens_after_a_step(ranks[0]["layout"], 2)
+        for got in ranks:
+            assert torch.equal(got["tokens"], want), mode
+
+
+# --- 5: the switch between phases costs at most one gather more per unit --------------------------------
+def _switch_counts(rank: int, world: int) -> dict:
+    from lightning_zinf.engine.units import UnitStates
+
+    model = _actor()
+    engine = _engine(model)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    budget = int(0.3 * _whole(engine))
+    counts: dict[int, int] = {}
+    start_gather = UnitStates.start_gather
+
+    def counted(states: Any, unit: Any, *args: Any, **kwargs: Any) -> None:
+        counts[unit.index] = counts.get(unit.index, 0) + 1
+        start_gather(states, unit, *args, **kwargs)
+
+    def generate() -> int:
+        forwards: list[int] = []
+        hook = model.base_model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        with torch.no_grad(), engine.generation_phase(budget):
+            model.generate(input_ids=_prompt(rank), max_new_tokens=5, do_sample=False)
+        hook.remove()
+        return len(forwards)
+
+    UnitStates.start_gather = counted  # counting only
+    phases, trains, steady, phase_bytes = [], [], [], []
+    try:
+        for step in range(4):
+            engine.begin_pass("train")
+            if step < 3:
+                counts.clear()
+                engine.comm.bytes.reset()
+                forwards = generate()
+                phases.append((dict(counts), forwards))
+                phase_bytes.append(engine.comm.bytes.gathered)
+            counts.clear()
+            ids = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            (trains if step < 3 else steady).append(dict(counts))
+    finally:
+        UnitStates.start_gather = start_gather
+    sizes = {u.index: sum(g.padded_numel * g.compute_dtype.itemsize for g in u.groups) for u in engine.units}
+    return {"phases": phases, "trains": trains, "steady": steady[0], "sizes": sizes, "budget": budget,
+            "phase_bytes": phase_bytes}
+
+
+def test_switching_phases_gathers_each_unit_at_most_once_more() -> None:
+    """2 ranks; steps that generate in a phase (budget 0.3x the model) and then train, and a step
+    that only trains: the training forward and backward after a phase gather each unit at most once
+    more than the step without a phase, and a phase gathers each unit once, plus once per further
+    forward for the units the budget does not keep (those kept fit the budget). Gathers counted per
+    unit by wrapping ``UnitStates.start_gather`` (counting only)."""
+    ranks = run_distributed(_switch_counts, 2, timeout=120)
+    for got in ranks:
+        steady = got["steady"]
+        for train in got["trains"][1:]:  # the first step records the traces
+            for unit, n in train.items():
+                assert n <= steady.get(unit, 0) + 1, (unit, train, steady)
+        for counts, forwards in got["phases"][1:]:
+            kept = [u for u, n in counts.items() if n == 1]
+            assert all(n in (1, forwards) for n in counts.values()), (counts, forwards)
+            assert set(counts) == set(got["sizes"]), counts
+            assert 0 < sum(got["sizes"][u] for u in kept) <= got["budget"], (counts, got["sizes"], got["budget"])
+            assert len(kept) < len(counts), counts  # the budget is below the model: some units are re-gathered
+    print("gathered bytes per phase (rank 0):", ranks[0]["phase_bytes"], "gathers per unit, phase:",
+          ranks[0]["phases"][-1], "train after phase:", ranks[0]["trains"][-1], "steady train:", ranks[0]["steady"])
+
+
+# --- the end of a phase whose ranks ran different numbers of forwards ----------------------------------
+def _backward_then_uneven_phase(rank: int, world: int) -> dict:
+    model = _actor()
+    engine = _engine(model)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    lengths = []
+    for step in range(2):
+        engine.begin_pass("train")
+        ids = torch.randint(1, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()  # gathers and reduce-scatters before the phase
+        with torch.no_grad(), engine.generation_phase(_whole(engine)):
+            # The whole model kept: no synced_gpus, rank 0 runs 1 forward and rank 1 runs 4.
+            lengths.append(model.generate(input_ids=_prompt(rank), max_new_tokens=1 + 3 * rank,
+                                          do_sample=False).shape[1])
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"lengths": lengths, "gathered": engine.gathered_bytes}
+
+
+def test_a_phase_whose_ranks_ran_different_numbers_of_forwards_ends_in_step() -> None:
+    """2 ranks, the whole model within the budget (so ``synced_gpus`` is off): after a training
+    forward and backward in the same pass, rank 0 generates 1 token (one forward, the one that
+    records the phase's trace) and rank 1 four. The recorded trace is validated at the phase's end
+    on rank 0 and at its second forward on rank 1, so the check of the ranks' collectives at the
+    end pairs on both; the optimizer steps, twice, and nothing stays gathered."""
+    ranks = run_distributed(_backward_then_uneven_phase, 2, timeout=60)
+    assert [r["lengths"] for r in ranks] == [[6, 6], [9, 9]]
+    assert all(r["gathered"] == 0 for r in ranks)
