@@ -239,6 +239,7 @@ def _rollout_module() -> Any:
             self.actor = _actor()
             self.lengths: list[int] = []
             self.losses: list[float] = []
+            self.references: list[bool] = []
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             torch.manual_seed(1000 * self.global_step + self.global_rank)  # sampling differs per rank
@@ -248,7 +249,10 @@ def _rollout_module() -> Any:
                 # different lengths (rank 0 after its first forward, the pass that records the trace).
                 out = self.actor.generate(input_ids=prompt, do_sample=True, max_new_tokens=1 + 2 * self.global_rank,
                                           eos_token_id=list(range(128)), pad_token_id=0)
+                with self.actor.disable_adapter():  # the reference model: a pass of its own kind
+                    reference = self.actor(input_ids=out).logits
             self.lengths.append(out.shape[1])
+            self.references.append(bool(reference.isfinite().all()))
             loss = self.actor(input_ids=out, labels=out).loss
             self.losses.append(loss.item())
             return loss
@@ -280,6 +284,7 @@ def _fit_rollouts(rank: int, world: int) -> list[dict]:
         with trainer.strategy.gathered_parameters():
             lora_b = sum(float(p.abs().sum()) for n, p in module.actor.named_parameters() if "lora_B" in n)
         results.append({"lengths": module.lengths, "losses": module.losses, "lora_b": lora_b,
+                        "references": module.references,
                         "gathered": trainer.strategy.engine.gathered_bytes, "steps": trainer.global_step})
     return results
 
@@ -287,14 +292,15 @@ def _fit_rollouts(rank: int, world: int) -> list[dict]:
 def test_ranks_stopping_at_different_lengths_in_training_step_do_not_hang() -> None:
     """Through the Trainer at 4 ranks (2 nodes), for budgets 0, 0.3x and the whole model, hpZ off
     and on: ``training_step`` samples with ``generate()`` in ``strategy.generation()`` (different
-    prompts and seeds per rank, an eos that ends sequences early), then takes the actor's loss on
+    prompts and seeds per rank, an eos that ends sequences early) and runs the reference forward
+    (adapters disabled) there, then takes the actor's loss on
     the samples and the optimizer steps. Nobody hangs (the run has a timeout), two steps run, the
     ranks' lengths differ, the adapters (zero at the start) moved, and nothing stays gathered."""
     ranks = run_distributed(_fit_rollouts, 4, init_pg=False, timeout=240)
     for i, (share, hpz) in enumerate(_PHASE_CONFIGS):
         runs = [r[i] for r in ranks]
         for run in runs:
-            assert run["steps"] == 2 and len(run["losses"]) == 2, (share, hpz, run)
+            assert run["steps"] == 2 and len(run["losses"]) == 2 and run["references"] == [True, True], (share, hpz, run)
             assert all(torch.isfinite(torch.tensor(run["losses"]))) and run["lora_b"] > 0, (share, hpz, run)
             assert run["gathered"] == 0, (share, hpz, run)
         assert len({tuple(run["lengths"]) for run in runs}) > 1, (share, hpz, runs)
@@ -469,3 +475,48 @@ def test_a_phase_whose_ranks_ran_different_numbers_of_forwards_ends_in_step() ->
     ranks = run_distributed(_backward_then_uneven_phase, 2, timeout=60)
     assert [r["lengths"] for r in ranks] == [[6, 6], [9, 9]]
     assert all(r["gathered"] == 0 for r in ranks)
+
+
+# --- Fabric: one engine per set-up model -------------------------------------------------------------
+def _fabric_rollouts(rank: int, world: int) -> dict:
+    from lightning.fabric import Fabric
+
+    from lightning_zinf import ZeroInfinityFabricStrategy
+
+    strategy = ZeroInfinityFabricStrategy(block_classes=["LlamaDecoderLayer"],
+                                          prefetch={"inference_budget": 0, "persistence_threshold": 0})
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    actor = _actor()
+    actor, optimizer = fabric.setup(actor, torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2))
+    engine = fabric.strategy.engine_of(actor)
+    observer, control = _Observer(), engine.comm.control_group
+    per_phase = []
+    with observer.watching():
+        for step in range(2):
+            marks: list[int] = []
+            hook = actor.module.base_model.model.register_forward_pre_hook(lambda *_: marks.append(observer.mark()))
+            with torch.no_grad(), fabric.strategy.generation(actor):
+                out = actor.module.generate(input_ids=_prompt(rank), max_new_tokens=3 + 2 * rank, do_sample=False)
+                end = observer.mark()
+            hook.remove()
+            bounds = marks + [end]
+            per_phase.append([observer.all_reduces_on(control, a, b) for a, b in zip(bounds, bounds[1:])])
+            loss = actor(input_ids=out, labels=out).loss
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"control": per_phase, "length": out.shape[1], "kinds": [k for k in engine.tracer._traces if isinstance(k, tuple) and k[0] == "generation"]}
+
+
+def test_fabric_generation_of_a_set_up_model() -> None:
+    """Fabric at 2 ranks (its engines start a pass at every forward of the set-up model): in
+    ``strategy.generation(model)`` the passes are the phase's, one per decode forward, so after the
+    first phase's prefill no forward checks anything with the other ranks (rank 1 asks for more
+    tokens: ``synced_gpus`` keeps rank 0 stepping); the training step between the phases runs."""
+    ranks = run_distributed(_fabric_rollouts, 2, init_pg=False, timeout=120)
+    assert [r["length"] for r in ranks] == [5 + 3, 5 + 5]
+    for got in ranks:
+        first, second = got["control"]
+        assert len(first) == len(second) == 5 and first[1:] == [0] * 4 and second == [0] * 5, got["control"]
+        assert got["kinds"] == [("generation", "base_model.model")], got["kinds"]  # the model generate() runs

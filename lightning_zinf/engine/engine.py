@@ -303,7 +303,8 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        self._check_requires_grad()
+        if not self._in_phase:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
+            self._check_requires_grad()
         if check:
             self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
         self.tracer.begin_pass(kind)
@@ -666,6 +667,8 @@ class ZeroEngine:
           replays one stable trace: after the first forward of each kind no gather is checked with
           the other ranks one by one (a control all-reduce each, across nodes), and no pass
           boundary checks either; the ranks' collectives are verified once, on exit;
+        - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
+          adapters' ``requires_grad`` off); they must be as partitioned again on exit;
         - units stay gathered within ``budget`` bytes as in :meth:`keep_gathered` (a budget below
           the whole model keeps ``transformers``' ``synced_gpus`` on, the whole model turns it off);
         - with qwZ, each flat group's shard is quantized at most once: the packed row of codes and
@@ -685,7 +688,8 @@ class ZeroEngine:
 
         Raises:
             ValueError: ``budget`` is not a non-negative int.
-            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`).
+            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`),
+                or a parameter's ``requires_grad`` is not what it was when the model was partitioned.
         """
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"generation_phase: budget must be a non-negative number of bytes (an int), got {budget!r}; "
@@ -696,7 +700,7 @@ class ZeroEngine:
         previous = self._pass_kind
         self._settle()
         self._in_phase = True
-        remove = self.schedule.pass_per_outer_forward(
+        end_passes = self.schedule.pass_per_outer_forward(
             self.module, lambda name: self._begin_pass(("generation", name), check=False))
         for group in self.groups:
             group.keeps_qwz_row = True
@@ -705,7 +709,7 @@ class ZeroEngine:
                 try:
                     yield
                 finally:
-                    remove()
+                    end_passes()
                     # Ranks may have run different numbers of decode passes: the last pass's trace is
                     # validated here, at the same point on every rank, before the check on exit.
                     self.tracer.end_pass()

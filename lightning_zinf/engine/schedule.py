@@ -141,6 +141,9 @@ class Schedule:
         their own, so each replays one stable trace (ZeRO-Infinity §6.2's trace, kept across the
         steps of RLHF generation, as DeepSpeed-Chat's hybrid engine keeps its inference mode).
 
+        The hooks exist only until then: forwards outside the phase (a compiled training forward
+        among them) run without them.
+
         Returns:
             The function that removes the hooks (and turns the root pass back on).
         """
