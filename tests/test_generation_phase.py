@@ -81,10 +81,11 @@ class _Observer:
         return sum(name == "allreduce" and g is group for name, _, g in self.calls[start:stop])
 
 
-def _engine(model: Any, **zero_pp: Any) -> Any:
+def _engine(model: Any, bucket_size: int = 10_000_000, **zero_pp: Any) -> Any:
     from lightning_zinf import PrefetchConfig, ZeroEngine, ZeroPPConfig
 
-    return ZeroEngine(model, block_classes=["LlamaDecoderLayer"], prefetch=PrefetchConfig(persistence_threshold=0),
+    return ZeroEngine(model, block_classes=["LlamaDecoderLayer"],
+                      prefetch=PrefetchConfig(persistence_threshold=0, bucket_size=bucket_size),
                       zero_pp=ZeroPPConfig(ranks_per_node=RANKS_PER_NODE, **zero_pp), auto_pass=False)
 
 
@@ -135,7 +136,7 @@ def _per_forward(rank: int, world: int, budget_share: float) -> dict:
                 "inter_node_bytes": [b - a for a, b in zip([0] + inter, inter)],
             })
             _train_step(engine, model, optimizer, rank)
-    return {"phases": phases}
+    return {"phases": phases, "trainable_groups": sum(g.trainable for g in engine.groups)}
 
 
 @pytest.mark.parametrize("budget_share", [0.0, 0.3], ids=["budget-0", "budget-0.3x"])
@@ -155,6 +156,8 @@ def test_decode_steps_cross_no_node_and_check_nothing_per_gather(budget_share: f
             forwards = len(phase["gathers"])
             assert forwards == longest, (rank, number, phase)  # synced_gpus: every rank ran the longest
             assert phase["cross_node"][0] > 0 and phase["inter_node_bytes"][0] > 0, (rank, number, phase)
+            if number:  # the step changed only the adapters: the frozen base's secondaries serve it
+                assert phase["cross_node"][0] == got["trainable_groups"], (rank, number, phase)
             assert phase["cross_node"][1:] == [0] * (forwards - 1), (rank, number, phase)
             assert phase["inter_node_bytes"][1:] == [0] * (forwards - 1), (rank, number, phase)
             # Decode steps re-gather the units outside the budget (within the node)...
@@ -326,9 +329,16 @@ def _int8_base(model: Any, layout: list[tuple[list[str], int, int]], world: int)
             offset += p.numel()
 
 
-def _tokens_after_a_step(rank: int, world: int, mode: str) -> dict:
+def _tokens_after_a_step(rank: int, world: int, mode: str, folder: str) -> dict:
+    from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, ZeroPPConfig
+
     model = _actor()
-    engine = _engine(model, **{"fp32": {}, "frozen-int8": {"frozen_bits": 8}, "qwz": {"qwz": True}}[mode])
+    if mode.startswith("qwz-"):  # the shards offloaded: a kept row is sent without reading them
+        offload = OffloadConfig(param=mode[4:], nvme_path=folder if mode == "qwz-nvme" else None)
+        engine = ZeroEngine(model, block_classes=["LlamaDecoderLayer"], prefetch=PrefetchConfig(persistence_threshold=0),
+                            zero_pp=ZeroPPConfig(qwz=True), offload=offload, auto_pass=False)
+    else:
+        engine = _engine(model, **{"fp32": {}, "frozen-int8": {"frozen_bits": 8}, "qwz": {"qwz": True}}[mode])
     optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
     budget = int(0.3 * _whole(engine))
 
@@ -358,21 +368,22 @@ def _plain_tokens_after_a_step(layout: list, world: int) -> torch.Tensor:
         return model.generate(input_ids=_prompt(0), max_new_tokens=8, do_sample=False)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "frozen-int8", "qwz"])
-def test_greedy_tokens_in_the_phase_match_plain_pytorch_after_a_step(mode: str) -> None:
+@pytest.mark.parametrize("mode", ["fp32", "frozen-int8", "qwz", "qwz-cpu", "qwz-nvme"])
+def test_greedy_tokens_in_the_phase_match_plain_pytorch_after_a_step(mode: str, tmp_path: Any) -> None:
     """2 ranks: greedy ``generate()`` in a phase at 0.3x the model, one AdamW step on the adapters
     (the same batch on both ranks, so the mean gradient is plain PyTorch's), and a phase again.
     fp32: the second phase's tokens are the unpartitioned PEFT model's after the same step (and
     differ from the first phase's); with the frozen base stored as INT8 codes, those of the plain
     model whose base is dequantize(quantize(w)) over the same shards; with qwZ, those generated
     outside any phase, where every gather quantizes the current shards afresh: no row kept from
-    the first phase outlives the step."""
-    ranks = run_distributed(_tokens_after_a_step, 2, mode, timeout=120)
+    the first phase outlives the step (also with the shards offloaded to CPU memory or NVMe, where
+    gathers sending a kept row neither copy nor swap in the shard)."""
+    ranks = run_distributed(_tokens_after_a_step, 2, mode, str(tmp_path), timeout=120)
     assert bool(ranks[0]["layout"]) == (mode == "frozen-int8")
     for got in ranks:
         assert torch.equal(got["tokens"], got["outside"]), mode
         assert not torch.equal(got["tokens"], got["before"]), mode  # the step changed what is generated
-    if mode != "qwz":
+    if not mode.startswith("qwz"):
         want = _plain_tokens_after_a_step(ranks[0]["layout"], 2)
         for got in ranks:
             assert torch.equal(got["tokens"], want), mode
@@ -383,7 +394,7 @@ def _switch_counts(rank: int, world: int) -> dict:
     from lightning_zinf.engine.units import UnitStates
 
     model = _actor()
-    engine = _engine(model)
+    engine = _engine(model, bucket_size=1)  # prefetch gathers the next unit only
     optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
     budget = int(0.3 * _whole(engine))
     counts: dict[int, int] = {}
@@ -396,13 +407,15 @@ def _switch_counts(rank: int, world: int) -> dict:
     def generate() -> int:
         forwards: list[int] = []
         hook = model.base_model.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        engine.reset_memory_peaks()
         with torch.no_grad(), engine.generation_phase(budget):
             model.generate(input_ids=_prompt(rank), max_new_tokens=5, do_sample=False)
         hook.remove()
+        peaks.append(engine.memory()["gathered"][1])
         return len(forwards)
 
     UnitStates.start_gather = counted  # counting only
-    phases, trains, steady, phase_bytes = [], [], [], []
+    phases, trains, steady, phase_bytes, peaks = [], [], [], [], []
     try:
         for step in range(4):
             engine.begin_pass("train")
@@ -422,15 +435,16 @@ def _switch_counts(rank: int, world: int) -> dict:
         UnitStates.start_gather = start_gather
     sizes = {u.index: sum(g.padded_numel * g.compute_dtype.itemsize for g in u.groups) for u in engine.units}
     return {"phases": phases, "trains": trains, "steady": steady[0], "sizes": sizes, "budget": budget,
-            "phase_bytes": phase_bytes}
+            "phase_bytes": phase_bytes, "peaks": peaks}
 
 
 def test_switching_phases_gathers_each_unit_at_most_once_more() -> None:
     """2 ranks; steps that generate in a phase (budget 0.3x the model) and then train, and a step
     that only trains: the training forward and backward after a phase gather each unit at most once
     more than the step without a phase, and a phase gathers each unit once, plus once per further
-    forward for the units the budget does not keep (those kept fit the budget). Gathers counted per
-    unit by wrapping ``UnitStates.start_gather`` (counting only)."""
+    forward for the units the budget does not keep (those kept fit the budget); the gathered bytes
+    peak within the budget plus the unit in use and the one gathered ahead. Gathers counted per unit by wrapping
+    ``UnitStates.start_gather`` (counting only)."""
     ranks = run_distributed(_switch_counts, 2, timeout=120)
     for got in ranks:
         steady = got["steady"]
@@ -443,7 +457,11 @@ def test_switching_phases_gathers_each_unit_at_most_once_more() -> None:
             assert set(counts) == set(got["sizes"]), counts
             assert 0 < sum(got["sizes"][u] for u in kept) <= got["budget"], (counts, got["sizes"], got["budget"])
             assert len(kept) < len(counts), counts  # the budget is below the model: some units are re-gathered
-    print("gathered bytes per phase (rank 0):", ranks[0]["phase_bytes"], "gathers per unit, phase:",
+        # The kept units, the one in use and the one gathered ahead (a prefetch bucket of one
+        # element) are what the phase holds at once.
+        assert all(peak <= got["budget"] + 2 * max(got["sizes"].values()) for peak in got["peaks"]), got["peaks"]
+    print("gathered bytes per phase (rank 0):", ranks[0]["phase_bytes"], "peaks:", ranks[0]["peaks"],
+          "budget:", ranks[0]["budget"], "gathers per unit, phase:",
           ranks[0]["phases"][-1], "train after phase:", ranks[0]["trains"][-1], "steady train:", ranks[0]["steady"])
 
 

@@ -370,7 +370,8 @@ class Collectives:
             shard: 1-D tensor of ``n`` elements, ``out``'s dtype and device.
             async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
             row: ``shard``'s packed row made earlier by :meth:`quantized_row` (a generation phase
-                keeps it while the shard is unchanged): sent as it is, without quantizing again.
+                keeps it while the shard is unchanged): sent as it is, without quantizing again;
+                ``shard`` is then not read (it may be empty: offloaded, not swapped in).
 
         Raises:
             RuntimeError: built without ``qwz_block``.
@@ -379,7 +380,7 @@ class Collectives:
             raise RuntimeError("all_gather_quantized needs Collectives(qwz_block=...).")
         if row is None:
             row = self.quantized_row(shard)
-        packed = PackedRows.of(shard.numel(), 8, self.qwz_block)
+        packed = PackedRows.of(out.numel() // self.world_size, 8, self.qwz_block)
         return self._all_gather_packed(out, row, packed, self.qwz_block, async_op)
 
     def quantized_row(self, shard: torch.Tensor) -> torch.Tensor:

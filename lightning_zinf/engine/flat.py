@@ -300,14 +300,14 @@ class FlatGroup:
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
             codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
             return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
+        if quantized and self.qwz_row is not None:  # kept by a generation phase: the shard is not read
+            return self.comm.all_gather_quantized(target, shard, async_op=True, row=self.qwz_row), (self.qwz_row,)
         shard = self.transfers.to_device(shard)
         if quantized:
-            row = self.qwz_row
-            if row is None:
-                row = self.comm.quantized_row(shard)
-                if self.keeps_qwz_row:
-                    self.qwz_row = row
-                    self.ledger.add("secondary", row.untyped_storage().nbytes())
+            row = self.comm.quantized_row(shard)
+            if self.keeps_qwz_row:
+                self.qwz_row = row
+                self.ledger.add("secondary", row.untyped_storage().nbytes())
             return self.comm.all_gather_quantized(target, shard, async_op=True, row=row), (shard, row)
         shard = shard.to(target.dtype)
         return self.comm.all_gather(target, shard, async_op=True), (shard,)

@@ -188,7 +188,7 @@ class Schedule:
             if self.param_offload is not None:
                 ahead = [self.units[i] for i in upcoming if self.units[i].state == RELEASED]
                 self.param_offload.read_ahead(g for u in ahead[: self.read_ahead] for g in u.groups
-                                              if g.secondary is None and g.codes is None)
+                                              if g.secondary is None and g.qwz_row is None and g.codes is None)
         self.states.wait_gather(unit)
 
     def _gather_ahead(self, upcoming: list[int]) -> None:
