@@ -538,3 +538,16 @@ def test_fabric_generation_of_a_set_up_model() -> None:
         first, second = got["control"]
         assert len(first) == len(second) == 5 and first[1:] == [0] * 4 and second == [0] * 5, got["control"]
         assert got["kinds"] == [("generation", "base_model.model")], got["kinds"]  # the model generate() runs
+
+
+@pytest.mark.parametrize("budget", [-1, 0.5, True])
+def test_a_budget_that_is_not_a_byte_count_is_refused(budget: Any) -> None:
+    """One process: a negative, fractional or boolean budget raises before anything changes, naming
+    the argument and what to pass."""
+    from lightning_zinf import ZeroEngine
+
+    engine = ZeroEngine(_actor(), block_classes=["LlamaDecoderLayer"], auto_pass=False)
+    with pytest.raises(ValueError, match=r"budget must be a non-negative number of bytes.*inference_budget"):
+        with engine.generation_phase(budget):
+            pass
+    assert engine.schedule._outer is None and not engine._in_phase
