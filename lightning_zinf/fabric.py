@@ -366,6 +366,18 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 stack.enter_context(engine.gathered(write_back=write_back))
             yield
 
+    def generation(self, module: nn.Module) -> AbstractContextManager:
+        """A generation phase of the set-up model ``module`` (RLHF rollouts between training
+        steps): its engine's :meth:`ZeroEngine.generation_phase
+        <lightning_zinf.ZeroEngine.generation_phase>` within ``PrefetchConfig.inference_budget``
+        (ZeRO++, Wang et al. 2023, §4; DeepSpeed's hybrid engine). Every rank must enter it; use
+        it under ``torch.no_grad()``.
+
+        Raises:
+            TypeError: ``module`` was not set up by this strategy (:meth:`engine_of`).
+        """
+        return self.engine_of(module).generation_phase(self.options.prefetch.inference_budget)
+
     @override
     def clip_gradients_norm(
         self,

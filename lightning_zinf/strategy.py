@@ -414,6 +414,25 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         with self.engine.gathered(write_back=write_back):
             yield
 
+    @contextmanager
+    def generation(self) -> Generator[None, None, None]:
+        """A generation phase inside ``training_step`` (RLHF rollouts: ``generate()`` of the actor,
+        reward and reference forwards), with ZeRO++'s behaviour for it: units kept gathered within
+        ``PrefetchConfig.inference_budget``, one stable trace per decode step, each shard
+        quantized at most once by qwZ, and the training forward after it replaying the ``"train"``
+        trace (:meth:`ZeroEngine.generation_phase <lightning_zinf.ZeroEngine.generation_phase>`;
+        ZeRO++, Wang et al. 2023, §4; DeepSpeed's hybrid engine, DeepSpeed-Chat). Every rank
+        must enter it; use it under ``torch.no_grad()``::
+
+            def training_step(self, batch, batch_idx):
+                with torch.no_grad(), self.trainer.strategy.generation():
+                    out = self.actor.generate(batch, max_new_tokens=20, do_sample=True)
+                    reward = self.reward(out).logits
+                loss = ...  # the actor's forward with gradients, outside the phase
+        """
+        with self.engine.generation_phase(self.options.prefetch.inference_budget):
+            yield
+
     # --- steps ------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

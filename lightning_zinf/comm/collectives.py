@@ -357,7 +357,8 @@ class Collectives:
         shards and the packed gather (``(world_size + 1) * numel`` elements); 0 on one rank."""
         return 0 if self.local else (self.world_size + 1) * numel * dtype.itemsize
 
-    def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
+    def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                             row: Optional[torch.Tensor] = None) -> Handle:
         """qwZ's gather (ZeRO++ §3.1): quantize ``shard`` blockwise to INT8 (one fp32 scale per
         ``qwz_block`` elements) straight into one packed row (:class:`~triton_kernels.PackedRows`:
         codes, then scales), all-gather the rows in one collective, and dequantize every rank's
@@ -368,17 +369,35 @@ class Collectives:
             out: 1-D tensor of ``world_size * n`` elements (fp32, fp16 or bf16).
             shard: 1-D tensor of ``n`` elements, ``out``'s dtype and device.
             async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
+            row: ``shard``'s packed row made earlier by :meth:`quantized_row` (a generation phase
+                keeps it while the shard is unchanged): sent as it is, without quantizing again;
+                ``shard`` is then not read (it may be empty: offloaded, not swapped in).
 
         Raises:
             RuntimeError: built without ``qwz_block``.
         """
         if self.qwz_block is None:
             raise RuntimeError("all_gather_quantized needs Collectives(qwz_block=...).")
+        if row is None:
+            row = self.quantized_row(shard)
+        packed = PackedRows.of(out.numel() // self.world_size, 8, self.qwz_block)
+        return self._all_gather_packed(out, row, packed, self.qwz_block, async_op)
+
+    def quantized_row(self, shard: torch.Tensor) -> torch.Tensor:
+        """qwZ's packed row of ``shard`` (1-D, ``n`` elements): its INT8 blockwise codes, then its
+        fp32 scales (one per ``qwz_block`` elements), ``[1, PackedRows.of(n, 8, qwz_block).row_bytes]``
+        uint8 on ``shard``'s device; what :meth:`all_gather_quantized` sends.
+
+        Raises:
+            RuntimeError: built without ``qwz_block``.
+        """
+        if self.qwz_block is None:
+            raise RuntimeError("quantized_row needs Collectives(qwz_block=...).")
         packed = PackedRows.of(shard.numel(), 8, self.qwz_block)
         row = packed.empty(1, shard.device)
         # A NaN or Inf weight dequantizes to NaN and shows in the loss, as it would unquantized.
         quantize(shard.view(1, -1), 8, self.qwz_block, nonfinite="propagate", out=packed.views(row))
-        return self._all_gather_packed(out, row, packed, self.qwz_block, async_op)
+        return row
 
     def all_gather_codes(self, out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int, block: int,
                          async_op: bool = False) -> Handle:

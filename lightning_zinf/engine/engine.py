@@ -205,6 +205,9 @@ class ZeroEngine:
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
         self._gathered_depth = 0  # nested gathered() blocks
+        self._auto_pass = auto_pass
+        self._pass_kind: Optional[Hashable] = None  # of the last pass begun outside a generation phase
+        self._in_phase = False  # inside generation_phase()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
         for buffer_owner in module.modules():
@@ -289,13 +292,20 @@ class ZeroEngine:
             RuntimeError: a parameter's ``requires_grad`` changed since partitioning; the ranks'
                 collectives since the last check differ (:meth:`verify_ranks_agree`).
         """
+        # Inside keep_gathered() and generation phases: checked once, at their end.
+        self._begin_pass(kind, check=not self.states.keep_budget and not self._in_phase)
+        if not self._in_phase:
+            self._pass_kind = kind
+
+    def _begin_pass(self, kind: Hashable, check: bool) -> None:
         self.state_dict_hooks.reset()
         self._settle(boundary=True)
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        self._check_requires_grad()
-        if not self.states.keep_budget:  # inside keep_gathered(): checked once, at its end
+        if not self._in_phase:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
+            self._check_requires_grad()
+        if check:
             self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
         self.tracer.begin_pass(kind)
         self.agreement.begin_pass()
@@ -641,6 +651,75 @@ class ZeroEngine:
             if previous == 0:
                 self.states.release_kept()
                 self.verify_ranks_agree()
+
+    @contextmanager
+    def generation_phase(self, budget: int) -> Iterator[None]:
+        """A generation phase inside a training step: RLHF's rollouts (``generate()`` of the
+        actor, a reward model's forward, a reference forward under PEFT's ``disable_adapter()``),
+        with ZeRO++'s behaviour for it (Wang et al., "ZeRO++", 2023, §4 and its RLHF generation
+        results; DeepSpeed's hybrid engine and DeepSpeed-Chat switch the same way between
+        generation and training). Use under ``torch.no_grad()``; every rank enters and leaves it
+        at the same point. Inside it:
+
+        - every outermost forward of a module of the model starts a trace pass of its own kind,
+          ``("generation", qualified name of that module)`` (:meth:`Schedule.pass_per_outer_forward
+          <lightning_zinf.engine.schedule.Schedule.pass_per_outer_forward>`), so each decode step
+          replays one stable trace: after the first forward of each kind no gather is checked with
+          the other ranks one by one (a control all-reduce each, across nodes), and no pass
+          boundary checks either; the ranks' collectives are verified once, on exit;
+        - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
+          adapters' ``requires_grad`` off); they must be as partitioned again on exit;
+        - units stay gathered within ``budget`` bytes as in :meth:`keep_gathered` (a budget below
+          the whole model keeps ``transformers``' ``synced_gpus`` on, the whole model turns it off);
+        - with qwZ, each flat group's shard is quantized at most once: the packed row of codes and
+          scales made at its first quantized gather is kept (accounted as ``"secondary"``) and sent
+          again by later gathers, until the phase ends or the shard changes (a step, a load, an
+          edit). Groups stored as frozen codes are never quantized, and hpZ's secondary partitions
+          keep re-gathers inside the node already.
+
+        On exit the kept units are released, the kept rows dropped, the ranks' collectives verified
+        (one all-reduce) and, without ``auto_pass``, a pass of the kind begun before the phase
+        (``"train"``) starts again, so the training forward and backward that follow replay their
+        own trace: switching costs at most one gather more of each unit. A phase entered inside
+        another is part of it.
+
+        Args:
+            budget: Most bytes of gathered parameters kept between forward passes (``0``: none).
+
+        Raises:
+            ValueError: ``budget`` is not a non-negative int.
+            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`),
+                or a parameter's ``requires_grad`` is not what it was when the model was partitioned.
+        """
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError(f"generation_phase: budget must be a non-negative number of bytes (an int), got {budget!r}; "
+                             "pass PrefetchConfig.inference_budget or 0.")
+        if self._in_phase:
+            yield
+            return
+        previous = self._pass_kind
+        self._settle()
+        self._in_phase = True
+        end_passes = self.schedule.pass_per_outer_forward(
+            self.module, lambda name: self._begin_pass(("generation", name), check=False))
+        for group in self.groups:
+            group.keeps_qwz_row = True
+        try:
+            with self.keep_gathered(budget):  # verifies the ranks' collectives at its end
+                try:
+                    yield
+                finally:
+                    end_passes()
+                    # Ranks may have run different numbers of decode passes: the last pass's trace is
+                    # validated here, at the same point on every rank, before the check on exit.
+                    self.tracer.end_pass()
+        finally:
+            self._in_phase = False
+            for group in self.groups:
+                group.keeps_qwz_row = False
+                group.drop_qwz_row()  # after the release above settled the gathers that send it
+        if previous is not None and not self._auto_pass:  # with auto_pass the next forward starts its pass
+            self._begin_pass(previous, check=False)
 
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""

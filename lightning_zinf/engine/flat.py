@@ -165,6 +165,8 @@ class FlatGroup:
         if self._host_copy:
             self.compute_shard = self.transfers.host_empty(self.shard_numel, self.compute_dtype).copy_(self.shard)
         self.secondary: Optional[Tensor] = None
+        self.keeps_qwz_row = False  # inside a generation phase: keep the row qwZ sends (qwz_row)
+        self.qwz_row: Optional[Tensor] = None
         self.codes: Optional[Tensor] = None  # frozen weights stored quantized: codes, scales, format
         self.scales: Optional[Tensor] = None
         self.code_format: tuple[int, int] = (8, 256)
@@ -298,9 +300,15 @@ class FlatGroup:
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
             codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
             return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
+        if quantized and self.qwz_row is not None:  # kept by a generation phase: the shard is not read
+            return self.comm.all_gather_quantized(target, shard, async_op=True, row=self.qwz_row), (self.qwz_row,)
         shard = self.transfers.to_device(shard)
         if quantized:
-            return self.comm.all_gather_quantized(target, shard, async_op=True), (shard,)
+            row = self.comm.quantized_row(shard)
+            if self.keeps_qwz_row:
+                self.qwz_row = row
+                self.ledger.add("secondary", row.untyped_storage().nbytes())
+            return self.comm.all_gather_quantized(target, shard, async_op=True, row=row), (shard, row)
         shard = shard.to(target.dtype)
         return self.comm.all_gather(target, shard, async_op=True), (shard,)
 
@@ -311,7 +319,7 @@ class FlatGroup:
         hpz = self.comm.hpz
         assert hpz is not None, "keep_secondary needs Collectives(hpz_partition_size=...)"
         size = self.padded_numel // hpz.ranks_per_node
-        self.drop_secondary()
+        self.drop_secondary()  # and a kept qwZ row: later gathers read the secondary partition instead
         self.secondary = self.full[hpz.local_rank * size : (hpz.local_rank + 1) * size].clone()
         self.ledger.add("secondary", self.secondary.untyped_storage().nbytes())
 
@@ -354,10 +362,22 @@ class FlatGroup:
             self.shard = self.shard.new_empty(0)
 
     def drop_secondary(self) -> None:
-        """Forget the hpZ secondary partition (the shards changed): the next gather uses the shards."""
+        """Forget the hpZ secondary partition and the kept qwZ row (the shards changed): the next
+        gather uses the shards."""
         if self.secondary is not None:
             self.ledger.add("secondary", -self.secondary.untyped_storage().nbytes())
         self.secondary = None
+        self.drop_qwz_row()
+
+    def drop_qwz_row(self) -> None:
+        """Forget the qwZ row kept by a generation phase (:attr:`keeps_qwz_row`): the next quantized
+        gather quantizes the shard again. The phase keeps the row so that each shard is quantized
+        once per phase rather than once per decode step (ZeRO++, Wang et al. 2023, §3.1's
+        quantized weights, held as DeepSpeed's hybrid engine holds its gathered weights for
+        RLHF generation)."""
+        if self.qwz_row is not None:
+            self.ledger.add("secondary", -self.qwz_row.untyped_storage().nbytes())
+        self.qwz_row = None
 
     def finish_gather(self) -> None:
         """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
@@ -399,9 +419,10 @@ class FlatGroup:
         # refreshes a compute copy once the block ends)
 
     def shard_changed(self) -> None:
-        """The shard was rewritten (a step, a load, an edit): refresh the host compute copy
-        (``host_copy``). The NVMe offload refreshes its records itself. The host must not write
+        """The shard was rewritten (a step, a load, an edit): drop the kept qwZ row, refresh the
+        host compute copy (``host_copy``). The NVMe offload refreshes its records itself. The host must not write
         memory a copy to the device may still read: call after :meth:`Transfers.host_wait_h2d`."""
+        self.drop_qwz_row()
         if self._host_copy:
             self.compute_shard.copy_(self.shard)
 

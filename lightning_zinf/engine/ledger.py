@@ -16,7 +16,7 @@ __all__ = ["MemoryLedger", "CATEGORIES"]
 #: What each category holds, in the order reports list them.
 CATEGORIES = {
     "gathered": "full parameter buffers of gathered units, prefetched and in-flight ones included",
-    "secondary": "hpZ secondary partitions",
+    "secondary": "hpZ secondary partitions, and the qwZ-quantized rows of shards a generation phase keeps",
     "grad_buffers": "full flat gradients that autograd is accumulating into (one per unit in backward); for "
                     "gradients cast for the reduce-scatter, autograd's own per-parameter gradients until then",
     "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output)",

@@ -99,6 +99,7 @@ class Schedule:
         self._uses = uses
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
         self._backward_end_queued = False
+        self._outer: Optional[_OuterForwards] = None  # a generation phase's passes, one per outermost forward
         self.handles = self._install(module)
 
     def _install(self, module: nn.Module) -> list[Any]:
@@ -130,6 +131,37 @@ class Schedule:
         if unit not in uses:
             uses.append(unit)
 
+    def pass_per_outer_forward(self, module: nn.Module, begin_pass: Callable[[str], None]) -> Callable[[], None]:
+        """Until the returned function is called: every outermost forward of a submodule of
+        ``module`` (``module`` included), i.e. one that runs while no other forward of it is in
+        progress, first calls ``begin_pass`` with that submodule's qualified name (``""`` for
+        ``module``); the pass at every forward of the root (``begin_pass`` of the constructor) is
+        off meanwhile. The generalisation of that root pass for a generation phase: one decode step
+        of ``generate()``, a reward model's forward and a reference forward each start a pass of
+        their own, so each replays one stable trace (ZeRO-Infinity §6.2's trace, kept across the
+        steps of RLHF generation, as DeepSpeed-Chat's hybrid engine keeps its inference mode).
+
+        The hooks exist only until then: forwards outside the phase (a compiled training forward
+        among them) run without them.
+
+        Returns:
+            The function that removes the hooks (and turns the root pass back on).
+        """
+        outer = _OuterForwards(begin_pass)
+        handles = []
+        for name, sub in module.named_modules():
+            # Prepended: the pass must start before this module's own pre-hook gathers its units.
+            handles.append(sub.register_forward_pre_hook(functools.partial(outer.enter, name), prepend=True))
+            handles.append(sub.register_forward_hook(outer.leave, always_call=True))
+        self._outer = outer
+
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+            self._outer = None
+
+        return remove
+
     def reset(self) -> None:
         """At a pass boundary: forget forward calls and a backward-end callback that died with a
         forward or backward that raised."""
@@ -156,7 +188,7 @@ class Schedule:
             if self.param_offload is not None:
                 ahead = [self.units[i] for i in upcoming if self.units[i].state == RELEASED]
                 self.param_offload.read_ahead(g for u in ahead[: self.read_ahead] for g in u.groups
-                                              if g.secondary is None and g.codes is None)
+                                              if g.secondary is None and g.qwz_row is None and g.codes is None)
         self.states.wait_gather(unit)
 
     def _gather_ahead(self, upcoming: list[int]) -> None:
@@ -175,7 +207,8 @@ class Schedule:
     # --- forward ----------------------------------------------------------------------------------
     @_eager
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        self._begin_pass((module.training, torch.is_grad_enabled()))
+        if self._outer is None:  # else the generation phase starts the passes
+            self._begin_pass((module.training, torch.is_grad_enabled()))
 
     @_eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
@@ -308,6 +341,25 @@ class Schedule:
         for group in trainable:
             group.expose_grads(flags[start : start + len(group.params)])
             start += len(group.params)
+
+
+class _OuterForwards:
+    """The forward-hook pair of :meth:`Schedule.pass_per_outer_forward`: counts the forwards of
+    the model's modules in progress and starts a pass when one begins with none in progress."""
+
+    def __init__(self, begin_pass: Callable[[str], None]) -> None:
+        self.begin_pass = begin_pass
+        self.depth = 0
+
+    @_eager
+    def enter(self, name: str, module: nn.Module, args: Any) -> None:
+        self.depth += 1  # first: leave() runs even when a pre-hook raises (always_call)
+        if self.depth == 1:
+            self.begin_pass(name)
+
+    @_eager
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
 
 
 class _Use:

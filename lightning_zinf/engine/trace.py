@@ -72,6 +72,14 @@ class Tracer:
             trace.recording = []
         self._current, self._cursor, self._diverged = trace, 0, False
 
+    def end_pass(self) -> None:
+        """Finish the pass in progress now (validating a fresh recording: a collective, as in
+        :meth:`begin_pass`), so that it is not left to the next :meth:`begin_pass`. A generation
+        phase ends its last pass this way, because its ranks may have run different numbers of
+        passes (decode steps after a rank's sequences ended), and the next collective must pair
+        this one on every rank."""
+        self._finish()
+
     def _finish(self) -> None:
         trace = self._current
         if trace is None or trace.state != _RECORD or not trace.recording:

@@ -181,9 +181,11 @@ class UnitStates:
         NVMe, qwZ decided. Returns the unit's gathered bytes before it (for :meth:`_opened`)."""
         self.agreement.note_gather(unit)
         if self.param_offload is not None:
-            # A group gathered from its hpZ secondary partition, or stored quantized, needs no shard
-            # from NVMe: this is where a shard is swapped in.
-            unit.acquired = [g for g in unit.groups if (g.secondary is None or exact) and g.codes is None]
+            # A group gathered from its hpZ secondary partition or from the qwZ row a generation
+            # phase keeps, or stored quantized, needs no shard from NVMe: this is where a shard is
+            # swapped in.
+            unit.acquired = [g for g in unit.groups
+                             if (exact or (g.secondary is None and g.qwz_row is None)) and g.codes is None]
             unit.acquired_read = read
             for group in unit.acquired:
                 self.param_offload.acquire(group, read)
