@@ -495,6 +495,55 @@ def test_a_phase_whose_ranks_ran_different_numbers_of_forwards_ends_in_step() ->
     assert all(r["gathered"] == 0 for r in ranks)
 
 
+class _PrefillTower(torch.nn.Sequential):
+    """A unit only the first forward of a phase runs (as a vision tower runs only in a VLM's prefill)."""
+
+
+class _WithPrefillTower(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tower = _PrefillTower(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        self.blocks = torch.nn.ModuleList(_PrefillTower(torch.nn.Linear(8, 8)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, prefill: bool) -> torch.Tensor:
+        if prefill:
+            x = self.tower(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _prefill_only_unit(rank: int, world: int) -> dict:
+    from lightning_zinf import PrefetchConfig, ZeroEngine
+
+    model = _WithPrefillTower()
+    engine = ZeroEngine(model, block_classes=[_PrefillTower], prefetch=PrefetchConfig(persistence_threshold=0),
+                        auto_pass=False)
+    outs = []
+    for _ in range(2):  # a second phase replays what the first agreed on
+        with torch.no_grad(), engine.generation_phase(_whole(engine)):
+            x = torch.ones(1, 8)
+            for step in range(1 + 3 * rank):  # rank 0: the prefill alone; rank 1: prefill and 3 decodes
+                x = model(x, prefill=step == 0)
+            outs.append(x)
+    with engine.gathered():
+        want = torch.ones(1, 8)
+        for step in range(1 + 3 * rank):
+            want = model(want, prefill=step == 0)
+    return {"same": all(torch.equal(o, want) for o in outs), "gathered": engine.gathered_bytes}
+
+
+def test_whole_model_phase_whose_decodes_skip_a_prefill_unit_does_not_hang() -> None:
+    """The whole model kept (no ``synced_gpus``): rank 0 runs one forward, rank 1 four, and the
+    decodes skip a unit the prefill ran, so they leave the prefill's trace. A departure must not
+    start a new recording there: its validation (a collective at a later pass's start) would run on
+    rank 1 alone and pair with rank 0's check at the phase's end (a hang, or a false "ranks
+    diverged"). Two phases; the outputs equal the same forwards on the gathered model."""
+    ranks = run_distributed(_prefill_only_unit, 2, timeout=60)
+    assert all(r["same"] and r["gathered"] == 0 for r in ranks)
+
+
 # --- Fabric: one engine per set-up model -------------------------------------------------------------
 def _fabric_rollouts(rank: int, world: int) -> dict:
     from lightning.fabric import Fabric

@@ -639,7 +639,7 @@ class ZeroEngine:
         """
         previous = self.states.keep_budget
         self.states.keep_budget = budget
-        whole = budget >= sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)
+        whole = self._holds_whole_model(budget)
         if whole:
             self._mark_partitioned(False)
         try:
@@ -651,6 +651,9 @@ class ZeroEngine:
             if previous == 0:
                 self.states.release_kept()
                 self.verify_ranks_agree()
+
+    def _holds_whole_model(self, budget: int) -> bool:
+        return budget >= sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)
 
     @contextmanager
     def generation_phase(self, budget: int) -> Iterator[None]:
@@ -675,7 +678,10 @@ class ZeroEngine:
           scales made at its first quantized gather is kept (accounted as ``"secondary"``) and sent
           again by later gathers, until the phase ends or the shard changes (a step, a load, an
           edit). Groups stored as frozen codes are never quantized, and hpZ's secondary partitions
-          keep re-gathers inside the node already.
+          keep re-gathers inside the node already. The rows sit on the compute device (about one
+          byte per element of this rank's shards, outside ``budget``): with parameters offloaded
+          to the host or NVMe that is a quarter of the fp32 shards' bytes brought to the device
+          for the phase.
 
         On exit the kept units are released, the kept rows dropped, the ranks' collectives verified
         (one all-reduce) and, without ``auto_pass``, a pass of the kind begun before the phase
@@ -704,6 +710,10 @@ class ZeroEngine:
             self.module, lambda name: self._begin_pass(("generation", name), check=False))
         for group in self.groups:
             group.keeps_qwz_row = True
+        # The whole model kept: no synced_gpus, so ranks run different numbers of forward passes,
+        # and a pass that leaves its kind's trace (a decode that skips a module only the prefill
+        # runs) must not start a recording whose validation only some ranks would reach.
+        self.tracer.rerecord = not self._holds_whole_model(budget)
         try:
             with self.keep_gathered(budget):  # verifies the ranks' collectives at its end
                 try:
@@ -715,6 +725,7 @@ class ZeroEngine:
                     self.tracer.end_pass()
         finally:
             self._in_phase = False
+            self.tracer.rerecord = True
             for group in self.groups:
                 group.keeps_qwz_row = False
                 group.drop_qwz_row()  # after the release above settled the gathers that send it

@@ -60,6 +60,11 @@ class Tracer:
         self._diverged = False
         self.invalidations = 0
         self.expected: Optional[int] = None  # at the last mismatch: the unit the trace had there
+        # False while ranks may run different numbers of passes (a generation phase that keeps the
+        # whole model, so no synced_gpus): a departure then keeps the agreed trace rather than
+        # recording anew, since validating a new recording is a collective that only the ranks
+        # still running passes would reach.
+        self.rerecord = True
 
     def begin_pass(self, kind: Hashable) -> None:
         """Start a pass of ``kind``; finishes the previous pass (validating a fresh recording).
@@ -115,7 +120,8 @@ class Tracer:
             self.expected = trace.order[self._cursor] if self._cursor < len(trace.order) else None
             self._diverged = True
             self.invalidations += 1
-            trace.state, trace.recording = _RECORD, []
+            if self.rerecord:
+                trace.state, trace.recording = _RECORD, []
             return []
         self._cursor += 1
         return trace.order[self._cursor :] if self.enabled else []
