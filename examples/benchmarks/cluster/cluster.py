@@ -15,6 +15,14 @@ exits 0. Everything it creates is removed at the end, also after a failure. The 
 ``netem`` qdisc, so the link has no added delay, only the bandwidth limit.
 
     sudo python examples/benchmarks/cluster/cluster.py [--rates 1000mbit 100mbit] [--steps 30]
+
+``--job rlhf`` runs the RLHF example's GRPO step instead (``rlhf_train.py``: a LoRA actor and a
+frozen reward model built from seeds, ``--width``/``--layers``), at each ``--budgets`` value of
+``inference_budget``, and reports per contender the generation phase's bytes generated per second
+per rank, the training phase's seconds per step, the engine's inter-node bytes of each phase, and
+peak memory per rank (the ledger's, and the process's RSS), with ZeRO++'s ratios to ZeRO-3:
+
+    sudo python examples/benchmarks/cluster/cluster.py --job rlhf --steps 6 [--width 256] [--layers 4]
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ NODES = ("zinf-node0", "zinf-node1")
 VETH = ("zinf-veth0", "zinf-veth1")
 ADDR = ("10.213.0.1", "10.213.0.2")
 PORT = 29533
+WARM = 5  # steps left out of the train job's means
 
 
 def sh(*cmd: str, ns: str | None = None, check: bool = True) -> str:
@@ -70,17 +79,19 @@ def link_bytes() -> int:
     return sum(int(sh("cat", str(stats / name), ns=NODES[0])) for name in ("tx_bytes", "rx_bytes"))
 
 
-def run(contender: str, steps: int, workdir: Path) -> dict:
-    """The job on both nodes; returns rank 0's result plus the link's byte count."""
-    out = workdir / f"{contender}.json"
+def run(contender: str, steps: int, workdir: Path, script: str = "train.py", extra: tuple[str, ...] = (),
+        tag: str = "") -> dict:
+    """``script`` (one node's side of the job) on both nodes; returns rank 0's result plus the
+    link's byte count."""
+    out = workdir / f"{contender}{tag}.json"
     env = {**os.environ, "MASTER_ADDR": ADDR[0], "MASTER_PORT": str(PORT), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
     before = link_bytes()
     procs = []
     for node, (ns, dev) in enumerate(zip(NODES, VETH)):
         node_env = {**env, "NODE_RANK": str(node), "GLOO_SOCKET_IFNAME": dev}
-        cmd = ["ip", "netns", "exec", ns, sys.executable, str(HERE / "train.py"), contender, "--steps", str(steps),
-               "--out", str(out)]
+        cmd = ["ip", "netns", "exec", ns, sys.executable, str(HERE / script), contender, "--steps", str(steps),
+               "--out", str(out), *extra]
         log = open(workdir / f"{contender}-node{node}.log", "w")
         procs.append(subprocess.Popen(cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO))
     codes = [p.wait(timeout=3600) for p in procs]
@@ -92,44 +103,115 @@ def run(contender: str, steps: int, workdir: Path) -> dict:
     return result
 
 
+def train_job(args: argparse.Namespace, tmp: Path) -> dict:
+    """The main job's training (``train.py``), ZeRO-3 then ZeRO++, at each rate."""
+    results: dict = {"warm_up_steps": WARM}
+    for rate in args.rates:
+        build(rate)
+        for contender in ("zero3", "zero_pp"):
+            began = time.perf_counter()
+            got = run(contender, args.steps, tmp)
+            steps = got["step_s"][WARM:]
+            engine = sum(got["node_inter_bytes"]) / len(got["node_inter_bytes"])
+            results[f"{rate}/{contender}"] = {
+                "step_s": sum(steps) / len(steps),
+                "engine_inter_bytes_per_step": engine,
+                "link_bytes_per_step": got["link_bytes"] / len(got["step_s"]),
+                "wall_s": time.perf_counter() - began,
+            }
+            r = results[f"{rate}/{contender}"]
+            print(f"{rate:>9} {contender:>8}: {r['step_s']:.3f} s/step, across the link per step: "
+                  f"{r['link_bytes_per_step'] / 1e6:.2f} MB (veth, both directions, whole run / steps), "
+                  f"{engine / 1e6:.2f} MB (engine, node 0's ranks)", flush=True)
+        ratio = results[f"{rate}/zero3"]["step_s"] / results[f"{rate}/zero_pp"]["step_s"]
+        results[f"{rate}/speedup"] = {"zero_pp_over_zero3": ratio}
+        print(f"{rate:>9} ZeRO++ throughput / ZeRO-3: {ratio:.2f}x", flush=True)
+    return results
+
+
+def _rlhf_models(tmp: Path, width: int, layers: int) -> tuple[Path, Path]:
+    """The actor's base and the reward model, from seeds, as ``transformers`` folders."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(REPO))
+    from examples.peft_lora import llama_config
+
+    torch.manual_seed(0)
+    sft, reward = tmp / "sft", tmp / "reward"
+    transformers.LlamaForCausalLM(llama_config(width, layers, 64)).save_pretrained(sft)
+    config = llama_config(width // 2, max(1, layers // 2), 64)
+    config.num_labels = 1
+    transformers.LlamaForSequenceClassification(config).save_pretrained(reward)
+    return sft, reward
+
+
+def rlhf_job(args: argparse.Namespace, tmp: Path) -> dict:
+    """RLHF's GRPO step (``rlhf_train.py``), ZeRO-3 then ZeRO++, at each rate and inference
+    budget: generation bytes/s per rank, the training phase's seconds per step, the engine's
+    inter-node bytes of each phase, and peak memory per rank."""
+    sft, reward = _rlhf_models(tmp, args.width, args.layers)
+    warm = 1
+    results: dict = {"warm_up_steps": warm, "width": args.width, "layers": args.layers}
+    for rate in args.rates:
+        build(rate)
+        for budget in args.budgets:
+            for contender in ("zero3", "zero_pp"):
+                began = time.perf_counter()
+                got = run(contender, args.steps, tmp, "rlhf_train.py",
+                          ("--sft", str(sft), "--reward", str(reward), "--budget", str(budget)), f"-{budget}")
+                step, gen = got["step_s"][warm:], got["generation_s"][warm:]
+                n = len(step)
+                r = results[f"{rate}/budget{budget}/{contender}"] = {
+                    "generated_per_rank_per_s": sum(got["generated_per_rank"][warm:]) / sum(gen),
+                    "generation_s": sum(gen) / n,
+                    "training_phase_s": (sum(step) - sum(gen)) / n,
+                    "generation_inter_bytes": sum(got["node_inter_bytes_generation"][warm:]) / n,
+                    "training_inter_bytes": (sum(got["node_inter_bytes_step"][warm:])
+                                             - sum(got["node_inter_bytes_generation"][warm:])) / n,
+                    "link_bytes_per_step": got["link_bytes"] / len(got["step_s"]),
+                    "ledger_peak_bytes": max(got["ledger_peak_bytes"]),
+                    "peak_rss_bytes": max(got["peak_rss_bytes"]),
+                    "wall_s": time.perf_counter() - began,
+                }
+                print(f"{rate:>9} budget {budget:>12} {contender:>8}: generation {r['generated_per_rank_per_s']:.1f} "
+                      f"bytes/s per rank ({r['generation_s']:.2f} s, {r['generation_inter_bytes'] / 1e6:.2f} MB "
+                      f"across nodes), training phase {r['training_phase_s']:.2f} s "
+                      f"({r['training_inter_bytes'] / 1e6:.2f} MB across nodes), ledger peak "
+                      f"{r['ledger_peak_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB",
+                      flush=True)
+            z3, zpp = results[f"{rate}/budget{budget}/zero3"], results[f"{rate}/budget{budget}/zero_pp"]
+            results[f"{rate}/budget{budget}/speedup"] = speedup = {
+                "generation": zpp["generated_per_rank_per_s"] / z3["generated_per_rank_per_s"],
+                "training_phase": z3["training_phase_s"] / zpp["training_phase_s"]}
+            print(f"{rate:>9} budget {budget:>12} ZeRO++ / ZeRO-3: generation {speedup['generation']:.2f}x, "
+                  f"training phase {speedup['training_phase']:.2f}x", flush=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["1000mbit", "100mbit"], help="inter-node bandwidths (tc syntax)")
+    parser.add_argument("--job", choices=["train", "rlhf"], default="train",
+                        help="train: the main job's training (train.py); rlhf: the RLHF example's GRPO step (rlhf_train.py)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--width", type=int, default=256, help="rlhf: the actor's width (the reward model's is half)")
+    parser.add_argument("--layers", type=int, default=4, help="rlhf: the actor's layers (the reward model's: half)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1 << 40],
+                        help="rlhf: inference_budget values, bytes (0: gather per forward; 2**40: the whole models)")
     parser.add_argument("--out", type=Path, default=HERE.parent / "results" / "cluster.json")
     args = parser.parse_args(argv)
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
         print(f"skipped: needs root and the ip and tc commands (euid {os.geteuid()}, missing {missing or 'none'})")
         return 0
-    results: dict[str, dict] = {}
-    warm = 5
     try:
         with tempfile.TemporaryDirectory(prefix="zinf-cluster-") as tmp:
-            for rate in args.rates:
-                build(rate)
-                for contender in ("zero3", "zero_pp"):
-                    began = time.perf_counter()
-                    got = run(contender, args.steps, Path(tmp))
-                    steps = got["step_s"][warm:]
-                    engine = sum(got["node_inter_bytes"]) / len(got["node_inter_bytes"])
-                    results[f"{rate}/{contender}"] = {
-                        "step_s": sum(steps) / len(steps),
-                        "engine_inter_bytes_per_step": engine,
-                        "link_bytes_per_step": got["link_bytes"] / len(got["step_s"]),
-                        "wall_s": time.perf_counter() - began,
-                    }
-                    r = results[f"{rate}/{contender}"]
-                    print(f"{rate:>9} {contender:>8}: {r['step_s']:.3f} s/step, across the link per step: "
-                          f"{r['link_bytes_per_step'] / 1e6:.2f} MB (veth, both directions, whole run / steps), "
-                          f"{engine / 1e6:.2f} MB (engine, node 0's ranks)", flush=True)
-                ratio = results[f"{rate}/zero3"]["step_s"] / results[f"{rate}/zero_pp"]["step_s"]
-                results[f"{rate}/speedup"] = {"zero_pp_over_zero3": ratio}
-                print(f"{rate:>9} ZeRO++ throughput / ZeRO-3: {ratio:.2f}x", flush=True)
+            results = (rlhf_job if args.job == "rlhf" else train_job)(args, Path(tmp))
     finally:
         teardown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, "warm_up_steps": warm, **results}, indent=1))
+    args.out.write_text(json.dumps({"job": args.job, "steps": args.steps, **results}, indent=1))
     return 0
 
 
