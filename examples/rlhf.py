@@ -363,6 +363,11 @@ class GRPO(L.LightningModule):
         if self.actor is not None:
             return
         h = self.hparams
+        for stage, folder in (("S (rlhf_sft.yaml)", h.sft_dir), ("R (rlhf_reward.yaml)", h.reward_dir)):
+            if not Path(folder, "config.json").is_file():
+                raise FileNotFoundError(f"GRPO needs stage {stage}'s model folder, and {folder!r} holds no config.json: "
+                                        "run that stage first (python examples/rlhf.py chains all three), or point "
+                                        "sft_dir/reward_dir (and load_full_weights) at its folder.")
         base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(h.sft_dir))
         self.actor = peft.get_peft_model(base, peft.LoraConfig(r=h.r, target_modules=LORA_TARGETS))
         config = transformers.AutoConfig.from_pretrained(h.reward_dir)

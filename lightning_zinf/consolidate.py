@@ -72,7 +72,9 @@ def _items(path: Path, strip_prefix: str, skip_excluded: bool = False, weights_o
         raise CheckpointError(
             f"{path} was saved with exclude_frozen_parameters: it does not hold the frozen parameters "
             f"({excluded[0]} and {len(excluded) - 1} more groups), so it cannot give the whole model. "
-            "Export the adapters only, or use a checkpoint saved with them."
+            "Export the adapters only (LoRA: lightning_zinf.hf_export.export_peft_adapters(checkpoint, folder, "
+            "peft_config=..., strip_prefix=...) writes a folder PeftModel.from_pretrained loads), or use a "
+            "checkpoint saved with them."
         )
     for i, group in enumerate(zinf["groups"]):
         if group.get("excluded", False):

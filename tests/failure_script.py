@@ -9,6 +9,7 @@ unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever 
 while rank 1 sleeps outside any collective), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
 alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
 (the same in validation / in ``trainer.predict``),
+``generation_rank0_only`` (from step 2 rank 0 alone enters ``strategy.generation()``),
 ``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
 save ``OUT/ckpt``), ``fabric_raise`` (a Fabric loop whose rank 1 raises), ``fabric_rank0_forward`` (a
 Fabric loop whose rank 0 alone runs the model while rank 1 waits in ``fabric.barrier()``).
@@ -66,6 +67,9 @@ class Lit(L.LightningModule):
             time.sleep(120)  # not in a collective: only the watch can notice rank 1 is gone
         extra = (SCENARIO == "rank_only_first" and self._rank_only(0)) or (
             SCENARIO == "rank_only_later" and self._rank_only(2))
+        if SCENARIO == "generation_rank0_only" and self._rank_only(2):
+            with self.trainer.strategy.generation(), torch.no_grad():  # rank 1 skips the rollout
+                self(batch[0], False)
         return torch.nn.functional.mse_loss(self(batch[0], extra), batch[1])
 
     def validation_step(self, batch, batch_idx):

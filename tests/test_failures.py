@@ -92,6 +92,17 @@ def test_a_module_that_one_rank_starts_running_later_is_named_on_every_rank(tmp_
     assert wall < 60
 
 
+def test_a_generation_phase_entered_on_one_rank_is_named_on_every_rank(tmp_path: Path) -> None:
+    """From step 2 rank 0 alone enters ``strategy.generation()`` (a rollout only it runs) while rank 1
+    goes on to the agreed trace's gathers: rank 0's entry check posts a notice the watch sees
+    unmatched, and both ranks end with the divergence naming the phase, not at the timeout."""
+    results, wall = _run_ranks("generation_rank0_only", tmp_path)
+    for code, err in results:
+        assert code == 1, err[-3000:]
+        assert "Ranks diverged" in err and "generation phase" in err, err[-3000:]
+    assert wall < 60
+
+
 def test_an_exception_on_one_rank_ends_every_rank_with_its_message(tmp_path: Path) -> None:
     results, wall = _run_ranks("raise", tmp_path)
     for code, err in results:

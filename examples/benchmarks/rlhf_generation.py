@@ -23,7 +23,7 @@ Contenders:
 
 The DeepSpeed contenders run under ``--python-deepspeed`` (default ``$ZINF_DEEPSPEED_PYTHON``, else
 this interpreter), a venv with DeepSpeed, ``transformers`` and ``peft``
-(``research/deepspeed_cpu_peer.md``). Prints tokens/s per rank, the ratio to ``ds3_hooks`` and
+(pip's ``deepspeed`` builds its CPU ops on first use; ``DS_ACCELERATOR=cpu`` is set). Prints tokens/s per rank, the ratio to ``ds3_hooks`` and
 to ``replicated``, and whether each contender produced the replicated model's tokens.
 """
 

@@ -134,6 +134,31 @@ class RankAgreement:
             "agree across ranks, e.g. by deciding on rank 0 and broadcasting)."
         )
 
+    def check_entry(self, what: str) -> None:
+        """Before a call every rank must make at the same point (entering a generation phase):
+        check that every rank made it, as a departure from the agreed order is checked (a notice
+        to the watch, then one all-reduce), so a rank that did not (it went on to a gather of the
+        agreed trace) ends every rank with the divergence instead of a hang until the timeout.
+
+        Raises:
+            RuntimeError: the other ranks made another call (every rank raises, naming each one's
+                place), or did not come within the watch's ``stale`` seconds.
+        """
+        if self.comm.world_size == 1:
+            return
+        if self.on_departure is not None:
+            self.on_departure(what)
+        with self._waiting(f"the agreement check at {what}"):
+            agreed = self.comm.all_equal(zlib.crc32(f"entry:{what}".encode()))
+        if self.on_departure is not None:
+            self.on_departure(None)
+        if agreed:
+            return
+        entries = self.comm.all_gather_object(("entry", what, what))
+        _raise_if_elsewhere(entries)
+        raise RuntimeError("Ranks diverged: " + ", ".join(f"rank {r} was at {e[1]}" for r, e in enumerate(entries))
+                           + ". Every rank must make the same calls on a partitioned model, in the same order.")
+
     def describe(self, code: int) -> str:
         """A collective by its code: a unit's index (a gather), or ``-1 - group index`` (a reduce-scatter)."""
         if code >= 0:

@@ -705,6 +705,9 @@ class ZeroEngine:
             return
         previous = self._pass_kind
         self._settle()
+        # Every rank must enter: one that does not goes on to the agreed trace's gathers, which
+        # only the watch can tell from a slow rank (a hang until the timeout otherwise).
+        self.agreement.check_entry("entry into a generation phase, strategy.generation()")
         self._in_phase = True
         end_passes = self.schedule.pass_per_outer_forward(
             self.module, lambda name: self._begin_pass(("generation", name), check=False))
