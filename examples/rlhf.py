@@ -172,7 +172,42 @@ def _export(module: L.LightningModule, model: transformers.PreTrainedModel, fold
     rank_zero_info(f"rlhf: wrote {folder}")
 
 
-class SupervisedFinetune(L.LightningModule):
+def reward_config(width: int, layers: int, seq_len: int) -> transformers.LlamaConfig:
+    """The reward model's config: :func:`examples.peft_lora.llama_config` with one label (a score)."""
+    config = llama_config(width, layers, seq_len)
+    config.num_labels = 1
+    return config
+
+
+def save_stand_in_models(folder: Path, width: int, layers: int, reward_width: int, reward_layers: int,
+                         seq_len: int = 64) -> tuple[Path, Path]:
+    """Stage S's and stage R's folders (``folder/sft``, ``folder/reward``), written as
+    ``save_pretrained`` writes them, with models freshly initialised from seed 0 instead of trained:
+    for running stage G where what is measured is the models' size, not their quality (the
+    2-node benchmark, the config's smoke test)."""
+    torch.manual_seed(0)
+    sft, reward = folder / "sft", folder / "reward"
+    transformers.LlamaForCausalLM(llama_config(width, layers, seq_len)).save_pretrained(sft)
+    transformers.LlamaForSequenceClassification(reward_config(reward_width, reward_layers, seq_len)).save_pretrained(reward)
+    return sft, reward
+
+
+class _ExportedStage(L.LightningModule):
+    """What stages S and R share: one constant-rate AdamW over every parameter, and the trained
+    model written to ``hparams.export_dir`` at the end of fit (:func:`_export`)."""
+
+    model: Optional[transformers.PreTrainedModel]
+
+    @override
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+    @override
+    def on_train_end(self) -> None:
+        _export(self, self.model, self.hparams.export_dir)
+
+
+class SupervisedFinetune(_ExportedStage):
     """Stage S: the byte-level Llama trained on whole lines (next-byte cross-entropy over the
     non-padding targets, the final newline included, so that generation learns where a line ends).
 
@@ -212,16 +247,8 @@ class SupervisedFinetune(L.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val_loss", self._loss(batch), sync_dist=True)
 
-    @override
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
-    @override
-    def on_train_end(self) -> None:
-        _export(self, self.model, self.hparams.export_dir)
-
-
-class RewardModel(L.LightningModule):
+class RewardModel(_ExportedStage):
     """Stage R: ``LlamaForSequenceClassification`` (one label: the score at the last non-padding
     byte) trained with the Bradley-Terry loss ``-log sigmoid(r(real) - r(corrupted))`` on pairs of
     :class:`StdlibLines` (``pairs: true``); logs ``val_pair_acc``, the share of held-out pairs
@@ -244,9 +271,7 @@ class RewardModel(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             h = self.hparams
-            config = llama_config(h.width, h.layers, h.seq_len)
-            config.num_labels = 1
-            self.model = transformers.LlamaForSequenceClassification(config)
+            self.model = transformers.LlamaForSequenceClassification(reward_config(h.width, h.layers, h.seq_len))
 
     def _scores(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         real, fake = batch
@@ -266,14 +291,6 @@ class RewardModel(L.LightningModule):
         real, fake = self._scores(batch)
         self.log("val_pair_acc", (real > fake).float().mean(), sync_dist=True)
         self.log("val_reward_real", real.mean(), sync_dist=True)
-
-    @override
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-
-    @override
-    def on_train_end(self) -> None:
-        _export(self, self.model, self.hparams.export_dir)
 
 
 def response_mask(responses: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ raising the held-out reward."""
 
 from __future__ import annotations
 
-import csv
 import json
 import random
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from examples.rlhf import NEWLINE, corrupt, grpo_loss, response_mask
+from examples.rlhf import NEWLINE, _metrics, corrupt, grpo_loss, response_mask, save_stand_in_models
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,16 +80,6 @@ def test_corruptions_mix_four_kinds_and_change_the_line() -> None:
     assert all(count > 50 for count in seen.values()), seen
 
 
-def _metrics(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    out: dict[str, list[tuple[int, float]]] = {}
-    with open(log_dir / "metrics.csv") as f:
-        for row in csv.DictReader(f):
-            for name, value in row.items():
-                if name not in ("step", "epoch") and value:
-                    out.setdefault(name, []).append((int(row["step"]), float(value)))
-    return out
-
-
 def _checkpoint_tensors(checkpoint: Path) -> tuple[list[str], set[str]]:
     """The parameter names of the flat groups whose shards the checkpoint's files hold, and the
     other (optimizer) entries' kinds, read from its files (``meta.pt``'s group table and the
@@ -110,7 +99,8 @@ def _checkpoint_tensors(checkpoint: Path) -> tuple[list[str], set[str]]:
 
 def test_rlhf_chain_raises_the_held_out_reward(tmp_path: Path) -> None:
     """``examples/rlhf.py --preset small`` at 2 ranks: SFT, reward model, GRPO. The held-out
-    (``email``) reward after GRPO exceeds the SFT policy's by two standard errors, KL to the reference is logged and positive, and the GRPO checkpoint holds the LoRA
+    (``email``) reward after GRPO exceeds the SFT policy's by two standard errors, KL to the
+    reference is logged and positive, and the GRPO checkpoint holds the LoRA
     adapters and their AdamW state, nothing of the frozen base or the reward model."""
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "rlhf.py"), "--out", str(tmp_path),
                            "--preset", "small"], cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -119,7 +109,7 @@ def test_rlhf_chain_raises_the_held_out_reward(tmp_path: Path) -> None:
     first, last = grpo["val_reward"][0], grpo["val_reward"][-1]
     assert first[0] == 0 and last[0] > 0
     # Two standard errors of the mean over the 64 prompts x 2 samples. Calibrated on seeds 0, 1, 2
-    # (docs/rlhf.md): rises of 2.9, 1.0 and 2.5 against 2 SE of about 0.7.
+    # (docs/rlhf.md): rises of 2.1, 1.5 and 2.5 against 2 SE of about 0.7.
     two_se = 2 * grpo["val_reward_std"][0][1] / (64 * 2) ** 0.5
     assert last[1] - first[1] >= two_se, (grpo["val_reward"], two_se)
     assert grpo["kl"] and all(value > 0 for _, value in grpo["kl"])
@@ -136,16 +126,7 @@ def test_grpo_config_runs_through_zinf_fit(tmp_path: Path) -> None:
     """``zinf fit --config examples/configs/rlhf_grpo.yaml`` for 2 steps, on stand-in stage S and
     R folders (freshly initialised models saved with ``save_pretrained``): both load through the
     ``load_full_weights`` mapping and the step logs reward and KL."""
-    import transformers
-
-    from examples.peft_lora import llama_config
-
-    torch.manual_seed(0)
-    sft, reward = tmp_path / "sft", tmp_path / "reward"
-    transformers.LlamaForCausalLM(llama_config(32, 2, 64)).save_pretrained(sft)
-    config = llama_config(32, 2, 64)
-    config.num_labels = 1
-    transformers.LlamaForSequenceClassification(config).save_pretrained(reward)
+    sft, reward = save_stand_in_models(tmp_path, 32, 2, 32, 2)
     weights = json.dumps({"actor.base_model.model.": str(sft), "reward.": str(reward)})
     done = subprocess.run(
         [sys.executable, "-m", "lightning_zinf.cli", "fit", "--config", "examples/configs/rlhf_grpo.yaml",

@@ -276,8 +276,9 @@ def load_trainable_state_dict(engine: ZeroEngine, state_dict: dict[str, Any]) ->
 
 
 def trainable_only(module: torch.nn.Module, state_dict: dict[str, Any]) -> bool:
-    """Whether ``state_dict`` (a full state dict of ``module``) leaves out every frozen parameter,
-    as one saved under ``exclude_frozen_parameters=True`` does (and ``module`` has some)."""
+    """Whether ``state_dict`` (a full state dict of ``module``: names -> tensors) leaves out every
+    frozen parameter, as one saved under ``exclude_frozen_parameters=True`` (DeepSpeed's option of
+    that name) does, and ``module`` has some. Raises nothing."""
     frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return bool(frozen) and not frozen & set(state_dict)
 

@@ -129,28 +129,15 @@ def train_job(args: argparse.Namespace, tmp: Path) -> dict:
     return results
 
 
-def _rlhf_models(tmp: Path, width: int, layers: int) -> tuple[Path, Path]:
-    """The actor's base and the reward model, from seeds, as ``transformers`` folders."""
-    import torch
-    import transformers
-
-    sys.path.insert(0, str(REPO))
-    from examples.peft_lora import llama_config
-
-    torch.manual_seed(0)
-    sft, reward = tmp / "sft", tmp / "reward"
-    transformers.LlamaForCausalLM(llama_config(width, layers, 64)).save_pretrained(sft)
-    config = llama_config(width // 2, max(1, layers // 2), 64)
-    config.num_labels = 1
-    transformers.LlamaForSequenceClassification(config).save_pretrained(reward)
-    return sft, reward
-
-
 def rlhf_job(args: argparse.Namespace, tmp: Path) -> dict:
     """RLHF's GRPO step (``rlhf_train.py``), ZeRO-3 then ZeRO++, at each rate and inference
     budget: generation bytes/s per rank, the training phase's seconds per step, the engine's
     inter-node bytes of each phase, and peak memory per rank."""
-    sft, reward = _rlhf_models(tmp, args.width, args.layers)
+    sys.path.insert(0, str(REPO))
+    from examples.rlhf import save_stand_in_models
+
+    # From seeds: the actor's base, and a reward model of half its width and depth.
+    sft, reward = save_stand_in_models(tmp, args.width, args.layers, args.width // 2, max(1, args.layers // 2))
     warm = 1
     results: dict = {"warm_up_steps": warm, "width": args.width, "layers": args.layers}
     for rate in args.rates:
