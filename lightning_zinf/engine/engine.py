@@ -26,8 +26,9 @@ The engine is a facade over parts with one concern each (FSDP2's split of its st
 group and collectives is the model): construction (:mod:`~lightning_zinf.engine.build`), the hooks
 that decide when (:mod:`~lightning_zinf.engine.schedule`), the unit state machine and the
 reduce-scatter queue (:mod:`~lightning_zinf.engine.units`), rank agreement
-(:mod:`~lightning_zinf.engine.agreement`) and memory accounting
-(:mod:`~lightning_zinf.engine.accounting`). It owns the wiring, the pass and step boundaries, and
+(:mod:`~lightning_zinf.engine.agreement`), memory accounting
+(:mod:`~lightning_zinf.engine.accounting`) and state access for reading and editing
+(:mod:`~lightning_zinf.engine.access`). It owns the wiring, the pass and step boundaries, and
 the calls users make: optimizer sharding, clipping, gathers for reading and editing, state access
 unit by unit.
 """
@@ -46,6 +47,7 @@ from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.engine.access import StateAccess
 from lightning_zinf.engine.accounting import MOVING, MemoryAccounting
 from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.agreement import RankAgreement
@@ -124,6 +126,8 @@ class ZeroEngine:
             collectives this rank issues and checks that every rank issues the same.
         accounting: The :class:`~lightning_zinf.engine.accounting.MemoryAccounting` behind
             :meth:`memory` and :meth:`resident_bytes`.
+        access: The :class:`~lightning_zinf.engine.access.StateAccess` behind :meth:`gathered`,
+            :meth:`hold_exact` and :meth:`state_resident`: exact reads and edits of the state.
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
@@ -204,7 +208,6 @@ class ZeroEngine:
                                  host_copies=offload.param == "cpu", preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
-        self._gathered_depth = 0  # nested gathered() blocks
         self._auto_pass = auto_pass
         self._pass_kind: Optional[Hashable] = None  # of the last pass begun outside a generation phase
         self._in_phase = False  # inside generation_phase()
@@ -224,6 +227,9 @@ class ZeroEngine:
         self.accounting = MemoryAccounting(self.ledger, self.groups, self.optimizers,
                                            shards_offloaded=self._shards_offloaded, param_offload=self.param_offload,
                                            offload=self.offload, space=self.space)
+        self.access = StateAccess(self.units, states=self.states, agreement=self.agreement, transfers=self.transfers,
+                                  param_offload=self.param_offload, offload=self.offload, optimizers=self.optimizers,
+                                  settle=self._settle)
         self.schedule = Schedule(module, self.units, {m: [self.units[i] for i in ids] for m, ids in uses.items()},
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
@@ -465,32 +471,12 @@ class ZeroEngine:
         return self.agreement.progress()
 
     # --- state access ----------------------------------------------------------------------------
-    @contextmanager
-    def state_resident(self, write_back: bool, groups: Optional[list[FlatGroup]] = None) -> Iterator[None]:
-        """The parameter shards, fp32 masters, gradient shards and optimizer states of ``groups``
-        (default: all) in memory for the block (with NVMe offload they are in swap files
-        otherwise); ``write_back``: they were modified (a load, an edit), so write them out
-        afterwards, and drop their hpZ secondary partitions (which hold the old values). For
-        checkpoints and edits: one group at a time keeps memory to one group's state."""
-        self._settle()
-        self.transfers.host_wait_h2d()  # the host may write host-tier shards a gather still reads
-        groups = self.groups if groups is None else groups
-        with contextlib.ExitStack() as stack:
-            for group in groups:
-                stack.enter_context(group.shard_resident(write_back))  # frozen groups stored quantized
-            if self.param_offload is not None:
-                stack.enter_context(self.param_offload.resident([g for g in groups if g.codes is None], write_back))
-            if self.offload is not None:
-                stack.enter_context(self.offload.resident(self.optimizers, write_back, groups))
-            try:
-                yield
-                if write_back and self.param_offload is not None:  # while the shards are in memory
-                    self.param_offload.refresh_copies(groups)  # (a failed load keeps the files as they were)
-            finally:
-                if write_back:  # host copies and hpZ secondaries follow the shards, loaded in full or not
-                    for group in groups:
-                        group.shard_changed()
-                        group.drop_secondary()
+    def state_resident(self, write_back: bool,
+                       groups: Optional[list[FlatGroup]] = None) -> contextlib.AbstractContextManager[None]:
+        """The shards, masters, gradient shards and optimizer states of ``groups`` (default: all) in
+        memory for the block; ``write_back``: written out afterwards
+        (:meth:`StateAccess.state_resident <lightning_zinf.engine.access.StateAccess.state_resident>`)."""
+        return self.access.state_resident(write_back, groups)
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
@@ -544,82 +530,31 @@ class ZeroEngine:
         changed = {id(g) for g in stepped}
         self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
 
-    @contextmanager
-    def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """Gather every unit for the duration of the block (like FSDP's ``summon_full_params``),
-        with the exact values in the parameters' own dtype (the fp32 masters under a bf16
-        policy, not the bf16 copies forward computes with).
-
-        Args:
-            write_back: Copy edits made to the full parameters inside the block back into the shards
-                on exit. Every rank must make the same edits.
-        """
-        self._settle()
-        units = list(self.units)
-        for unit in units:
-            unit.forward_depth += 1
-        self._gathered_depth += 1
-        try:
-            with self.agreement.checked():
-                self.states.gather_exact(units, read=True)
-            yield
-            if write_back:
-                with self.state_resident(write_back=True):
-                    for group in self.groups:
-                        group.write_back()
-        finally:
-            self._gathered_depth -= 1
-            for unit in units:
-                unit.forward_depth -= 1
-                self.states.maybe_release(unit)
-            if self._gathered_depth == 0:  # an enclosing block still wants the exact values
-                self.states.gather_exact([u for u in units if u.persistent])  # back to the compute dtype
+    def gathered(self, write_back: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Gather every unit, exactly, for the block; ``write_back``: edits go back into the shards
+        (:meth:`StateAccess.gathered <lightning_zinf.engine.access.StateAccess.gathered>`)."""
+        return self.access.gathered(write_back)
 
     # --- one unit at a time, exactly (state_dict / load_state_dict) ---------------------------------
     def begin_unit_access(self) -> None:
-        """Finish every collective and swap in flight before code reads or writes parameters unit
-        by unit (:meth:`hold_exact`); call once per traversal, not per unit."""
-        self._settle()
+        """Settle before a traversal of :meth:`hold_exact` calls
+        (:meth:`StateAccess.begin_unit_access <lightning_zinf.engine.access.StateAccess.begin_unit_access>`)."""
+        self.access.begin_unit_access()
 
     def hold_exact(self, unit: Unit) -> None:
-        """Gather ``unit`` with its exact values in the parameters' own dtype (the fp32 masters'
-        values under a bf16 policy, as :meth:`gathered`) and keep it gathered until
-        :meth:`drop_exact`. Collective: every rank must hold the same units in the same order.
-        The per-unit counterpart of :meth:`gathered` (FSDP's full state dict gathers one
-        FlatParameter at a time the same way; Zhao et al., VLDB'23, §3.4).
-
-        Raises:
-            RuntimeError: the ranks are about to gather different units, or are in different calls
-                (the agreement check every gather here makes); nothing stays held.
-        """
-        unit.forward_depth += 1
-        try:
-            with self.agreement.checked():
-                self.states.gather_exact([unit], read=True)
-        except BaseException:
-            unit.forward_depth -= 1
-            raise
+        """Gather ``unit`` exactly and hold it until :meth:`drop_exact`; collective
+        (:meth:`StateAccess.hold_exact <lightning_zinf.engine.access.StateAccess.hold_exact>`)."""
+        self.access.hold_exact(unit)
 
     def drop_exact(self, unit: Unit, write_back: bool) -> None:
-        """End a :meth:`hold_exact`: with ``write_back``, copy this rank's slice of the (edited or
-        loaded) full values into its shards and fp32 masters first (only the elements that
-        changed: unedited masters keep their fp32 bits); then release the unit unless something
-        else holds it. A persistent unit stays gathered in the parameters' dtype until
-        :meth:`end_unit_access`."""
-        try:
-            if write_back:
-                with self.state_resident(write_back=True, groups=unit.groups):
-                    for group in unit.groups:
-                        group.write_back()
-        finally:
-            unit.forward_depth -= 1
-            self.states.maybe_release(unit)
+        """End a :meth:`hold_exact`, writing edits back first with ``write_back``
+        (:meth:`StateAccess.drop_exact <lightning_zinf.engine.access.StateAccess.drop_exact>`)."""
+        self.access.drop_exact(unit, write_back)
 
     def end_unit_access(self, units: Collection[Unit]) -> None:
-        """After a traversal of :meth:`hold_exact` calls: the persistent ones among ``units`` go back
-        to their compute-dtype gather (collective, as the holds were)."""
-        if self._gathered_depth == 0:  # inside gathered(): its exit does it
-            self.states.gather_exact([u for u in units if u.persistent])
+        """After a traversal: the persistent ``units`` back to their compute-dtype gather
+        (:meth:`StateAccess.end_unit_access <lightning_zinf.engine.access.StateAccess.end_unit_access>`)."""
+        self.access.end_unit_access(units)
 
     @contextmanager
     def keep_gathered(self, budget: int) -> Iterator[None]:
