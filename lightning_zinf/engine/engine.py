@@ -27,8 +27,9 @@ group and collectives is the model): construction (:mod:`~lightning_zinf.engine.
 that decide when (:mod:`~lightning_zinf.engine.schedule`), the unit state machine and the
 reduce-scatter queue (:mod:`~lightning_zinf.engine.units`), rank agreement
 (:mod:`~lightning_zinf.engine.agreement`), memory accounting
-(:mod:`~lightning_zinf.engine.accounting`) and state access for reading and editing
-(:mod:`~lightning_zinf.engine.access`). It owns the wiring, the pass and step boundaries, and
+(:mod:`~lightning_zinf.engine.accounting`), state access for reading and editing
+(:mod:`~lightning_zinf.engine.access`) and generation inside training
+(:mod:`~lightning_zinf.engine.generation`). It owns the wiring, the pass and step boundaries, and
 the calls users make: optimizer sharding, clipping, gathers for reading and editing, state access
 unit by unit.
 """
@@ -37,9 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swap_space, swapped_shards
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
 from lightning_zinf.engine.partition import plan_units
@@ -128,6 +129,8 @@ class ZeroEngine:
             :meth:`memory` and :meth:`resident_bytes`.
         access: The :class:`~lightning_zinf.engine.access.StateAccess` behind :meth:`gathered`,
             :meth:`hold_exact` and :meth:`state_resident`: exact reads and edits of the state.
+        generation: The :class:`~lightning_zinf.engine.generation.Generation` behind
+            :meth:`keep_gathered` and :meth:`generation_phase`.
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
@@ -208,9 +211,6 @@ class ZeroEngine:
                                  host_copies=offload.param == "cpu", preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
-        self._auto_pass = auto_pass
-        self._pass_kind: Optional[Hashable] = None  # of the last pass begun outside a generation phase
-        self._in_phase = False  # inside generation_phase()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
         for buffer_owner in module.modules():
@@ -234,11 +234,14 @@ class ZeroEngine:
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None)
+        self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
+                                     agreement=self.agreement, settle=self._settle, begin_pass=self._begin_pass,
+                                     auto_pass=auto_pass)
         self.state_dict_hooks = StateDictHooks(self)
         self._state_dict_handles = self.state_dict_hooks.install()
         refuse_unsharded_steps(self, [p for g in self.groups if g.trainable for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
-        self._mark_partitioned(True)
+        mark_partitioned(module, True)
         self.states.gather_exact([u for u in self.units if u.persistent])
 
     # --- what the parts keep, as the engine's own ---------------------------------------------------
@@ -299,9 +302,9 @@ class ZeroEngine:
                 collectives since the last check differ (:meth:`verify_ranks_agree`).
         """
         # Inside keep_gathered() and generation phases: checked once, at their end.
-        self._begin_pass(kind, check=not self.states.keep_budget and not self._in_phase)
-        if not self._in_phase:
-            self._pass_kind = kind
+        self._begin_pass(kind, check=not self.states.keep_budget and not self.generation.active)
+        if not self.generation.active:
+            self.generation.resume_kind = kind
 
     def _begin_pass(self, kind: Hashable, check: bool) -> None:
         self.state_dict_hooks.reset()
@@ -309,7 +312,7 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        if not self._in_phase:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
+        if not self.generation.active:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
             self._check_requires_grad()
         if check:
             self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
@@ -556,119 +559,18 @@ class ZeroEngine:
         (:meth:`StateAccess.end_unit_access <lightning_zinf.engine.access.StateAccess.end_unit_access>`)."""
         self.access.end_unit_access(units)
 
-    @contextmanager
-    def keep_gathered(self, budget: int) -> Iterator[None]:
-        """Within the block, a unit that finishes its forward stays gathered while the gathered
-        bytes stay within ``budget`` (bytes), so later forward passes (the decode steps of one
-        ``generate()``) do not gather it again; on exit every unit kept is released. For passes
-        without gradients; a backward inside the block still works (units are released as usual).
-        Every rank must run the same forward passes in the block while gathers happen
-        (``transformers``' ``generate`` does, with ``synced_gpus``, which it turns on for a model
-        this engine partitions). When the budget holds every unit, only the first forward gathers,
-        so ``generate`` runs without ``synced_gpus`` (no all-reduce per token): a rank whose
-        sequences end first may stop. DeepSpeed's hybrid engine likewise gathers the model once per
-        ``generate`` call; this does so within a memory budget.
+    # --- generation inside training ---------------------------------------------------------------
+    def keep_gathered(self, budget: int) -> contextlib.AbstractContextManager[None]:
+        """Within the block, units that finish their forward stay gathered within ``budget`` bytes,
+        so later forward passes (decode steps) do not gather them again; released on exit
+        (:meth:`Generation.keep_gathered <lightning_zinf.engine.generation.Generation.keep_gathered>`)."""
+        return self.generation.keep_gathered(budget)
 
-        Args:
-            budget: Most bytes of gathered parameters kept (``0``: release as usual).
-        """
-        previous = self.states.keep_budget
-        self.states.keep_budget = budget
-        whole = self._holds_whole_model(budget)
-        if whole:
-            self._mark_partitioned(False)
-        try:
-            yield
-        finally:
-            if whole:
-                self._mark_partitioned(True)
-            self.states.keep_budget = previous
-            if previous == 0:
-                self.states.release_kept()
-                self.verify_ranks_agree()
-
-    def _holds_whole_model(self, budget: int) -> bool:
-        return budget >= sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)
-
-    @contextmanager
-    def generation_phase(self, budget: int) -> Iterator[None]:
-        """A generation phase inside a training step: RLHF's rollouts (``generate()`` of the
-        actor, a reward model's forward, a reference forward under PEFT's ``disable_adapter()``),
-        with ZeRO++'s behaviour for it (Wang et al., "ZeRO++", 2023, §4 and its RLHF generation
-        results; DeepSpeed's hybrid engine and DeepSpeed-Chat switch the same way between
-        generation and training). Use under ``torch.no_grad()``; every rank enters and leaves it
-        at the same point. Inside it:
-
-        - every outermost forward of a module of the model starts a trace pass of its own kind,
-          ``("generation", qualified name of that module)`` (:meth:`Schedule.pass_per_outer_forward
-          <lightning_zinf.engine.schedule.Schedule.pass_per_outer_forward>`), so each decode step
-          replays one stable trace: after the first forward of each kind no gather is checked with
-          the other ranks one by one (a control all-reduce each, across nodes), and no pass
-          boundary checks either; the ranks' collectives are verified once, on exit;
-        - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
-          adapters' ``requires_grad`` off); they must be as partitioned again on exit;
-        - units stay gathered within ``budget`` bytes as in :meth:`keep_gathered` (a budget below
-          the whole model keeps ``transformers``' ``synced_gpus`` on, the whole model turns it off);
-        - with qwZ, each flat group's shard is quantized at most once: the packed row of codes and
-          scales made at its first quantized gather is kept (accounted as ``"secondary"``) and sent
-          again by later gathers, until the phase ends or the shard changes (a step, a load, an
-          edit). Groups stored as frozen codes are never quantized, and hpZ's secondary partitions
-          keep re-gathers inside the node already. The rows sit on the compute device (about one
-          byte per element of this rank's shards, outside ``budget``): with parameters offloaded
-          to the host or NVMe that is a quarter of the fp32 shards' bytes brought to the device
-          for the phase.
-
-        On exit the kept units are released, the kept rows dropped, the ranks' collectives verified
-        (one all-reduce) and, without ``auto_pass``, a pass of the kind begun before the phase
-        (``"train"``) starts again, so the training forward and backward that follow replay their
-        own trace: switching costs at most one gather more of each unit. A phase entered inside
-        another is part of it.
-
-        Args:
-            budget: Most bytes of gathered parameters kept between forward passes (``0``: none).
-
-        Raises:
-            ValueError: ``budget`` is not a non-negative int.
-            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`),
-                or a parameter's ``requires_grad`` is not what it was when the model was partitioned.
-        """
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-            raise ValueError(f"generation_phase: budget must be a non-negative number of bytes (an int), got {budget!r}; "
-                             "pass PrefetchConfig.inference_budget or 0.")
-        if self._in_phase:
-            yield
-            return
-        previous = self._pass_kind
-        self._settle()
-        # Every rank must enter: one that does not goes on to the agreed trace's gathers, which
-        # only the watch can tell from a slow rank (a hang until the timeout otherwise).
-        self.agreement.check_entry("entry into a generation phase, strategy.generation()")
-        self._in_phase = True
-        end_passes = self.schedule.pass_per_outer_forward(
-            self.module, lambda name: self._begin_pass(("generation", name), check=False))
-        for group in self.groups:
-            group.keeps_qwz_row = True
-        # The whole model kept: no synced_gpus, so ranks run different numbers of forward passes,
-        # and a pass that leaves its kind's trace (a decode that skips a module only the prefill
-        # runs) must not start a recording whose validation only some ranks would reach.
-        self.tracer.rerecord = not self._holds_whole_model(budget)
-        try:
-            with self.keep_gathered(budget):  # verifies the ranks' collectives at its end
-                try:
-                    yield
-                finally:
-                    end_passes()
-                    # Ranks may have run different numbers of decode passes: the last pass's trace is
-                    # validated here, at the same point on every rank, before the check on exit.
-                    self.tracer.end_pass()
-        finally:
-            self._in_phase = False
-            self.tracer.rerecord = True
-            for group in self.groups:
-                group.keeps_qwz_row = False
-                group.drop_qwz_row()  # after the release above settled the gathers that send it
-        if previous is not None and not self._auto_pass:  # with auto_pass the next forward starts its pass
-            self._begin_pass(previous, check=False)
+    def generation_phase(self, budget: int) -> contextlib.AbstractContextManager[None]:
+        """A generation phase inside a training step (RLHF's rollouts, reward and reference forwards),
+        units kept gathered within ``budget`` bytes (:meth:`Generation.phase
+        <lightning_zinf.engine.generation.Generation.phase>`: ZeRO++'s behaviour inside, the errors)."""
+        return self.generation.phase(budget)
 
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
@@ -683,13 +585,3 @@ class ZeroEngine:
         for handle in self._state_dict_handles:
             handle.remove()
         self._state_dict_handles = []
-
-    def _mark_partitioned(self, on: bool) -> None:
-        # transformers' generate() reads FSDP2's marker to keep all ranks stepping until every
-        # rank's sequences are done (synced_gpus): forward passes gather collectively here too.
-        # Dynamo reads the pair FSDP2 sets: parameters keep their identity while their storage comes
-        # and goes, so it takes them as graph inputs and guards nothing on them (with the marker
-        # alone it refuses the module and runs it uncompiled).
-        for submodule in self.module.modules():
-            submodule._is_fsdp_managed_module = on  # type: ignore[assignment]
-            submodule._fsdp_use_orig_params = on  # type: ignore[assignment]
