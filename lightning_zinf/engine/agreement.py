@@ -112,6 +112,9 @@ class RankAgreement:
     def verify(self, where: str = "an agreement check of the engine") -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
         the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
+        Run at every pass boundary and before every optimizer step, so a rank whose control flow
+        diverged (a different branch over units of the same size, which the collectives
+        themselves cannot notice) stops training before a wrong update is applied.
 
         Args:
             where: What this check is, for :attr:`waiting_in` while it waits for the other ranks.

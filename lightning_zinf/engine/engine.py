@@ -28,8 +28,9 @@ that decide when (:mod:`~lightning_zinf.engine.schedule`), the unit state machin
 reduce-scatter queue (:mod:`~lightning_zinf.engine.units`), rank agreement
 (:mod:`~lightning_zinf.engine.agreement`), memory accounting
 (:mod:`~lightning_zinf.engine.accounting`), state access for reading and editing
-(:mod:`~lightning_zinf.engine.access`) and generation inside training
-(:mod:`~lightning_zinf.engine.generation`). It owns the wiring, the pass and step boundaries, and
+(:mod:`~lightning_zinf.engine.access`), generation inside training
+(:mod:`~lightning_zinf.engine.generation`) and the optimizer step
+(:mod:`~lightning_zinf.engine.steps`). It owns the wiring, the pass and step boundaries, and
 the calls users make: optimizer sharding, clipping, gathers for reading and editing, state access
 unit by unit.
 """
@@ -56,10 +57,10 @@ from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swa
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
+from lightning_zinf.engine.optim import refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
-from lightning_zinf.engine.ranges import phased
 from lightning_zinf.engine.schedule import Schedule
+from lightning_zinf.engine.steps import OptimizerSteps
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import Transfers, resolve_device
@@ -67,7 +68,6 @@ from lightning_zinf.engine.units import Unit, UnitStates
 from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
-from lightning_zinf.offload.preflight import ensure_space
 from lightning_zinf.tiling import tile_linear_layers
 
 __all__ = ["ZeroEngine", "Unit"]
@@ -127,10 +127,9 @@ class ZeroEngine:
             collectives this rank issues and checks that every rank issues the same.
         accounting: The :class:`~lightning_zinf.engine.accounting.MemoryAccounting` behind
             :meth:`memory` and :meth:`resident_bytes`.
-        access: The :class:`~lightning_zinf.engine.access.StateAccess` behind :meth:`gathered`,
-            :meth:`hold_exact` and :meth:`state_resident`: exact reads and edits of the state.
-        generation: The :class:`~lightning_zinf.engine.generation.Generation` behind
-            :meth:`keep_gathered` and :meth:`generation_phase`.
+        access: The :class:`~lightning_zinf.engine.access.StateAccess`: exact reads and edits of the state.
+        generation: The :class:`~lightning_zinf.engine.generation.Generation`: units kept, generation phases.
+        steps: The :class:`~lightning_zinf.engine.steps.OptimizerSteps`: the sharded optimizers' steps.
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
@@ -192,9 +191,8 @@ class ZeroEngine:
         on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
         self.ledger = MemoryLedger(tuple(on_device))
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
-        self._nvme_path = offload.nvme_path
-        self._shards_offloaded = offload.param != "none"
-        self._shard_device = torch.device("cpu") if self._shards_offloaded else self.device
+        shards_offloaded = offload.param != "none"
+        shard_device = torch.device("cpu") if shards_offloaded else self.device
         self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         specs, uses = plan_units(module, block_classes)
@@ -204,7 +202,7 @@ class ZeroEngine:
         self.space = make_swap_space(offload, self.comm, self.device, swapped)
         self.swapper = self.space.swapper if self.space is not None else None
         self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
-        self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=self._shard_device,
+        self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=shard_device,
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
                                  persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
@@ -225,7 +223,7 @@ class ZeroEngine:
                                  agreement=self.agreement, prefetch=prefetch, param_offload=self.param_offload,
                                  offload=self.offload, transfers=self.transfers)
         self.accounting = MemoryAccounting(self.ledger, self.groups, self.optimizers,
-                                           shards_offloaded=self._shards_offloaded, param_offload=self.param_offload,
+                                           shards_offloaded=shards_offloaded, param_offload=self.param_offload,
                                            offload=self.offload, space=self.space)
         self.access = StateAccess(self.units, states=self.states, agreement=self.agreement, transfers=self.transfers,
                                   param_offload=self.param_offload, offload=self.offload, optimizers=self.optimizers,
@@ -234,6 +232,11 @@ class ZeroEngine:
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None)
+        self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
+                                    transfers=self.transfers, device=self.device, shard_device=shard_device,
+                                    shards_offloaded=shards_offloaded, param_offload=self.param_offload,
+                                    offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
+                                    optimizers=self.optimizers, plain_layouts=self.plain_layouts, settle=self._settle)
         self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
                                      agreement=self.agreement, settle=self._settle, begin_pass=self._begin_pass,
                                      auto_pass=auto_pass)
@@ -352,92 +355,34 @@ class ZeroEngine:
 
     # --- optimizer -------------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
-        run :meth:`after_step` for the flat groups it steps after each of its steps (a step post-hook).
+        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and run
+        :meth:`after_step` after each of its steps (:meth:`OptimizerSteps.shard_optimizer
+        <lightning_zinf.engine.steps.OptimizerSteps.shard_optimizer>`: the rules and errors)."""
+        return self.steps.shard_optimizer(optimizer)
 
-        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
-        ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
-        masters, gradient shards, its per-element states) fit in ``nvme_path``
-        (:func:`~lightning_zinf.offload.preflight.ensure_space`; collective), and raises
-        :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
-        """
-        # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
-        def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
-            if self.param_offload is None:
-                return contextlib.nullcontext()
-            return self.param_offload.resident([group], write_back=False)
+    def master_fragments(self) -> list[Tensor]:
+        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
+        return self.steps.master_fragments()
 
-        if self.offload is not None and self.offload.nvme:
-            self.swapper.planned_bytes = ensure_space(
-                self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
-                "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
-        if self.offload is not None:
-            self.offload.place_masters(shard_resident)
-        elif self._shards_offloaded:
-            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be
-            # it, unless gathers read a host copy instead (FlatGroup.make_master decides).
-            for group in self.groups:
-                if group.trainable and group.master is None:
-                    with shard_resident(group):
-                        group.make_master(separate=True)
-        # Where each parameter the user gave the optimizer went, for its plain (unsharded) state dict.
-        where = {id(p): (i, j) for i, g in enumerate(self.groups) if g.trainable for j, p in enumerate(g.params)}
-        layout = [[where.get(id(p)) for p in param_group["params"]] for param_group in optimizer.param_groups]
-        shard_optimizer(optimizer, self.groups)
-        self.plain_layouts.append(layout)
-        if self.offload is not None and self.offload.nvme:
-            self.offload.wrap_zero_grad(optimizer)
-        self.optimizers.append(optimizer)
-        optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
-        # The groups it steps: those holding a master fragment it was given (fixed from here on, as
-        # the layout above is).
-        held = {id(f) for param_group in optimizer.param_groups for f in param_group["params"]}
-        stepped = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
-        optimizer.register_step_post_hook(lambda *_: self.after_step(stepped))
-        return optimizer
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32)
+        (:meth:`OptimizerSteps.clip_grad_norm_ <lightning_zinf.engine.steps.OptimizerSteps.clip_grad_norm_>`)."""
+        return self.steps.clip_grad_norm_(max_norm)
 
-    def _swap_file_bytes(self) -> int:
-        """Bytes of this rank's swap files now (records written, in memory or not)."""
-        return sum(n for part in (self.param_offload, self.offload) if part is not None for n in part.tier_bytes().values())
-
-    @phased("zinf.before_step")
-    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._settle()
-        self.verify_ranks_agree("the agreement check before an optimizer step")
-        if self.offload is not None:
-            if self._shard_device != self.device:
-                self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read
-            # Sub-group by sub-group, each one's updated shards copied out while the next steps;
-            # the optimizer's own step then has nothing left.
-            self.offload.step(optimizer)
+    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
+        """After ``optimizer.step()``: the masters of ``groups`` (``None``: all) cast into the compute
+        shards (:meth:`OptimizerSteps.after_step <lightning_zinf.engine.steps.OptimizerSteps.after_step>`)."""
+        self.steps.after_step(groups)
 
     # --- memory ----------------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
-
-        ``device``: parameter shards, gathered parameters, hpZ secondary partitions and gradient
-        buffers (in use and pooled), plus the fp32 masters, fp32 gradient shards and optimizer
-        states when the optimizer is not offloaded.
-        ``cpu``: with parameter or optimizer offload, those tensors currently in CPU memory.
-        ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
-        machine without an accelerator the device is the CPU as well; the split says which tier
-        the engine placed each tensor on. :meth:`memory` splits the same bytes by category.
-        """
+        """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``):
+        :meth:`MemoryAccounting.resident_bytes <lightning_zinf.engine.accounting.MemoryAccounting.resident_bytes>`."""
         return self.accounting.resident_bytes()
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """The memory ledger: bytes this rank holds now and at most since the last
-        :meth:`reset_memory_peaks` (a training step), by category (what each holds:
-        :data:`~lightning_zinf.engine.ledger.CATEGORIES`).
-
-        Gathered units, secondary partitions, gradient buffers and reduce-scatters in flight are
-        accounted as the engine allocates and frees them, so their peaks are exact; the shards,
-        gradient shards, optimizer state and staging memory are counted from the state now (their
-        peak is the largest value seen by these calls, and staging's the pool's own peak).
-
-        Returns:
-            Category -> ``(bytes now, peak bytes)``.
-        """
+        """Category -> ``(bytes now, peak bytes since :meth:`reset_memory_peaks`)``: the memory ledger
+        (:meth:`MemoryAccounting.memory <lightning_zinf.engine.accounting.MemoryAccounting.memory>`)."""
         return self.accounting.memory()
 
     def reset_memory_peaks(self) -> None:
@@ -454,18 +399,9 @@ class ZeroEngine:
 
     # --- rank agreement --------------------------------------------------------------------------
     def verify_ranks_agree(self, where: str = "an agreement check of the engine") -> None:
-        """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
-        the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
-        Run at every pass boundary and before every optimizer step, so a rank whose control flow
-        diverged (a different branch over units of the same size, which the collectives
-        themselves cannot notice) stops training before a wrong update is applied.
-
-        Args:
-            where: What this check is, for :attr:`waiting_in` while it waits for the other ranks.
-
-        Raises:
-            RuntimeError: the ranks' sequences differ; the message gives the first difference.
-        """
+        """Check that every rank issued the same gathers and reduce-scatters since the last check;
+        ``where`` names the check for :attr:`waiting_in`. Raises ``RuntimeError`` naming the first
+        difference (:meth:`RankAgreement.verify <lightning_zinf.engine.agreement.RankAgreement.verify>`)."""
         self.agreement.verify(where)
 
     def progress(self) -> str:
@@ -480,58 +416,6 @@ class ZeroEngine:
         memory for the block; ``write_back``: written out afterwards
         (:meth:`StateAccess.state_resident <lightning_zinf.engine.access.StateAccess.state_resident>`)."""
         return self.access.state_resident(write_back, groups)
-
-    def master_fragments(self) -> list[Tensor]:
-        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
-        return [f for g in self.groups if g.trainable for f in g.fragments]
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32).
-
-        With NVMe optimizer offload the gradients may be on disk: the norm comes from the squared
-        norms recorded as they were accumulated, and the scaling is applied as each sub-group is
-        swapped in for the step.
-        """
-        if self.offload is not None and self.offload.nvme:
-            self._settle()
-            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm()).sqrt()  # on the host
-            self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            return norm
-        return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
-
-    @phased("zinf.after_step")
-    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
-        """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs, with the
-        flat groups that optimizer steps: those holding a master fragment it was given): for
-        ``groups``, cast the masters into the compute shards, mark the gradients consumed and drop
-        the stale hpZ secondary partitions; then re-gather the persistent units that hold one of them.
-
-        Other groups are left alone, so that several models or optimizers in one engine do not
-        disturb each other: another optimizer's gradients keep accumulating across this step, as
-        in plain torch, and frozen groups keep their secondary partitions (a step cannot change
-        them; loads and edits drop them, :meth:`state_resident`). A group holding parameters of
-        two optimizers is consumed by the step of either.
-
-        Args:
-            groups: The groups the optimizer that stepped holds, or ``None`` (after a load): every group.
-        """
-        self._settle(boundary=True)
-        if self._shard_device != self.device:
-            self.transfers.host_wait_h2d()  # host-tier shards are rewritten below
-        stepped = self.groups if groups is None else groups
-        for group in stepped:
-            # An offloaded optimizer rewrote the shards of what it stepped already (OptimizerOffload.step).
-            rewrites = self.param_offload is not None and group.master is not None and not group.host_state
-            if rewrites:
-                self.param_offload.will_overwrite(group)
-            group.after_step()
-            if rewrites:
-                self.param_offload.changed(group)
-        # Updated shards copied from host-side masters (in order, on the copy stream) are read by
-        # compute from here on: order it after them, without waiting on the host.
-        self.transfers.wait_on_device(self.transfers.record())
-        changed = {id(g) for g in stepped}
-        self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
 
     def gathered(self, write_back: bool = False) -> contextlib.AbstractContextManager[None]:
         """Gather every unit, exactly, for the block; ``write_back``: edits go back into the shards
