@@ -624,6 +624,27 @@ class Collectives:
         dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.control_group)
         return int(pair[0]) == -int(pair[1])
 
+    def all_equal_each(self, values: list[int]) -> list[bool]:
+        """Element ``i`` is whether every rank passed the same ``values[i]`` (signed 64-bit
+        integers): :meth:`all_equal` for several values in one all-reduce."""
+        if self.world_size == 1:
+            return [True] * len(values)
+        pairs = torch.tensor([v for value in values for v in (value, -value)], dtype=torch.int64)
+        dist.all_reduce(pairs, op=dist.ReduceOp.MAX, group=self.control_group)
+        got = pairs.tolist()
+        return [got[2 * i] == -got[2 * i + 1] for i in range(len(values))]
+
+    def all_gather_ints(self, values: list[int]) -> list[tuple[int, ...]]:
+        """Every rank's ``values`` (the same number of signed 64-bit integers on every rank),
+        indexed by rank: one all-gather of a host tensor on the control group (a negotiation
+        round, :mod:`lightning_zinf.engine.negotiation`)."""
+        if self.world_size == 1:
+            return [tuple(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.control_group)
+        return [tuple(t.tolist()) for t in out]
+
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Element ``i`` is whether ``flags[i]`` is true on some rank: one all-reduce (MAX) of a
         uint8 host tensor on the control group, read back once."""

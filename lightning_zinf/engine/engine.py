@@ -57,6 +57,7 @@ from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swa
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
+from lightning_zinf.engine.negotiation import STEP_END, USER_COLLECTIVE
 from lightning_zinf.engine.optim import refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
 from lightning_zinf.engine.schedule import Schedule
@@ -231,7 +232,8 @@ class ZeroEngine:
         self.schedule = Schedule(module, self.units, {m: [self.units[i] for i in ids] for m, ids in uses.items()},
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
-                                 read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None)
+                                 read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
+                                 meet=self.agreement.waypoint)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     shards_offloaded=shards_offloaded, param_offload=self.param_offload,
@@ -317,10 +319,7 @@ class ZeroEngine:
                 group.free_consumed_grads()
         if not self.generation.active:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
             self._check_requires_grad()
-        if check:
-            self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
-        self.tracer.begin_pass(kind)
-        self.agreement.begin_pass()
+        self.agreement.begin_pass(kind, check)
 
     def _check_requires_grad(self) -> None:
         for group in self.groups:
@@ -339,6 +338,27 @@ class ZeroEngine:
         if boundary:
             self.schedule.reset()
         self.states.settle(boundary)
+
+    def end_step(self) -> None:
+        """The end of a training, validation, test or predict step (the Lightning strategy calls it
+        when the LightningModule's step returns): ranks that ran different modules in the step
+        meet here, serving each other's gathers until every rank has ended it
+        (:mod:`~lightning_zinf.engine.negotiation`). Every rank must call it at the same points.
+
+        Raises:
+            RuntimeError: another rank waits at another step boundary (every rank raises, naming each one's).
+        """
+        self.agreement.waypoint(STEP_END)
+
+    def before_collective(self) -> None:
+        """Before a collective the training code makes through the strategy (Lightning's logging
+        with ``sync_dist``, ``all_gather``, ``barrier``, ``broadcast``): ranks that ran different
+        modules meet here first, so the collective pairs with the same one on every rank.
+
+        Raises:
+            RuntimeError: another rank waits at another step boundary (every rank raises, naming each one's).
+        """
+        self.agreement.waypoint(USER_COLLECTIVE)
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Gather ``param``'s unit whenever ``module`` runs, for a parameter that ``module``'s forward

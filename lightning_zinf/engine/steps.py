@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.negotiation import OPTIMIZER_STEP
 from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
 from lightning_zinf.engine.ranges import phased
 from lightning_zinf.engine.transfer import Transfers
@@ -135,6 +136,7 @@ class OptimizerSteps:
     @phased("zinf.before_step")
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
+        self.agreement.waypoint(OPTIMIZER_STEP)  # ranks that ran different modules meet here
         self.agreement.verify("the agreement check before an optimizer step")
         if self.offload is not None:
             if self._shard_device != self.device:
