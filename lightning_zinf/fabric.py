@@ -48,6 +48,7 @@ from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier
                                     restore_hyperparameters, start_watch, wait_for_launched)
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_fabric_precision
 from lightning_zinf.preemption import Preemption
+from lightning_zinf.repoint import Successors
 
 __all__ = ["ZeroInfinityFabricStrategy"]
 
@@ -115,6 +116,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engines: list[ZeroEngine] = []  # one per model set up, in order
+        self._successors = Successors()  # what partitioning put in place of the models' parameters
         self._watch: Optional[RankWatch] = None
         self._preemption: Optional[Preemption] = None
         self._backward_sync_control = _EveryMicroBatch(self)
@@ -296,15 +298,14 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
         """``fabric.setup(model, optimizer)``: partition the model, then re-point the optimizers. An
-        optimizer built over the model's meta-device parameters (inside ``fabric.init_module()``)
-        is first pointed at the parameters that replaced them, matched by name."""
-        before = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+        optimizer built before the model was partitioned is first pointed at the parameters that
+        replaced the ones it holds (:class:`~lightning_zinf.repoint.Successors`): real ones for the
+        meta-device parameters of ``fabric.init_module()``, and a tiled layer's tiles for its
+        ``weight`` and ``bias`` (``tiling=``)."""
         module = self.setup_module(module)
-        after = dict(module.named_parameters(remove_duplicate=False))
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [after[before[id(p)]] if id(p) in before else p for p in group["params"]]
         engine = self.engine_of(module)
+        for optimizer in optimizers:
+            self._successors.repoint(optimizer)
         return module, [engine.shard_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
@@ -316,11 +317,13 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         """
         engine = getattr(module, "_zinf_engine", None)
         if engine is None:
+            before = Successors.names_of(module)
             engine = build_engine(
                 module, self.options, device=self.root_device, ranks_per_node=self.num_processes,
                 precision=policy_for(self.precision), loss_scaling=getattr(self.precision, "scaler", None) is not None,
                 timeout=self._timeout, auto_pass=True,
             )
+            self._successors.record(module, before)
             if self.options.offload.activations:
                 _offload_activations_in_training_forwards(module, engine)
             if self._watch is not None:
@@ -336,11 +339,14 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-point ``optimizer`` (in place) at this rank's fp32 master shards, those of the set-up
-        model whose parameters it holds.
+        model whose parameters it holds. One built before ``fabric.setup_module`` over the model's
+        real parameters is first pointed at those that replaced them (a tiled layer's tiles:
+        :class:`~lightning_zinf.repoint.Successors`).
 
         Raises:
             RuntimeError: the model has not been set up yet.
         """
+        self._successors.repoint(optimizer)
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         for engine in self._engines:
             if any(first is p for p in engine.module.parameters()):

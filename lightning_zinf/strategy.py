@@ -49,6 +49,7 @@ from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_precision
 from lightning_zinf.preemption import Preemption
 from lightning_zinf.preemption_trainer import take_over_signals
+from lightning_zinf.repoint import Successors
 from lightning_zinf.summary import use_sharded_summary
 
 __all__ = ["ZeroInfinityStrategy"]
@@ -215,6 +216,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
+        self._successors = Successors()  # what partitioning put in place of the model's parameters
         self._watch: Optional[RankWatch] = None
         self._preemption: Optional[Preemption] = None
 
@@ -374,12 +376,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 # Before partitioning: the engine hooks the modules this replaces.
                 self.model = self._layer_sync.apply(self.model)
+            before = Successors.names_of(self.model)
             self._engine = build_engine(
                 self.model, self.options, device=self.root_device, ranks_per_node=self.num_processes,
                 precision=policy_for(self.precision_plugin),
                 loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
                 timeout=self._timeout, auto_pass=False,
             )
+            self._successors.record(self.model, before)
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
         if self._watch is not None:
             self._engine.on_departure = self._watch.note_departure
@@ -399,9 +403,15 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        """Build the user's optimizers, then re-point them at this rank's fp32 master shards."""
+        """Build the user's optimizers, then re-point them at this rank's fp32 master shards. An
+        optimizer the LightningModule built before the model was partitioned (in ``__init__`` or
+        ``configure_model``, returned by ``configure_optimizers``) is first pointed at the
+        parameters that replaced the ones it holds: real ones for meta-device parameters, a tiled
+        layer's tiles for its ``weight`` and ``bias`` (:class:`~lightning_zinf.repoint.Successors`)."""
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            self._successors.repoint(optimizer)
         self.optimizers = [self.engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
 
     @contextmanager
