@@ -29,7 +29,8 @@ class Successors:
     Usage: ``names = Successors.names_of(model)`` before the model is partitioned, then
     ``successors.record(model, names)`` after, and ``successors.repoint(optimizer)`` for each
     optimizer built before. Only weak references to the old parameters are kept: a replaced
-    parameter no optimizer holds is freed as it would be otherwise.
+    parameter no optimizer holds is freed as it would be otherwise, and its entry is dropped at the
+    next :meth:`record`.
     """
 
     def __init__(self) -> None:
@@ -50,6 +51,7 @@ class Successors:
         partitioned) that ``module`` no longer holds, what holds its place now: the parameter
         registered under the same name, or, for a tiled layer's ``weight`` (``bias``), its tiles'
         weights in order (its :class:`~lightning_zinf.tiling.TileBias`'s bias)."""
+        self._moved = {k: v for k, v in self._moved.items() if v[0]() is not None}  # forget the freed
         after = dict(module.named_parameters(remove_duplicate=False))
         current = {id(p) for p in after.values()}
         views = tile_views(module)
