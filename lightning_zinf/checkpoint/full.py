@@ -22,7 +22,8 @@ from torch import Tensor
 
 from lightning_zinf.checkpoint.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale,
                                                describe_write_failure, replace_file, replace_kind, space_message)
-from lightning_zinf.checkpoint.format import CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, CheckpointError, is_sharded_checkpoint,
+                                             require_checkpoint)
 from lightning_zinf.checkpoint.load import placed_scalar_state
 from lightning_zinf.checkpoint.save import optimizer_owners, shard_layout_state
 from lightning_zinf.engine import ZeroEngine
@@ -320,8 +321,9 @@ def _tensor_bytes(value: Any) -> int:
 
 def _write_full(checkpoint: dict[str, Any], path: Path) -> None:
     if path.is_dir() and not is_sharded_checkpoint(path):
-        raise FileExistsError(f"{path} is a folder that is not a lightning_zinf checkpoint; refusing to replace it "
-                              "with a full checkpoint file. Choose another path.")
+        # IsADirectoryError, as Lightning's FSDP strategies raise here.
+        raise IsADirectoryError(f"{path} is a folder that is not a lightning_zinf checkpoint; refusing to replace it "
+                                "with a full checkpoint file. Choose another path.")
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path.parent)
     need = _tensor_bytes(checkpoint)
@@ -362,7 +364,8 @@ def save_full_checkpoint(checkpoint: dict[str, Any], path: os.PathLike | str, *,
         broadcast: The strategy's ``broadcast(obj, src=0)``, to give every rank the writer's outcome.
 
     Raises:
-        FileExistsError: ``path`` is a folder that is not a checkpoint written by this package.
+        IsADirectoryError: ``path`` is a folder that is not a checkpoint written by this package (as
+            Lightning's ``FSDPStrategy(state_dict_type="full")`` raises).
         CheckpointWriteError: the tensors need more room than is free (bytes named; nothing is
             written), or the write failed (full disk, permissions; the partial file is removed);
             ``path`` is untouched.
@@ -389,12 +392,15 @@ def load_full_checkpoint(path: os.PathLike | str, weights_only: Optional[bool] =
             classes allowed); ``False``: the full unpickler, for a file the user trusts.
 
     Raises:
-        CheckpointError: the file does not exist, cannot be read, or is not a checkpoint dict.
+        CheckpointNotFoundError: nothing at ``path``, a folder, or a part of a sharded checkpoint (the
+            message names the checkpoint folder to load instead).
+        CheckpointError: the file cannot be read, or is not a checkpoint dict.
     """
     path = Path(path)
+    require_checkpoint(path)
     if not path.is_file():
-        raise CheckpointError(f"{path} is neither a checkpoint file nor a lightning_zinf checkpoint folder (no "
-                              f"{META_FILE} in it).")
+        raise CheckpointError(f"{path} is a sharded checkpoint folder, not a checkpoint file: load it with the "
+                              "strategy, or consolidate it into one file (zinf-consolidate).")
     try:
         with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
             checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)

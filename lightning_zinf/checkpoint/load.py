@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from lightning_zinf.checkpoint.format import (FORMAT, META_FILE, MODELS_KEY, CheckpointError, ShardReader, _check_layout,
-                                             _layout, is_sharded_checkpoint, model_folders, read_meta)
+                                             _layout, is_sharded_checkpoint, model_folders, read_meta,
+                                             require_checkpoint)
 from lightning_zinf.checkpoint.save import optimizer_owners
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
@@ -42,12 +43,15 @@ def load_sharded(
         The ``meta`` dict that was saved (with the ``"zinf"`` layout entry).
 
     Raises:
-        CheckpointError: ``path`` is not a checkpoint, a shard file is missing or corrupt, the
-            checkpoint was saved from a different model, or ``meta.pt`` names code the safe load refuses.
+        CheckpointNotFoundError: nothing at ``path``, a folder without ``meta.pt``, or a part of a
+            checkpoint (its ``save-<id>/`` folder, a shard file: the message names the checkpoint).
+        CheckpointError: ``path`` is a file, a shard file is missing or corrupt, the checkpoint was
+            saved from a different model, or ``meta.pt`` names code the safe load refuses.
 
     Frozen groups saved with ``exclude_frozen`` keep the values they have now.
     """
     path = Path(path)
+    require_checkpoint(path)
     if not is_sharded_checkpoint(path):
         raise CheckpointError(
             f"{path} is not a lightning_zinf checkpoint (expected a directory with {META_FILE} and one "
