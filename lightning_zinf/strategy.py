@@ -41,6 +41,7 @@ from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full
                                             load_full_optimizer_state_dict, load_trainable_checkpoint,
                                             save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.launcher import NotebookLauncher
+from lightning_zinf.finetuning import present_parameters_to_finetuning
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
                                     init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
@@ -387,6 +388,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and clips_by_value:
             refuse_clipping_by_value(self._engine)  # now, rather than after the first step's backward
         use_sharded_summary(trainer.callbacks)
+        present_parameters_to_finetuning(trainer.callbacks, self._engine)
         take_over_signals(trainer, self.preemption, min(self._timeout.total_seconds(), 60.0))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -52,11 +52,13 @@ from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swap_space, swapped_shards
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.freezing import Freezing
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
+from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
 from lightning_zinf.engine.ranges import phased
 from lightning_zinf.engine.schedule import Schedule
+from lightning_zinf.engine.sharded import ShardedOptimizers
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import Transfers, resolve_device
@@ -68,6 +70,10 @@ from lightning_zinf.offload.preflight import ensure_space
 from lightning_zinf.tiling import tile_linear_layers
 
 __all__ = ["ZeroEngine", "Unit"]
+
+_NVME_ADDING = ("not supported with OffloadConfig(optimizer='nvme') yet (its swap files are planned when the optimizer "
+                "is sharded). Build the optimizer over every parameter it will train, or offload the optimizer to "
+                "'cpu'.")
 
 
 class ZeroEngine:
@@ -128,9 +134,16 @@ class ZeroEngine:
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
         optimizers: The optimizers :meth:`shard_optimizer` re-pointed, in order.
-        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it:
-            ``(flat group index, position in the group)``, or ``None`` for a frozen parameter (the
-            optimizer's plain, unsharded state dict numbers them in this order).
+        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it
+            (``add_param_group`` included): ``(flat group index, position in the group)``, or
+            ``None`` for a frozen tensor of another model (the optimizer's plain, unsharded state
+            dict numbers them in this order).
+        sharded: The :class:`~lightning_zinf.engine.sharded.ShardedOptimizers` behind ``optimizers``:
+            what stands for each parameter in them, ``add_param_group``, and
+            :meth:`~lightning_zinf.engine.sharded.ShardedOptimizers.presenting` for code that expects
+            the model's parameters in their param groups.
+        freezing: The :class:`~lightning_zinf.engine.freezing.Freezing` part: ``requires_grad`` may
+            change between passes (freezing and unfreezing during training).
         state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
 
@@ -208,8 +221,6 @@ class ZeroEngine:
         self._auto_pass = auto_pass
         self._pass_kind: Optional[Hashable] = None  # of the last pass begun outside a generation phase
         self._in_phase = False  # inside generation_phase()
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
         for buffer_owner in module.modules():
             for name, buf in buffer_owner._buffers.items():
                 if buf is not None:
@@ -217,6 +228,11 @@ class ZeroEngine:
         self.offload: Optional[OptimizerOffload] = None
         if offload.optimizer != "none":
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
+        self.sharded = ShardedOptimizers(self.groups, offload=self.offload, param_offload=self.param_offload,
+                                         separate_masters=self._shards_offloaded,
+                                         adding_refused=_NVME_ADDING if offload.optimizer == "nvme" else None)
+        self.optimizers = self.sharded.optimizers
+        self.plain_layouts = self.sharded.plain_layouts
         self.agreement = RankAgreement(self.comm, self.tracer, self.units, self.groups)
         self.states = UnitStates(self.units, comm=self.comm, ledger=self.ledger, pool=self.pool,
                                  agreement=self.agreement, prefetch=prefetch, param_offload=self.param_offload,
@@ -228,9 +244,11 @@ class ZeroEngine:
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None)
+        self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
+                                 frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
         self.state_dict_hooks = StateDictHooks(self)
         self._state_dict_handles = self.state_dict_hooks.install()
-        refuse_unsharded_steps(self, [p for g in self.groups if g.trainable for p in g.params])
+        refuse_unsharded_steps(self, [p for g in self.groups for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
         self._mark_partitioned(True)
         self.states.gather_exact([u for u in self.units if u.persistent])
@@ -289,8 +307,9 @@ class ZeroEngine:
         ``zero_grad()``). Every rank must call it at the same points.
 
         Raises:
-            RuntimeError: a parameter's ``requires_grad`` changed since partitioning; the ranks'
-                collectives since the last check differ (:meth:`verify_ranks_agree`).
+            RuntimeError: the ranks changed ``requires_grad`` differently, or unfroze a parameter
+                that cannot be (:meth:`Freezing.sync <lightning_zinf.engine.freezing.Freezing.sync>`);
+                the ranks' collectives since the last check differ (:meth:`verify_ranks_agree`).
         """
         # Inside keep_gathered() and generation phases: checked once, at their end.
         self._begin_pass(kind, check=not self.states.keep_budget and not self._in_phase)
@@ -303,23 +322,14 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        if not self._in_phase:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
-            self._check_requires_grad()
         if check:
             self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
+        # After the check: every rank is at this boundary. Not in a generation phase (PEFT's
+        # disable_adapter() freezes the adapters for a while), nor for a pass without backward.
+        if not self._in_phase and torch.is_grad_enabled():
+            self.freezing.sync()
         self.tracer.begin_pass(kind)
         self.agreement.begin_pass()
-
-    def _check_requires_grad(self) -> None:
-        for group in self.groups:
-            for name, p in zip(group.names, group.params):
-                if p.requires_grad != group.trainable:
-                    raise RuntimeError(
-                        f"Parameter '{name}' was {'trainable' if group.trainable else 'frozen'} when the model "
-                        f"was partitioned and is now {'trainable' if p.requires_grad else 'frozen'}. Freeze or "
-                        "unfreeze parameters before the strategy sets up (in `__init__` or `configure_model`); "
-                        "changing it later (e.g. a fine-tuning callback that unfreezes) is not supported yet."
-                    )
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using (at a pass
@@ -346,45 +356,25 @@ class ZeroEngine:
         """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
         run :meth:`after_step` for the flat groups it steps after each of its steps (a step post-hook).
 
-        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
-        ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
-        masters, gradient shards, its per-element states) fit in ``nvme_path``
+        See :meth:`ShardedOptimizers.adopt <lightning_zinf.engine.sharded.ShardedOptimizers.adopt>` for
+        the rules and errors: the optimizer may hold frozen parameters (stepped once unfrozen), and
+        its ``add_param_group`` takes the model's parameters. With ``optimizer="nvme"`` every rank
+        first checks that the swap files this optimizer adds (fp32 masters, gradient shards, its
+        per-element states) fit in ``nvme_path``
         (:func:`~lightning_zinf.offload.preflight.ensure_space`; collective), and raises
         :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
         """
-        # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
-        def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
-            if self.param_offload is None:
-                return contextlib.nullcontext()
-            return self.param_offload.resident([group], write_back=False)
-
         if self.offload is not None and self.offload.nvme:
             self.swapper.planned_bytes = ensure_space(
                 self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
                 "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
-        if self.offload is not None:
-            self.offload.place_masters(shard_resident)
-        elif self._shards_offloaded:
-            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be
-            # it, unless gathers read a host copy instead (FlatGroup.make_master decides).
-            for group in self.groups:
-                if group.trainable and group.master is None:
-                    with shard_resident(group):
-                        group.make_master(separate=True)
-        # Where each parameter the user gave the optimizer went, for its plain (unsharded) state dict.
-        where = {id(p): (i, j) for i, g in enumerate(self.groups) if g.trainable for j, p in enumerate(g.params)}
-        layout = [[where.get(id(p)) for p in param_group["params"]] for param_group in optimizer.param_groups]
-        shard_optimizer(optimizer, self.groups)
-        self.plain_layouts.append(layout)
+        self.sharded.adopt(optimizer)
         if self.offload is not None and self.offload.nvme:
             self.offload.wrap_zero_grad(optimizer)
-        self.optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
-        # The groups it steps: those holding a master fragment it was given (fixed from here on, as
-        # the layout above is).
-        held = {id(f) for param_group in optimizer.param_groups for f in param_group["params"]}
-        stepped = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
-        optimizer.register_step_post_hook(lambda *_: self.after_step(stepped))
+        # The groups it steps: those holding a master fragment it was given (an unfreeze or
+        # add_param_group may add some).
+        optimizer.register_step_post_hook(lambda opt, *_: self.after_step(self.sharded.stepped(opt)))
         return optimizer
 
     def _swap_file_bytes(self) -> int:
@@ -493,8 +483,9 @@ class ZeroEngine:
                         group.drop_secondary()
 
     def master_fragments(self) -> list[Tensor]:
-        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
-        return [f for g in self.groups if g.trainable for f in g.fragments]
+        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them (those of
+        groups frozen again included: they have no gradient)."""
+        return [f for g in self.groups for f in g.fragments]
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32).
@@ -671,7 +662,7 @@ class ZeroEngine:
           the other ranks one by one (a control all-reduce each, across nodes), and no pass
           boundary checks either; the ranks' collectives are verified once, on exit;
         - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
-          adapters' ``requires_grad`` off); they must be as partitioned again on exit;
+          adapters' ``requires_grad`` off): flags are read at the next training pass after it;
         - units stay gathered within ``budget`` bytes as in :meth:`keep_gathered` (a budget below
           the whole model keeps ``transformers``' ``synced_gpus`` on, the whole model turns it off);
         - with qwZ, each flat group's shard is quantized at most once: the packed row of codes and
@@ -694,8 +685,7 @@ class ZeroEngine:
 
         Raises:
             ValueError: ``budget`` is not a non-negative int.
-            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`),
-                or a parameter's ``requires_grad`` is not what it was when the model was partitioned.
+            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`).
         """
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"generation_phase: budget must be a non-negative number of bytes (an int), got {budget!r}; "
