@@ -44,6 +44,7 @@ from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full
                                             load_full_optimizer_state_dict, load_trainable_checkpoint,
                                             save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.launcher import NotebookLauncher
+from lightning_zinf.finetuning import present_parameters_to_finetuning
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.checkpoint_entries import module_buffers, optimizer_hyperparameters, restore_hyperparameters
 from lightning_zinf.distributed import RankLayout, all_reduce, barrier, broadcast, init_distributed
@@ -402,6 +403,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and clips_by_value:
             refuse_clipping_by_value(self._engine)  # now, rather than after the first step's backward
         use_sharded_summary(trainer.callbacks)
+        present_parameters_to_finetuning(trainer.callbacks, self._engine)
         take_over_signals(trainer, self.preemption, min(self._timeout.total_seconds(), 60.0))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

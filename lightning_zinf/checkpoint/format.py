@@ -270,7 +270,9 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
             "consolidate the checkpoint and load it with load_full_state_dict)."
         )
     for old, new in zip(saved, current):
-        for key in ("names", "shapes", "dtype", "trainable"):
+        # Not "trainable": requires_grad may change during training (a group unfrozen, or frozen
+        # again, since the model was partitioned); a group's optimizer state loads either way.
+        for key in ("names", "shapes", "dtype"):
             if old[key] != new[key] and key == "dtype":
                 raise CheckpointError(
                     f"{path} stores unit '{new['unit']}' in {old[key]}, but the model now stores it in "

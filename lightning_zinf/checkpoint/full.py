@@ -85,7 +85,7 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimiz
     groups = engine.groups
     engine.begin_unit_access()
     for gi, group in enumerate(groups):
-        if not group.trainable:
+        if not group.fragments:  # no master: never stepped (a group frozen again keeps its state)
             continue
         with engine.state_resident(write_back=False, groups=[group]):
             local = {k.removeprefix("opt0."): v for k, v in shard_layout_state(group, optimizer_owners([optimizer])).items()}
@@ -146,8 +146,12 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Op
         )
     plain_of = {i: saved for saved_group, mine in zip(saved_groups, ids) for i, saved in zip(mine, saved_group["params"])}
     saved_state = state_dict.get("state", {})
+    # State saved for parameters frozen since partitioning (trained before the save, frozen when the
+    # model was built again): their groups get masters to hold it, as a plain optimizer keeps it.
+    engine.sharded.give_masters([group for gi, group in enumerate(engine.groups) if group.master is None and any(
+        saved_state.get(plain_of.get(where.get((gi, j)))) for j in range(len(group.params)))])
     for gi, group in enumerate(engine.groups):
-        if not group.trainable:
+        if not group.fragments:
             continue
         with engine.state_resident(write_back=True, groups=[group]):
             flat: dict[str, Tensor] = {}

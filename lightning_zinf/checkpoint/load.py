@@ -69,6 +69,13 @@ def load_sharded(
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
     reader = ShardReader(path, zinf)
     _check_layout(zinf["groups"], _layout(engine), path)
+    if load_optimizer:
+        # Optimizer state saved for groups frozen since partitioning (trained before the save, frozen
+        # when the model was built again): they get masters to hold it, as a plain optimizer keeps it.
+        keys = reader.keys()
+        engine.sharded.give_masters([group for i, group in enumerate(engine.groups) if group.master is None
+                                     and not zinf["groups"][i].get("excluded", False)
+                                     and any(k.startswith(f"{i}.opt") for k in keys)])
     owners = optimizer_owners(optimizers if isinstance(optimizers, dict) else list(optimizers))
     engine.release_all()
     for i, group in enumerate(engine.groups):
