@@ -5,7 +5,10 @@
     zinf-consolidate CKPT_DIR last.ckpt --format lightning
 
 The output loads with ``load_state_dict`` on the plain (unpartitioned) model; with ``--format
-lightning`` it is a checkpoint DDP or one device resumes (``trainer.fit(ckpt_path=...)``). A tied parameter is
+lightning`` it is a checkpoint DDP or one device resumes (``trainer.fit(ckpt_path=...)``); a checkpoint
+``fabric.save`` wrote becomes by default (``--format fabric``) what ``fabric.save`` writes under DDP,
+which ``fabric.load`` restores: each model's and optimizer's state under its key, and the other
+entries (as Lightning's consolidation of an FSDP ``fabric.save`` checkpoint gives). A tied parameter is
 written under every name the model's ``state_dict()`` has. Either format is laid out first (the
 safetensors header, or a ``torch.save`` archive with empty records) and then each tensor is
 assembled from the rank files and written before the next is read, so peak memory is about the
@@ -26,19 +29,27 @@ import os
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_zinf.checkpoint import (
     META_FILE,
+    MODEL_KEY,
+    MODELS_KEY,
+    OPTIMIZER_KEYS,
+    RESERVED_KEYS,
     SAFETENSORS_DTYPES,
+    USER_STATE_KEY,
     CheckpointError,
     ShardReader,
     check_version,
     is_sharded_checkpoint,
+    model_folders,
     read_meta,
+    require_checkpoint,
+    user_entries,
 )
 
 __all__ = ["consolidate", "main", "FORMATS"]
@@ -49,15 +60,44 @@ _Item = tuple[list[str], torch.dtype, list[int]]  # every name of one tensor, it
 _Piece = tuple[int, int, list[int], list[int]]
 
 
+def _sharded_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    """``meta.pt`` of the sharded checkpoint at ``path``.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``path`` (:func:`~lightning_zinf.checkpoint.require_checkpoint`).
+        CheckpointError: a file.
+    """
+    require_checkpoint(path)
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(f"{path} is a file, not a sharded checkpoint folder (no {META_FILE}): there is nothing "
+                              "to consolidate.")
+    return read_meta(path, weights_only)
+
+
+def _one_model_meta(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    """``meta.pt`` of the sharded checkpoint of one model at ``path``.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointError: as :func:`_sharded_meta`, and a checkpoint of
+            several models (naming a model's folder, which holds one).
+    """
+    meta = _sharded_meta(path, weights_only)
+    if MODELS_KEY in meta:
+        raise CheckpointError(
+            f"{path} holds several models ({', '.join(meta[MODELS_KEY])}), each in a folder of its own: write them "
+            "all with --format fabric (fmt='fabric'), or consolidate one model's folder (e.g. "
+            f"{next(iter(model_folders(path, meta).values()))})."
+        )
+    return meta
+
+
 def _items(path: Path, strip_prefix: str, skip_excluded: bool = False, weights_only: Optional[bool] = None
            ) -> tuple[list[_Item], list[list[_Piece]], dict[str, Any], dict[str, Tensor]]:
     """Every output tensor (with all its names: a tied parameter has several) and its pieces, in
     file order. A TiledLinear's tiles make one ``weight`` (and one ``bias``), as the untiled layer has.
     Groups saved without their values (``exclude_frozen``) are left out with ``skip_excluded``, else
     they are an error. ``weights_only`` as in :func:`~lightning_zinf.checkpoint.read_meta`."""
-    if not is_sharded_checkpoint(path):
-        raise CheckpointError(f"{path} is not a lightning_zinf checkpoint (no {META_FILE}).")
-    meta = read_meta(path, weights_only)
+    meta = _one_model_meta(path, weights_only)
     zinf = meta["zinf"]
     check_version(zinf, path)
 
@@ -143,8 +183,8 @@ def _tensors(path: Path, zinf: dict[str, Any], items: list[_Item], pieces: list[
         yield iter([value])
 
 
-#: Output formats: the suffix picks one unless ``fmt`` names it.
-FORMATS = ("safetensors", "torch", "lightning")
+#: Output formats: the suffix and the checkpoint pick one unless ``fmt`` names it.
+FORMATS = ("safetensors", "torch", "lightning", "fabric")
 
 
 def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str = "",
@@ -160,34 +200,53 @@ def consolidate(checkpoint: Path | str, output: Path | str, *, strip_prefix: str
         weights_only: ``None``/``True``: read ``meta.pt`` without running code from it; ``False``:
             unpickle it fully (a file you trust). As ``torch.load``'s argument of that name.
         fmt: ``"safetensors"``; ``"torch"`` (a ``torch.save`` state dict, what ``.pt``/``.pth``/``.bin``
-            files hold); or ``"lightning"``: a checkpoint DDP or one device resumes with
+            files hold); ``"lightning"``: a checkpoint DDP or one device resumes with
             ``trainer.fit(ckpt_path=...)``: Lightning's state from ``meta.pt`` (loops, callbacks,
             schedulers, hyper-parameters), the ``state_dict``, and each optimizer's plain state dict
             (per-element states at each parameter's shape, numbered as the optimizer numbers its
-            parameters). Default: ``"safetensors"`` for a ``.safetensors`` name, else ``"torch"``.
+            parameters); or ``"fabric"`` (a checkpoint ``fabric.save`` wrote): what ``fabric.save``
+            writes under DDP for the same state, which ``fabric.load`` restores under any strategy:
+            each model's full state dict and each optimizer's plain state dict under their keys,
+            and the other entries as saved (as Lightning's consolidation of an FSDP ``fabric.save``
+            checkpoint gives). Default: ``"safetensors"`` for a ``.safetensors`` name, else
+            ``"fabric"`` for a ``fabric.save`` checkpoint (``"torch"`` with ``strip_prefix``) and
+            ``"torch"`` for a Trainer's.
 
     Returns:
         ``output`` as a ``Path``.
 
     Raises:
-        CheckpointError: not a checkpoint, a missing or corrupt shard file, a ``meta.pt`` naming
-            code the safe load refuses, or (``"lightning"``) a checkpoint that records no optimizer
-            layout (written before this version; resave it) (nothing is written then).
-        ValueError: an unknown ``fmt``, or ``strip_prefix`` with ``"lightning"``.
+        CheckpointNotFoundError: nothing at ``checkpoint``, a folder that is not a checkpoint, or a
+            part of one (the message names the checkpoint folder to pass instead).
+        CheckpointError: a file, a missing or corrupt shard file, a ``meta.pt`` naming code the safe
+            load refuses, a checkpoint of several models in a format other than ``"fabric"``, or
+            (``"lightning"``, ``"fabric"``) a checkpoint that records no optimizer layout (written
+            before this version; resave it) (nothing is written then).
+        ValueError: an unknown ``fmt``, ``strip_prefix`` with ``"lightning"`` or ``"fabric"``, or
+            ``"fabric"`` for a Trainer's checkpoint.
     """
     checkpoint, output = Path(checkpoint), Path(output)
-    fmt = fmt or ("safetensors" if output.suffix == ".safetensors" else "torch")
+    top = _sharded_meta(checkpoint, weights_only)
+    by_fabric = any(key in top for key in (MODELS_KEY, OPTIMIZER_KEYS, USER_STATE_KEY))
+    # A prefix to strip asks for the plain state dict.
+    fmt = fmt or ("safetensors" if output.suffix == ".safetensors" else
+                  "fabric" if by_fabric and not strip_prefix else "torch")
     if fmt not in FORMATS:
         raise ValueError(f"Unknown output format {fmt!r}: use one of {', '.join(FORMATS)}.")
-    if fmt == "lightning" and strip_prefix:
-        raise ValueError("A Lightning checkpoint keeps the LightningModule's names: drop strip_prefix.")
-    items, pieces, zinf, buffers = _items(checkpoint, strip_prefix, weights_only=weights_only)
-    tensors = _tensors(checkpoint, zinf, items, pieces, buffers)
+    if fmt in ("lightning", "fabric") and strip_prefix:
+        raise ValueError(f"A {fmt} checkpoint keeps the saved names: drop strip_prefix.")
+    if fmt == "fabric" and not by_fabric:
+        raise ValueError(f"{checkpoint} was saved by the Trainer, not fabric.save: use --format lightning (or torch, "
+                         "safetensors).")
     partial = output.with_name(output.name + ".partial")
     try:
         if fmt == "lightning":
-            _write_lightning(partial, checkpoint, zinf, items, tensors, weights_only)
+            _write_lightning(partial, checkpoint, weights_only)
+        elif fmt == "fabric":
+            _write_fabric(partial, checkpoint, top, weights_only)
         else:
+            items, pieces, zinf, buffers = _items(checkpoint, strip_prefix, weights_only=weights_only)
+            tensors = _tensors(checkpoint, zinf, items, pieces, buffers)
             (_write_pt if fmt == "torch" else _write_safetensors)(partial, items, tensors)
     except BaseException:
         partial.unlink(missing_ok=True)  # a corrupt or missing shard found midway: no half-written file
@@ -242,31 +301,96 @@ def _optimizer_items(path: Path, zinf: dict[str, Any]) -> tuple[list[_Item], Ite
     return items, values(), states
 
 
-def _write_lightning(path: Path, checkpoint: Path, zinf: dict[str, Any], items: list[_Item],
-                     tensors: Iterator[Iterator[Tensor]], weights_only: Optional[bool]) -> None:
-    """A Lightning checkpoint file, streamed: the weights and optimizer states go into a scratch
-    ``torch.save`` file one tensor at a time (:func:`_write_pt`), which is then memory-mapped and
-    saved again inside Lightning's nested dict, so memory holds the pages of about one tensor."""
-    meta = read_meta(checkpoint, weights_only)
-    opt_items, opt_values, states = _optimizer_items(checkpoint, zinf)
+class _Model(NamedTuple):
+    """One model's part of a nested output file: its weights (items and values, as :func:`_items`
+    and :func:`_tensors` give them) and its optimizers' states (:func:`_optimizer_items`), each
+    item named under ``tag`` in the scratch file."""
+
+    tag: str
+    meta: dict[str, Any]
+    zinf: dict[str, Any]
+    items: list[_Item]
+    values: Iterator[Iterator[Tensor]]
+    opt_items: list[_Item]
+    opt_values: Iterator[Iterator[Tensor]]
+    states: list[dict[int, dict[str, Any]]]
+
+
+def _model(folder: Path, tag: str, weights_only: Optional[bool]) -> _Model:
+    """The weights and optimizer states of the one-model checkpoint ``folder``, to be written under ``tag``."""
+    items, pieces, zinf, buffers = _items(folder, "", weights_only=weights_only)
+    opt_items, opt_values, states = _optimizer_items(folder, zinf)
+    return _Model(tag, read_meta(folder, weights_only), zinf, items, _tensors(folder, zinf, items, pieces, buffers),
+                  opt_items, opt_values, states)
+
+
+def _tagged(tag: str, items: list[_Item]) -> list[_Item]:
+    return [([tag + name for name in names], dtype, shape) for names, dtype, shape in items]
+
+
+def _nested(path: Path, models: list[_Model], build: Any) -> None:
+    """A nested ``torch.save`` file, streamed: every model's weights and optimizer states go into a
+    scratch ``torch.save`` file one tensor at a time (:func:`_write_pt`), which is then memory-mapped
+    and saved again inside the nested dict ``build(flat)`` returns (``flat``: the scratch file's
+    tensors by tagged name), so memory holds the pages of about one tensor."""
     scratch = path.with_name(path.name + ".tensors")
+    items = [item for m in models for item in _tagged(m.tag, m.items) + _tagged(m.tag + "opt/", m.opt_items)]
+    values = itertools.chain.from_iterable(itertools.chain(m.values, m.opt_values) for m in models)
     try:
-        _write_pt(scratch, items + opt_items, itertools.chain(tensors, opt_values))
-        flat = torch.load(scratch, mmap=True, weights_only=True)
-        state_dict = {name: flat[name] for names, _, _ in items for name in names}
-        optimizer_states = []
-        for o, (state, hyper) in enumerate(zip(states, meta.get("optimizer_states", []))):
-            for index, entry in state.items():
-                entry.update({name: flat[f"{o}.{index}.{name}"] for name, value in entry.items() if value is None})
-            groups, start = [], 0
-            for saved, layout in zip(hyper["param_groups"], zinf["optimizers"][o]):
-                groups.append({**saved, "params": list(range(start, start + len(layout)))})
-                start += len(layout)
-            optimizer_states.append({"state": dict(sorted(state.items())), "param_groups": groups})
-        rest = {k: v for k, v in meta.items() if k not in ("zinf", "state_dict", "optimizer_states")}
-        torch.save({**rest, "state_dict": state_dict, "optimizer_states": optimizer_states}, path)
+        _write_pt(scratch, items, values)
+        torch.save(build(torch.load(scratch, mmap=True, weights_only=True)), path)
     finally:
         scratch.unlink(missing_ok=True)
+
+
+def _model_state_dict(model: _Model, flat: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {name: flat[model.tag + name] for names, _, _ in model.items for name in names}
+
+
+def _plain_optimizer_states(model: _Model, flat: dict[str, Tensor]) -> list[dict[str, Any]]:
+    """Each saved optimizer's plain state dict (per-element states at each parameter's shape,
+    numbered as the optimizer numbers its parameters), with its saved hyper-parameters."""
+    optimizer_states = []
+    for o, (state, hyper) in enumerate(zip(model.states, model.meta.get("optimizer_states", []))):
+        for index, entry in state.items():
+            entry.update({name: flat[f"{model.tag}opt/{o}.{index}.{name}"] for name, value in entry.items()
+                          if value is None})
+        groups, start = [], 0
+        for saved, layout in zip(hyper["param_groups"], model.zinf["optimizers"][o]):
+            groups.append({**saved, "params": list(range(start, start + len(layout)))})
+            start += len(layout)
+        optimizer_states.append({"state": dict(sorted(state.items())), "param_groups": groups})
+    return optimizer_states
+
+
+def _write_lightning(path: Path, checkpoint: Path, weights_only: Optional[bool]) -> None:
+    """A Lightning checkpoint file: Lightning's state from ``meta.pt``, the ``state_dict`` and each
+    optimizer's plain state dict (:func:`_nested`)."""
+    model = _model(checkpoint, "", weights_only)
+    rest = {k: v for k, v in model.meta.items() if k not in ("state_dict", "optimizer_states") + RESERVED_KEYS}
+    _nested(path, [model], lambda flat: {**rest, "state_dict": _model_state_dict(model, flat),
+                                          "optimizer_states": _plain_optimizer_states(model, flat)})
+
+
+def _write_fabric(path: Path, checkpoint: Path, top: dict[str, Any], weights_only: Optional[bool]) -> None:
+    """What ``fabric.save`` writes under DDP for the state a sharded ``fabric.save`` checkpoint was
+    saved from: each model's full state dict and each optimizer's plain state dict under their
+    keys, and the other entries as they were saved (:func:`_nested`)."""
+    if MODELS_KEY in top:
+        folders, optimizer_keys = model_folders(checkpoint, top), top[MODELS_KEY]
+    else:  # one model; fabric.save recorded its key from this version on (Lightning's "model" before)
+        key = top.get(MODEL_KEY, "model")
+        folders, optimizer_keys = {key: checkpoint}, {key: top.get(OPTIMIZER_KEYS, [])}
+    models = {key: _model(folder, f"{i}/", weights_only) for i, (key, folder) in enumerate(folders.items())}
+
+    def build(flat: dict[str, Tensor]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, model in models.items():
+            out[key] = _model_state_dict(model, flat)
+            out.update(zip(optimizer_keys[key], _plain_optimizer_states(model, flat)))
+        return {**out, **user_entries(top)}
+
+    _nested(path, list(models.values()), build)
 
 
 def _write_safetensors(path: Path, items: list[_Item], tensors: Iterator[Iterator[Tensor]]) -> None:
@@ -332,8 +456,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("output", type=Path, help="output file, any name (model.safetensors, model.pth, last.ckpt)")
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="safetensors; torch (a torch.save state dict: .pt, .pth, .bin); lightning (a checkpoint "
-                             "DDP or one device resumes: loops, optimizer states, state_dict). Default: safetensors "
-                             "for a .safetensors name, else torch")
+                             "DDP or one device resumes: loops, optimizer states, state_dict); fabric (a fabric.save "
+                             "checkpoint as fabric.save writes it under DDP: each model's and optimizer's state under "
+                             "its key, and the other entries). Default: safetensors for a .safetensors name, else "
+                             "fabric for a fabric.save checkpoint (torch with --strip-prefix) and torch for a "
+                             "Trainer's")
     parser.add_argument("--strip-prefix", default="", help="remove this prefix from names (e.g. 'model.')")
     parser.add_argument("--weights-only", action=argparse.BooleanOptionalAction, default=True,
                         help="read meta.pt with torch's weights-only unpickler (default); --no-weights-only "

@@ -32,9 +32,11 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import (MODELS_DIR_KEY, MODELS_KEY, OPTIMIZER_KEYS, CheckpointError, is_sharded_checkpoint, load_full_state_dict,
-                                      load_sharded, model_folders, read_meta, save_sharded,
-                                      save_sharded_models)
+from lightning_zinf.checkpoint import (MODEL_KEY, MODELS_DIR_KEY, MODELS_KEY, OPTIMIZER_KEYS, USER_STATE_KEY,
+                                      CheckpointError, is_sharded_checkpoint, load_full_state_dict, load_sharded,
+                                      model_folders, read_meta, require_checkpoint, save_sharded, save_sharded_models,
+                                      user_entries)
+from lightning_zinf.checkpoint.raw import PendingLoads
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.config import coerce_config
 from lightning_zinf.engine import ZeroEngine, meta_parameters
@@ -51,6 +53,7 @@ from lightning_zinf.preemption_exit import mark_script_launcher, preemption_exit
 from lightning_zinf.unsupported import refuse_checkpoint_io
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_fabric_precision
 from lightning_zinf.preemption import Preemption
+from lightning_zinf.repoint import Successors
 
 __all__ = ["ZeroInfinityFabricStrategy"]
 
@@ -118,6 +121,8 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engines: list[ZeroEngine] = []  # one per model set up, in order
+        self._successors = Successors()  # what partitioning put in place of the models' parameters
+        self._pending = PendingLoads()  # fabric.load_raw before setup
         self._watch: Optional[RankWatch] = None
         self._preemption: Optional[Preemption] = None
         self._backward_sync_control = _EveryMicroBatch(self)
@@ -176,9 +181,14 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     @property
     @override
     def checkpoint_io(self) -> CheckpointIO:
-        """Fabric's default ``TorchCheckpointIO``, unused: ``fabric.save``/``fabric.load`` write and
-        read checkpoints through the strategy itself."""
-        return super().checkpoint_io
+        """There is none: ``fabric.save``/``fabric.load`` write and read checkpoints through the
+        strategy itself (every rank its own shards).
+
+        Raises:
+            NotImplementedError: always, as Lightning's Fabric ``FSDPStrategy`` raises.
+        """
+        raise NotImplementedError(f"The `{type(self).__name__}` does not use the `CheckpointIO` plugin interface: "
+                                  "fabric.save and fabric.load write and read its checkpoints themselves.")
 
     @checkpoint_io.setter
     @override
@@ -299,16 +309,31 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
         """``fabric.setup(model, optimizer)``: partition the model, then re-point the optimizers. An
-        optimizer built over the model's meta-device parameters (inside ``fabric.init_module()``)
-        is first pointed at the parameters that replaced them, matched by name."""
-        before = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+        optimizer built before the model was partitioned is first pointed at the parameters that
+        replaced the ones it holds (:class:`~lightning_zinf.repoint.Successors`): real ones for the
+        meta-device parameters of ``fabric.init_module()``, and a tiled layer's tiles for its
+        ``weight`` and ``bias`` (``tiling=``)."""
         module = self.setup_module(module)
-        after = dict(module.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [after[before[id(p)]] if id(p) in before else p for p in group["params"]]
-        engine = self.engine_of(module)
-        return module, [engine.shard_optimizer(optimizer) for optimizer in optimizers], scheduler
+            self._successors.repoint(optimizer)
+        return module, [self._shard(self.engine_of(module), optimizer) for optimizer in optimizers], scheduler
+
+    def _shard(self, engine: ZeroEngine, optimizer: Optimizer) -> Optimizer:
+        """``engine.shard_optimizer(optimizer)``, then the plain state dict ``fabric.load_raw`` gave
+        it before, if any, sliced into its shards' state."""
+        engine.shard_optimizer(optimizer)
+        waiting = self._pending.take_optimizer(optimizer)
+        if waiting is not None:
+            load_full_optimizer_state_dict(engine, optimizer, dict(waiting))
+        return optimizer
+
+    def _is_set_up(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer`` was set up by this strategy (:meth:`engine_of` knows it)."""
+        try:
+            self.engine_of(optimizer)
+        except TypeError:
+            return False
+        return True
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -319,17 +344,23 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         """
         engine = getattr(module, "_zinf_engine", None)
         if engine is None:
+            before = Successors.names_of(module)
             engine = build_engine(
                 module, self.options, device=self.root_device, ranks_per_node=self.num_processes,
                 precision=policy_for(self.precision), loss_scaling=getattr(self.precision, "scaler", None) is not None,
                 timeout=self._timeout, auto_pass=True,
             )
+            self._successors.record(module, before)
             if self.options.offload.activations:
                 _offload_activations_in_training_forwards(module, engine)
             if self._watch is not None:
                 engine.on_departure = self._watch.note_departure
         if not any(engine is e for e in self._engines):
             self._engines.append(engine)
+        waiting = self._pending.take_module(module)  # fabric.load_raw before this setup
+        if waiting is not None:
+            path, strict, weights_only = waiting
+            self.load_checkpoint(path, module, strict=strict, weights_only=weights_only)
         return module
 
     @override
@@ -339,17 +370,20 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Re-point ``optimizer`` (in place) at this rank's fp32 master shards, those of the set-up
-        model whose parameters it holds.
+        model whose parameters it holds. One built before ``fabric.setup_module`` over the model's
+        real parameters is first pointed at those that replaced them (a tiled layer's tiles:
+        :class:`~lightning_zinf.repoint.Successors`).
 
         Raises:
             RuntimeError: the model has not been set up yet.
         """
+        self._successors.repoint(optimizer)
         first = next((p for group in optimizer.param_groups for p in group["params"]), None)
         for engine in self._engines:
             if any(first is p for p in engine.module.parameters()):
-                return engine.shard_optimizer(optimizer)
+                return self._shard(engine, optimizer)
         if len(self._engines) == 1:
-            return self._engines[0].shard_optimizer(optimizer)  # which names what is wrong with it
+            return self._shard(self._engines[0], optimizer)  # which names what is wrong with it
         raise RuntimeError(
             "Set up the model before its optimizer: `fabric.setup(model, optimizer)`, or "
             "`model = fabric.setup_module(model)` and then `fabric.setup_optimizers(optimizer)`."
@@ -509,8 +543,11 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 full[key] = {k: v for k, v in value.items() if keep(k, v)} if keep and isinstance(value, dict) else value
             save_full_checkpoint(full, path, writer=self.global_rank == 0, broadcast=self.broadcast)
             return
-        meta: dict[str, Any] = {key: value.state_dict() if isinstance(value, _Stateful) else value
+        # The entries that are neither a model nor an optimizer, kept apart from the checkpoint's own
+        # ("state_dict", "optimizer_states", "zinf"...), so that any name is the user's to take.
+        user: dict[str, Any] = {key: value.state_dict() if isinstance(value, _Stateful) else value
                                 for key, value in state.items() if key not in module_keys and key not in optimizer_keys}
+        meta = {USER_STATE_KEY: user}
         per_model = {}
         for key in module_keys:
             engine = self.engine_of(state[key])
@@ -523,6 +560,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             engine, optimizers, own = per_model[module_keys[0]]
             # Which key each optimizer state was saved under: a load takes them by key, not position.
             own[OPTIMIZER_KEYS] = list(optimizers)
+            own[MODEL_KEY] = module_keys[0]  # for zinf-consolidate's fabric.save layout
             save_sharded(engine, list(optimizers.values()), path, {**own, **meta},
                          exclude_frozen=self.options.exclude_frozen_parameters)
         else:
@@ -551,17 +589,25 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         a ``torch.save`` file of a state dict (through ``model.load_state_dict(..., strict)``, so the
         model's own key remapping applies and torch reports what did not match), or a
         ``.safetensors`` file or Hugging Face folder (each rank reads its shards' byte ranges:
-        :func:`~lightning_zinf.load_full_state_dict`).
+        :func:`~lightning_zinf.load_full_state_dict`). Or an optimizer alone, from a file of its
+        plain state dict (each rank keeps its slices). A model or optimizer not set up yet takes a
+        file's state dict as under DDP (:mod:`lightning_zinf.checkpoint.raw`: a model built inside
+        ``fabric.init_module()`` is checked at once and filled when it is set up).
 
         Raises:
             ValueError: no ``state`` (a sharded checkpoint cannot be returned whole: consolidate it
-                with ``zinf-consolidate``), or ``state`` with a module this strategy did not set up.
-            NotImplementedError: ``state`` is an optimizer alone.
+                with ``zinf-consolidate``), ``state`` with a module another strategy set up, or an
+                optimizer state dict whose param groups differ from the optimizer's.
+            NotImplementedError: ``state`` is an optimizer alone and the checkpoint is sharded.
             KeyError: ``strict`` and an entry of ``state`` is not in the checkpoint (an optimizer
                 included: a checkpoint saved without it loads with ``strict=False``, weights only).
             RuntimeError: ``strict`` and the model's keys do not match a file's (torch's message).
-            CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, or a
-                ``meta.pt`` naming code the safe load refuses.
+            CheckpointNotFoundError: on every rank, nothing at ``path``, a folder that is not a
+                checkpoint, or a part of one (its ``save-<id>/`` folder, a shard file: the message
+                names the checkpoint folder to pass instead). A ``FileNotFoundError``, as DDP and
+                DeepSpeed raise, and a ``CheckpointError``.
+            CheckpointError: a missing or corrupt shard file, another model's checkpoint, a sharded
+                checkpoint given to a model not set up, or a ``meta.pt`` naming code the safe load refuses.
         """
         if not state:
             raise ValueError(
@@ -570,6 +616,16 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 "process, consolidate the checkpoint first (zinf-consolidate)."
             )
         path = self.broadcast(path)
+        require_checkpoint(path, folders=isinstance(state, nn.Module))
+        if isinstance(state, nn.Module) and not hasattr(state, "_zinf_engine"):
+            self._pending.load_module(path, state, strict, weights_only)  # before setup, as under DDP
+            return {}
+        if isinstance(state, Optimizer) and not self._is_set_up(state):
+            self._pending.load_optimizer(path, state, weights_only)
+            return {}
+        if isinstance(state, Optimizer) and not is_sharded_checkpoint(path):
+            load_full_optimizer_state_dict(self.engine_of(state), state, load_full_checkpoint(path, weights_only))
+            return {}
         if isinstance(state, nn.Module):
             self._split_state({"model": state})
             if Path(path).suffix == ".safetensors" or (Path(path).is_dir() and not is_sharded_checkpoint(path)):
@@ -581,8 +637,9 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             state = {"model": state}
         if isinstance(state, Optimizer):
             # Lightning's FSDP strategy raises NotImplementedError for a lone optimizer too.
-            raise NotImplementedError("Loading an optimizer alone is not supported: its state is in the checkpoint "
-                                      "with the model's; fabric.load(path, {'model': model, 'optimizer': optimizer}).")
+            raise NotImplementedError("Loading an optimizer alone from a sharded checkpoint is not supported: its "
+                                      "state is in the checkpoint with the model's; "
+                                      "fabric.load(path, {'model': model, 'optimizer': optimizer}).")
         module_keys, optimizer_keys = self._split_state(state)
         if not is_sharded_checkpoint(path):
             return self._load_full(path, state, module_keys, optimizer_keys, strict, weights_only)
@@ -622,10 +679,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
                 restore_hyperparameters([optimizer], hyper[index:index + 1])
             if folders[key] == Path(path):
                 meta = loaded
-        meta.pop("zinf", None)
-        meta.pop("pytorch-lightning_version", None)
-        meta.pop("state_dict", None)
-        meta.pop("optimizer_states", None)
+        meta = user_entries(meta)
         rest = [k for k in state if k not in module_keys and k not in optimizer_keys]
         _validate_keys_for_strict_loading(rest, meta.keys(), strict=strict)
         for key in rest:
@@ -688,7 +742,11 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         self._watch = None
         if self._preemption is not None and self._preemption.stopping is None:
             self._preemption.uninstall()
-        super().teardown()
+        # The base class's teardown, but for the CheckpointIO it would tear down: there is none.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision.teardown()
+        self.accelerator.teardown()
 
     @classmethod
     @override

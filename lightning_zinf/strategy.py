@@ -25,13 +25,16 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zinf.checkpoint import CheckpointError, is_sharded_checkpoint, load_sharded, read_meta, save_sharded
+from lightning_zinf.checkpoint import (FORMAT, OptimizerCountError, is_sharded_checkpoint, load_sharded, read_meta,
+                                      refuse_reserved_keys, require_checkpoint, save_sharded)
 from lightning_zinf.checkpoint.durable import remove_checkpoint
 from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, PreemptionConfig, PrefetchConfig, TilingConfig,
                                    ZeroPPConfig)
@@ -41,6 +44,7 @@ from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full
                                             load_full_optimizer_state_dict, load_trainable_checkpoint,
                                             save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.launcher import NotebookLauncher
+from lightning_zinf.finetuning import present_parameters_to_finetuning
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.checkpoint_entries import module_buffers, optimizer_hyperparameters, restore_hyperparameters
 from lightning_zinf.distributed import RankLayout, all_reduce, barrier, broadcast, init_distributed
@@ -52,9 +56,18 @@ from lightning_zinf.unsupported import refuse_checkpoint_io
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_precision
 from lightning_zinf.preemption import Preemption
 from lightning_zinf.preemption_trainer import take_over_signals
+from lightning_zinf.repoint import Successors
 from lightning_zinf.summary import use_sharded_summary
 
 __all__ = ["ZeroInfinityStrategy"]
+
+
+def _caller_running(code: Any) -> Any:
+    """The innermost frame of the calling stack that runs ``code`` (a function's ``__code__``), or ``None``."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame
 
 
 def _weights_only_passed_to_trainer() -> Optional[bool]:
@@ -63,23 +76,20 @@ def _weights_only_passed_to_trainer() -> Optional[bool]:
     that restore before setup; for one that restores after (this one, like DeepSpeed's)
     ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it, so it is read
     from that call's frame. Not found (another Lightning), it stays ``None``: the safe load."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is pl.Trainer._run.__code__:
-            return frame.f_locals.get("weights_only")
-        frame = frame.f_back
-    return None
+    frame = _caller_running(pl.Trainer._run.__code__)
+    return None if frame is None else frame.f_locals.get("weights_only")
 
 
 def _checked_optimizer_states(checkpoint: dict[str, Any], count: int, path: Any) -> list[dict[str, Any]]:
     """The checkpoint's optimizer states, which must be one per optimizer of the run.
 
     Raises:
-        CheckpointError: the checkpoint holds the state of more or fewer optimizers.
+        OptimizerCountError: the checkpoint holds the state of more or fewer optimizers (a
+            ``RuntimeError``, as Lightning's ``FSDPStrategy`` raises, and a ``CheckpointError``).
     """
     saved = checkpoint.get("optimizer_states", [])
     if len(saved) != count:
-        raise CheckpointError(
+        raise OptimizerCountError(
             f"{path} holds the state of {len(saved)} optimizer(s) but configure_optimizers returns {count}: it was "
             "saved by a run configured differently. Return the same optimizers to resume it, or load its weights "
             "alone (LightningModule.load_from_checkpoint, or load_full_state_dict for a sharded checkpoint)."
@@ -218,6 +228,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
+        self._successors = Successors()  # what partitioning put in place of the model's parameters
         self._watch: Optional[RankWatch] = None
         self._preemption: Optional[Preemption] = None
 
@@ -377,12 +388,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 # Before partitioning: the engine hooks the modules this replaces.
                 self.model = self._layer_sync.apply(self.model)
+            before = Successors.names_of(self.model)
             self._engine = build_engine(
                 self.model, self.options, device=self.root_device, ranks_per_node=self.num_processes,
                 precision=policy_for(self.precision_plugin),
                 loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
                 timeout=self._timeout, auto_pass=False,
             )
+            self._successors.record(self.model, before)
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
         if self._watch is not None:
             self._engine.on_departure = self._watch.note_departure
@@ -390,6 +403,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and clips_by_value:
             refuse_clipping_by_value(self._engine)  # now, rather than after the first step's backward
         use_sharded_summary(trainer.callbacks)
+        present_parameters_to_finetuning(trainer.callbacks, self._engine)
         take_over_signals(trainer, self.preemption, min(self._timeout.total_seconds(), 60.0))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -402,9 +416,15 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        """Build the user's optimizers, then re-point them at this rank's fp32 master shards."""
+        """Build the user's optimizers, then re-point them at this rank's fp32 master shards. An
+        optimizer the LightningModule built before the model was partitioned (in ``__init__`` or
+        ``configure_model``, returned by ``configure_optimizers``) is first pointed at the
+        parameters that replaced the ones it holds: real ones for meta-device parameters, a tiled
+        layer's tiles for its ``weight`` and ``bias`` (:class:`~lightning_zinf.repoint.Successors`)."""
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            self._successors.repoint(optimizer)
         self.optimizers = [self.engine.shard_optimizer(optimizer) for optimizer in self.optimizers]
 
     @contextmanager
@@ -527,27 +547,42 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """With ``state_dict_type="full"``: the LightningModule's whole state dict on rank 0, on the
-        CPU, gathered one unit at a time (the other ranks' holds its buffers; collective). With
-        ``"sharded"``: its buffers (replicated on every rank); the parameters go to the shard files.
-        ``"full"`` with ``exclude_frozen_parameters=True``: the buffers and the trainable parameters
-        only, and no frozen unit is gathered (:func:`~lightning_zinf.checkpoint.full.trainable_state_dict`)."""
+        """The LightningModule's state dict, as Lightning's ``FSDPStrategy`` returns it (collective):
+
+        - ``state_dict_type="full"``: the whole state dict on rank 0, on the CPU, gathered one unit
+          at a time; ``{}`` on the other ranks. With ``exclude_frozen_parameters=True``: the buffers
+          and the trainable parameters only, and no frozen unit is gathered
+          (:func:`~lightning_zinf.checkpoint.full.trainable_state_dict`).
+        - ``"sharded"``: every partitioned parameter as a ``DTensor`` sharded on dim 0 over the ranks,
+          each rank holding its rows (FSDP's sharded state dict:
+          :func:`~lightning_zinf.state_dict_options` ``(sharded=True)``, each unit gathered once), and
+          the buffers. When the Trainer builds a checkpoint with it, the buffers alone: the
+          parameters go to the shard files, and gathering them there would be wasted.
+        """
         assert self.lightning_module is not None
-        if self.options.state_dict_type == "full" and self.options.exclude_frozen_parameters:
-            return {**module_buffers(self.lightning_module), **trainable_state_dict(self.engine, rank0_only=True)}
-        if self.options.state_dict_type == "full":
-            with state_dict_options(self.lightning_module, rank0_only=True):
-                return self.lightning_module.state_dict()
-        return module_buffers(self.lightning_module)
+        module = self.lightning_module
+        if self.options.state_dict_type == "sharded":
+            if _caller_running(_CheckpointConnector.dump_checkpoint.__code__) is not None:
+                return module_buffers(module)
+            with state_dict_options(module, sharded=True):
+                return module.state_dict()
+        if self.options.exclude_frozen_parameters:
+            state = {**module_buffers(module), **trainable_state_dict(self.engine, rank0_only=True)}
+        else:
+            with state_dict_options(module, rank0_only=True):
+                state = module.state_dict()
+        return state if self.is_global_zero else {}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """With ``state_dict_type="full"``: the state dict the optimizer would have over the
-        unpartitioned model, on rank 0 (:func:`~lightning_zinf.checkpoint.full.full_optimizer_state_dict`;
-        collective). With ``"sharded"``: hyper-parameters per param group; per-element state goes to
-        the shard files."""
+        unpartitioned model, on rank 0, and ``{}`` on the other ranks, as Lightning's
+        ``FSDPStrategy`` returns it (:func:`~lightning_zinf.checkpoint.full.full_optimizer_state_dict`;
+        collective). With ``"sharded"``: hyper-parameters per param group; per-element state goes
+        to the shard files."""
         if self.options.state_dict_type == "full":
-            return full_optimizer_state_dict(self.engine, optimizer, rank0_only=True)
+            state = full_optimizer_state_dict(self.engine, optimizer, rank0_only=True)
+            return state if self.is_global_zero else {}
         return optimizer_hyperparameters(optimizer)
 
     @override
@@ -558,6 +593,16 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
         Raises:
             TypeError: ``storage_options`` (as Lightning's FSDP and DeepSpeed strategies).
+            ValueError: (sharded) the checkpoint holds an entry under a name ``meta.pt`` uses for its
+                own record (``"zinf"``...: :data:`~lightning_zinf.checkpoint.RESERVED_KEYS`, added in
+                ``on_save_checkpoint``, say); nothing is written.
+            IsADirectoryError: (full) ``filepath`` is a folder that is not a checkpoint (as
+                Lightning's ``FSDPStrategy`` raises).
+
+        Warns:
+            UserWarning: once per process, when a sharded checkpoint's name has a file's suffix
+                (``model.pt``, ``last.ckpt``): it is written as a folder (as Lightning's DeepSpeed
+                strategy warns for ZeRO-3 checkpoints).
         """
         if storage_options is not None:
             raise TypeError("zero_infinity checkpoints do not use a CheckpointIO: storage_options is not supported.")
@@ -565,6 +610,10 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         if self.options.state_dict_type == "full":
             save_full_checkpoint(checkpoint, path, writer=self.is_global_zero, broadcast=self.broadcast)
             return
+        refuse_reserved_keys(checkpoint, path)
+        if "state_dict" in checkpoint:  # a DTensor's values are in the shard files
+            checkpoint = {**checkpoint, "state_dict": {k: v for k, v in checkpoint["state_dict"].items()
+                                                       if not isinstance(v, DTensor)}}
         with_optimizer = "optimizer_states" in checkpoint
         save_sharded(self.engine, self.optimizers if with_optimizer else [], path, checkpoint,
                      exclude_frozen=self.options.exclude_frozen_parameters)
@@ -589,15 +638,21 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         ``False`` unpickles it fully, for a file the user trusts.
 
         Raises:
-            CheckpointError: not a checkpoint, a missing or corrupt shard file, another model's, a
-                ``meta.pt`` naming code the safe load refuses (on every rank: each reads it), or one
-                with more or fewer optimizers than the run has.
+            CheckpointNotFoundError: on every rank, nothing at ``checkpoint_path``, a folder that is
+                not a checkpoint, or a part of one (its ``save-<id>/`` folder, a shard file: the
+                message names the checkpoint folder to pass instead). A ``FileNotFoundError``, as DDP
+                and DeepSpeed raise, and a ``CheckpointError``.
+            OptimizerCountError: when fitting, a checkpoint with more or fewer optimizers than the
+                run has (a ``RuntimeError``, as Lightning's ``FSDPStrategy`` raises, and a ``CheckpointError``).
+            CheckpointError: a missing or corrupt shard file, another model's checkpoint, or a
+                ``meta.pt`` naming code the safe load refuses (on every rank: each reads it).
         """
         assert self.lightning_module is not None
         if weights_only is None:
             weights_only = _weights_only_passed_to_trainer()
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         path = self.broadcast(checkpoint_path)
+        require_checkpoint(path)
         if not is_sharded_checkpoint(path):
             checkpoint = load_full_checkpoint(path, weights_only)
             if fitting:
@@ -626,7 +681,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """
         assert self.lightning_module is not None
         state = checkpoint.get("state_dict", {})
-        if "zinf" in checkpoint:
+        if isinstance(checkpoint.get("zinf"), dict) and checkpoint["zinf"].get("format") == FORMAT:
             self.lightning_module.load_state_dict(state, strict=False)
         elif self.options.exclude_frozen_parameters and trainable_only(self.lightning_module, state):
             load_trainable_checkpoint(self.engine, state, strict)

@@ -204,14 +204,6 @@ def test_second_engine_on_the_same_model_is_rejected() -> None:
         ZeroEngine(model)
 
 
-def test_changing_requires_grad_after_partition_is_an_error() -> None:
-    model = TwoLayers()
-    engine = ZeroEngine(model)
-    model.a.weight.requires_grad_(False)
-    with pytest.raises(RuntimeError, match="'a.weight' was trainable .* now frozen"):
-        engine.begin_pass("train")
-
-
 def test_meta_init_of_a_tied_module_before_others_matches_eager() -> None:
     class Tied(nn.Module):
         def __init__(self):

@@ -192,6 +192,26 @@ def test_checkpoint_io_plugins_are_refused() -> None:
     assert type(ZeroInfinityStrategy().checkpoint_io) is TorchCheckpointIO
 
 
+def _fabric_teardown_rank(rank: int, world: int) -> str:
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="zero_infinity")
+    fabric.launch()
+    with fabric.init_module():
+        model = models.GPT()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(NotImplementedError) as error:
+        fabric.strategy.checkpoint_io
+    fabric.strategy.teardown()  # which tears down no CheckpointIO
+    return str(error.value)
+
+
+def test_fabric_strategy_has_no_checkpoint_io() -> None:
+    """The Fabric strategy's ``checkpoint_io`` raises ``NotImplementedError``, as Lightning's Fabric
+    ``FSDPStrategy`` does (it returned Fabric's default plugin, which nothing calls), and its
+    teardown needs none."""
+    message = run_distributed(_fabric_teardown_rank, 1, init_pg=False)[0]
+    assert "ZeroInfinityFabricStrategy` does not use the `CheckpointIO` plugin interface" in message
+
+
 @pytest.mark.parametrize("build", [
     lambda: L.Trainer(strategy="zero_infinity", accelerator="cpu", devices=2, precision="64-true", logger=False),
     lambda: Fabric(strategy="zero_infinity", accelerator="cpu", devices=2, precision="64-true"),

@@ -37,13 +37,17 @@ record, shard files and their reader), :mod:`~lightning_zinf.checkpoint.save` (s
 :mod:`~lightning_zinf.checkpoint.load` (sharded load at any world size),
 :mod:`~lightning_zinf.checkpoint.full` (full state in and out: one-file checkpoints and the plain
 optimizer state dict), :mod:`~lightning_zinf.checkpoint.sources` (outside weights, Hugging Face and
-plain state dicts, through ``load_state_dict``) and :mod:`~lightning_zinf.checkpoint.durable` (the
-filesystem steps that make saves crash-safe).
+plain state dicts, through ``load_state_dict``), :mod:`~lightning_zinf.checkpoint.raw` (plain state
+dicts loaded before the strategy set the model or optimizer up) and
+:mod:`~lightning_zinf.checkpoint.durable` (the filesystem steps that make saves crash-safe).
 """
 
-from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, FORMAT, META_FILE, MODELS_DIR_KEY, MODELS_KEY,
-                                             OPTIMIZER_KEYS, SAFETENSORS_DTYPES, VERSION, CheckpointError, ShardReader,
-                                             check_version, is_sharded_checkpoint, model_folders, read_meta, shard_file)
+from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, FORMAT, META_FILE, MODEL_KEY, MODELS_DIR_KEY,
+                                             MODELS_KEY, OPTIMIZER_KEYS, OWN_ENTRIES, RESERVED_KEYS, SAFETENSORS_DTYPES,
+                                             USER_STATE_KEY, VERSION, CheckpointError, CheckpointNotFoundError,
+                                             OptimizerCountError, ShardReader, check_version, enclosing_checkpoint,
+                                             is_sharded_checkpoint, model_folders, read_meta, refuse_reserved_keys,
+                                             require_checkpoint, shard_file, user_entries)
 from lightning_zinf.checkpoint.load import load_sharded, placed_scalar_state
 from lightning_zinf.checkpoint.save import optimizer_owners, save_sharded, save_sharded_models, shard_layout_state
 from lightning_zinf.checkpoint.sources import (checkpoint_keys, load_full_state_dict, load_full_state_dicts, matching_prefix,
@@ -53,9 +57,11 @@ from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full
                                             load_full_optimizer_state_dict, save_full_checkpoint)
 
 __all__ = ["save_sharded", "save_sharded_models", "shard_layout_state", "optimizer_owners", "placed_scalar_state",
-           "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "model_folders", "load_sharded", "load_full_state_dict",
-           "load_full_state_dicts", "overlapping_prefixes",
+           "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "MODEL_KEY", "USER_STATE_KEY", "RESERVED_KEYS",
+           "OWN_ENTRIES", "user_entries", "refuse_reserved_keys", "model_folders", "load_sharded",
+           "load_full_state_dict", "load_full_state_dicts", "overlapping_prefixes",
            "checkpoint_keys", "matching_prefix", "provided_parameters", "is_sharded_checkpoint", "read_meta",
            "check_version", "shard_file", "ShardReader", "SAFETENSORS_DTYPES", "CheckpointError",
+           "CheckpointNotFoundError", "OptimizerCountError", "enclosing_checkpoint", "require_checkpoint",
            "CheckpointWriteError", "CHECKPOINT_GLOBALS", "META_FILE", "FORMAT", "VERSION", "remove_checkpoint",
            "full_optimizer_state_dict", "load_full_optimizer_state_dict", "save_full_checkpoint", "load_full_checkpoint"]

@@ -24,8 +24,10 @@ from torch import Tensor
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.tiling import tile_views
 
-__all__ = ["META_FILE", "FORMAT", "VERSION", "CHECKPOINT_GLOBALS", "CheckpointError", "check_version", "read_meta",
-           "shard_file", "is_sharded_checkpoint", "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "model_folders",
+__all__ = ["META_FILE", "FORMAT", "VERSION", "CHECKPOINT_GLOBALS", "CheckpointError", "CheckpointNotFoundError",
+           "OptimizerCountError", "check_version", "read_meta", "shard_file", "is_sharded_checkpoint",
+           "enclosing_checkpoint", "require_checkpoint", "MODELS_KEY", "MODELS_DIR_KEY", "OPTIMIZER_KEYS", "MODEL_KEY",
+           "USER_STATE_KEY", "RESERVED_KEYS", "OWN_ENTRIES", "user_entries", "refuse_reserved_keys", "model_folders",
            "SAFETENSORS_DTYPES", "ShardReader"]
 
 
@@ -71,6 +73,19 @@ _META_PICKLE.Pickler = _MetaPickler  # type: ignore[attr-defined]  # what torch.
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, corrupt, of a different model, or naming code
     that the safe (weights-only) unpickler refuses to run."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint where one was asked for: the path does not exist, is a folder that holds none,
+    or is a part of a sharded checkpoint (its ``meta.pt``, its ``save-<id>/`` folder, a shard file)
+    rather than the checkpoint folder itself, which the message names. A ``FileNotFoundError``, as
+    Lightning's DDP (``TorchCheckpointIO``) and DeepSpeed strategies raise for these, so that
+    ``except FileNotFoundError: start afresh`` works; and a :class:`CheckpointError`."""
+
+
+class OptimizerCountError(CheckpointError, RuntimeError):
+    """A checkpoint holding the state of more or fewer optimizers than the run has. A
+    ``RuntimeError``, as Lightning's ``FSDPStrategy`` raises for it; and a :class:`CheckpointError`."""
 
 
 def _sha256(file: Path, chunk: int = 1 << 23) -> str:
@@ -170,6 +185,46 @@ def is_sharded_checkpoint(path: os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
 
 
+def enclosing_checkpoint(path: os.PathLike) -> Optional[Path]:
+    """The sharded checkpoint folder that ``path`` is a part of (its ``meta.pt``, its
+    ``save-<id>/`` folder, a shard file in that, a model's folder or file in a checkpoint of several
+    models: at most three levels down), the outermost one, or ``None``."""
+    found = None
+    for parent in list(Path(path).parents)[:3]:
+        if is_sharded_checkpoint(parent):
+            found = parent
+    return found
+
+
+def require_checkpoint(path: os.PathLike, *, folders: bool = False) -> None:
+    """Check that something loadable is at ``path``: a sharded checkpoint folder, a file (a full
+    checkpoint), or with ``folders`` any folder that is not inside a sharded checkpoint (a Hugging
+    Face model folder, which its reader checks).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist; is a part of a sharded checkpoint (the
+            message names the checkpoint folder to pass instead); or is a folder without
+            ``meta.pt`` (unless ``folders``).
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        return
+    root = enclosing_checkpoint(path)
+    if root is not None:
+        part = path.relative_to(root)
+        raise CheckpointNotFoundError(
+            f"{path} is a part of the sharded checkpoint {root} ({part}), not a checkpoint itself: a sharded "
+            f"checkpoint is the whole folder its save wrote. Load {root} instead."
+        )
+    if not path.exists():
+        raise CheckpointNotFoundError(f"Checkpoint not found: {path} does not exist.")
+    if path.is_dir() and not folders:
+        raise CheckpointNotFoundError(
+            f"{path} is not a lightning_zinf checkpoint: the folder holds no {META_FILE} (a sharded checkpoint is "
+            f"the folder a save wrote, with {META_FILE} and a save-<id>/ folder of one shard file per rank)."
+        )
+
+
 # --- layout -----------------------------------------------------------------------------------------
 def _layout(engine: ZeroEngine) -> list[dict[str, Any]]:
     aliases: dict[int, list[str]] = {}
@@ -215,7 +270,9 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
             "consolidate the checkpoint and load it with load_full_state_dict)."
         )
     for old, new in zip(saved, current):
-        for key in ("names", "shapes", "dtype", "trainable"):
+        # Not "trainable": requires_grad may change during training (a group unfrozen, or frozen
+        # again, since the model was partitioned); a group's optimizer state loads either way.
+        for key in ("names", "shapes", "dtype"):
             if old[key] != new[key] and key == "dtype":
                 raise CheckpointError(
                     f"{path} stores unit '{new['unit']}' in {old[key]}, but the model now stores it in "
@@ -250,6 +307,55 @@ MODELS_DIR_KEY = "zinf_dir"
 
 #: ``meta.pt`` of a Fabric checkpoint of one model: the keys its optimizers' states were saved under.
 OPTIMIZER_KEYS = "zinf_optimizer_keys"
+
+
+#: ``meta.pt`` of a Fabric checkpoint of one model: the key the model was saved under.
+MODEL_KEY = "zinf_model_key"
+
+
+#: ``meta.pt`` of a Fabric checkpoint: the entries of ``fabric.save``'s state that are neither a
+#: model nor an optimizer, kept apart from the checkpoint's own entries so that none is overwritten
+#: (a user's ``"state_dict"`` beside the model's buffers, say).
+USER_STATE_KEY = "zinf_user_state"
+
+
+#: The keys of ``meta.pt`` the checkpoint's own record uses: an entry of the caller's under one of
+#: them would be overwritten or misread, so a save refuses it (:func:`refuse_reserved_keys`). The
+#: first three are written by every sharded save; the others by ``fabric.save``.
+RESERVED_KEYS = ("zinf", MODELS_KEY, MODELS_DIR_KEY, OPTIMIZER_KEYS, MODEL_KEY, USER_STATE_KEY)
+
+
+#: The entries of a sharded checkpoint's ``meta.pt`` that are the checkpoint's own rather than the
+#: saver's state: the layout record, the model's buffers and the optimizers' hyper-parameters
+#: (``"state_dict"``, ``"optimizer_states"``, as a Trainer checkpoint has them), and the keys above.
+OWN_ENTRIES = ("state_dict", "optimizer_states", "pytorch-lightning_version") + RESERVED_KEYS
+
+
+def user_entries(meta: dict[str, Any]) -> dict[str, Any]:
+    """The saver's own state in a sharded checkpoint's ``meta.pt`` (read as ``meta``): the entries
+    of ``fabric.save``'s state that were neither a model nor an optimizer (kept under
+    :data:`USER_STATE_KEY`, whatever their names), or, in a Trainer's checkpoint (and an earlier
+    ``fabric.save``'s), every entry but :data:`OWN_ENTRIES` (``epoch``, ``global_step``, ``loops``...)."""
+    if USER_STATE_KEY in meta:
+        return dict(meta[USER_STATE_KEY])
+    return {key: value for key, value in meta.items() if key not in OWN_ENTRIES}
+
+
+def refuse_reserved_keys(meta: dict[str, Any], path: os.PathLike, keys: tuple[str, ...] = RESERVED_KEYS) -> None:
+    """Refuse to save ``meta`` to ``path``'s ``meta.pt`` if it holds an entry under one of ``keys``
+    (of :data:`RESERVED_KEYS`), which the save writes itself or a load reads as its own; called
+    before anything is written.
+
+    Raises:
+        ValueError: naming the entry and the fix.
+    """
+    taken = [key for key in keys if key in meta]
+    if taken:
+        raise ValueError(
+            f"The checkpoint to save at {path} holds an entry named {taken[0]!r}, a name lightning_zinf's sharded "
+            f"checkpoints use for their own record ({', '.join(RESERVED_KEYS)}): saving would overwrite it. Nothing "
+            "was written. Store it under another name (in on_save_checkpoint, say)."
+        )
 
 
 def model_folders(path: os.PathLike, meta: dict[str, Any]) -> dict[str, Path]:

@@ -22,7 +22,8 @@ from torch import Tensor
 
 from lightning_zinf.checkpoint.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale,
                                                describe_write_failure, replace_file, replace_kind, space_message)
-from lightning_zinf.checkpoint.format import CHECKPOINT_GLOBALS, META_FILE, CheckpointError, is_sharded_checkpoint
+from lightning_zinf.checkpoint.format import (CHECKPOINT_GLOBALS, CheckpointError, is_sharded_checkpoint,
+                                             require_checkpoint)
 from lightning_zinf.checkpoint.load import placed_scalar_state
 from lightning_zinf.checkpoint.save import optimizer_owners, shard_layout_state
 from lightning_zinf.engine import ZeroEngine
@@ -84,7 +85,7 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimiz
     groups = engine.groups
     engine.begin_unit_access()
     for gi, group in enumerate(groups):
-        if not group.trainable:
+        if not group.fragments:  # no master: never stepped (a group frozen again keeps its state)
             continue
         with engine.state_resident(write_back=False, groups=[group]):
             local = {k.removeprefix("opt0."): v for k, v in shard_layout_state(group, optimizer_owners([optimizer])).items()}
@@ -145,8 +146,12 @@ def load_full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Op
         )
     plain_of = {i: saved for saved_group, mine in zip(saved_groups, ids) for i, saved in zip(mine, saved_group["params"])}
     saved_state = state_dict.get("state", {})
+    # State saved for parameters frozen since partitioning (trained before the save, frozen when the
+    # model was built again): their groups get masters to hold it, as a plain optimizer keeps it.
+    engine.sharded.give_masters([group for gi, group in enumerate(engine.groups) if group.master is None and any(
+        saved_state.get(plain_of.get(where.get((gi, j)))) for j in range(len(group.params)))])
     for gi, group in enumerate(engine.groups):
-        if not group.trainable:
+        if not group.fragments:
             continue
         with engine.state_resident(write_back=True, groups=[group]):
             flat: dict[str, Tensor] = {}
@@ -320,8 +325,9 @@ def _tensor_bytes(value: Any) -> int:
 
 def _write_full(checkpoint: dict[str, Any], path: Path) -> None:
     if path.is_dir() and not is_sharded_checkpoint(path):
-        raise FileExistsError(f"{path} is a folder that is not a lightning_zinf checkpoint; refusing to replace it "
-                              "with a full checkpoint file. Choose another path.")
+        # IsADirectoryError, as Lightning's FSDP strategies raise here.
+        raise IsADirectoryError(f"{path} is a folder that is not a lightning_zinf checkpoint; refusing to replace it "
+                                "with a full checkpoint file. Choose another path.")
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(path.parent)
     need = _tensor_bytes(checkpoint)
@@ -362,7 +368,8 @@ def save_full_checkpoint(checkpoint: dict[str, Any], path: os.PathLike | str, *,
         broadcast: The strategy's ``broadcast(obj, src=0)``, to give every rank the writer's outcome.
 
     Raises:
-        FileExistsError: ``path`` is a folder that is not a checkpoint written by this package.
+        IsADirectoryError: ``path`` is a folder that is not a checkpoint written by this package (as
+            Lightning's ``FSDPStrategy(state_dict_type="full")`` raises).
         CheckpointWriteError: the tensors need more room than is free (bytes named; nothing is
             written), or the write failed (full disk, permissions; the partial file is removed);
             ``path`` is untouched.
@@ -389,12 +396,15 @@ def load_full_checkpoint(path: os.PathLike | str, weights_only: Optional[bool] =
             classes allowed); ``False``: the full unpickler, for a file the user trusts.
 
     Raises:
-        CheckpointError: the file does not exist, cannot be read, or is not a checkpoint dict.
+        CheckpointNotFoundError: nothing at ``path``, a folder, or a part of a sharded checkpoint (the
+            message names the checkpoint folder to load instead).
+        CheckpointError: the file cannot be read, or is not a checkpoint dict.
     """
     path = Path(path)
+    require_checkpoint(path)
     if not path.is_file():
-        raise CheckpointError(f"{path} is neither a checkpoint file nor a lightning_zinf checkpoint folder (no "
-                              f"{META_FILE} in it).")
+        raise CheckpointError(f"{path} is a sharded checkpoint folder, not a checkpoint file: load it with the "
+                              "strategy, or consolidate it into one file (zinf-consolidate).")
     try:
         with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
             checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)

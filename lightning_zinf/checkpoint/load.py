@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from lightning_zinf.checkpoint.format import (FORMAT, META_FILE, MODELS_KEY, CheckpointError, ShardReader, _check_layout,
-                                             _layout, is_sharded_checkpoint, model_folders, read_meta)
+                                             _layout, is_sharded_checkpoint, model_folders, read_meta,
+                                             require_checkpoint)
 from lightning_zinf.checkpoint.save import optimizer_owners
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
@@ -42,12 +43,15 @@ def load_sharded(
         The ``meta`` dict that was saved (with the ``"zinf"`` layout entry).
 
     Raises:
-        CheckpointError: ``path`` is not a checkpoint, a shard file is missing or corrupt, the
-            checkpoint was saved from a different model, or ``meta.pt`` names code the safe load refuses.
+        CheckpointNotFoundError: nothing at ``path``, a folder without ``meta.pt``, or a part of a
+            checkpoint (its ``save-<id>/`` folder, a shard file: the message names the checkpoint).
+        CheckpointError: ``path`` is a file, a shard file is missing or corrupt, the checkpoint was
+            saved from a different model, or ``meta.pt`` names code the safe load refuses.
 
     Frozen groups saved with ``exclude_frozen`` keep the values they have now.
     """
     path = Path(path)
+    require_checkpoint(path)
     if not is_sharded_checkpoint(path):
         raise CheckpointError(
             f"{path} is not a lightning_zinf checkpoint (expected a directory with {META_FILE} and one "
@@ -65,6 +69,13 @@ def load_sharded(
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
     reader = ShardReader(path, zinf)
     _check_layout(zinf["groups"], _layout(engine), path)
+    if load_optimizer:
+        # Optimizer state saved for groups frozen since partitioning (trained before the save, frozen
+        # when the model was built again): they get masters to hold it, as a plain optimizer keeps it.
+        keys = reader.keys()
+        engine.sharded.give_masters([group for i, group in enumerate(engine.groups) if group.master is None
+                                     and not zinf["groups"][i].get("excluded", False)
+                                     and any(k.startswith(f"{i}.opt") for k in keys)])
     owners = optimizer_owners(optimizers if isinstance(optimizers, dict) else list(optimizers))
     engine.release_all()
     for i, group in enumerate(engine.groups):

@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from lightning_zinf.checkpoint.format import (_META_PICKLE, FORMAT, META_FILE, MODELS_DIR_KEY, MODELS_KEY,
                                              SAFETENSORS_DTYPES, VERSION, _layout, _sha256, is_sharded_checkpoint,
-                                             shard_file)
+                                             refuse_reserved_keys, shard_file)
 from lightning_zinf.checkpoint.durable import (STAGING_SUFFIX, CheckpointWriteError, clean_stale,
                                                describe_write_failure, fsync_file, fsync_folder, is_torch_file, put_new,
                                                remove_path, replace_file, replace_kind, space_message)
@@ -186,6 +187,30 @@ def _commit(save: _Save, record: Optional[dict[str, Any]], comm: Any, parts: Opt
         raise outcome
 
 
+#: The entries of ``meta.pt`` a save writes itself: the layout record, and which model is where.
+_WRITTEN_HERE = ("zinf", MODELS_KEY, MODELS_DIR_KEY)
+
+
+_told_folder = False  # whether this process has said that a file-like name got a folder
+
+
+def _say_it_is_a_folder(path: Path, comm: Any) -> None:
+    """Once per process, on rank 0: a save to a name that looks like a file's (``model.pt``,
+    ``last.ckpt``) wrote a folder, and how to get one file (as Lightning's DeepSpeed strategy warns
+    that a ZeRO-3 checkpoint is a directory)."""
+    global _told_folder
+    if comm.rank != 0 or _told_folder or not path.suffix:
+        return
+    _told_folder = True
+    warnings.warn(
+        f"{path} was written as a folder, not a file: a sharded checkpoint is a directory ({META_FILE} and one "
+        "shard file per rank), whatever its name. trainer.fit(ckpt_path=...), fabric.load and zinf-consolidate take "
+        f"the folder; for one file, consolidate it (zinf-consolidate {path} model.pt) or save with "
+        "state_dict_type='full'.",
+        UserWarning, stacklevel=4,
+    )
+
+
 def _remove_previous(save: _Save) -> None:
     """Remove everything in the checkpoint folder but ``meta.pt`` and the save it names: the
     previous save's data folder, or files of the older layout (shards beside ``meta.pt``). A crash
@@ -287,16 +312,22 @@ def save_sharded(
             the same frozen values (the same pretrained checkpoint).
 
     Raises:
+        ValueError: ``meta`` holds an entry under a name the save writes itself (``"zinf"``,
+            :data:`~lightning_zinf.checkpoint.format.MODELS_KEY`, ``MODELS_DIR_KEY``); nothing is written.
         FileExistsError: ``path`` exists and is neither a checkpoint written by this package nor a
             ``torch.save`` file (a full checkpoint, which it replaces).
         CheckpointWriteError: on every rank: the ranks sharing a filesystem need more room than it
             has (the message gives the bytes needed and free; nothing is written), or a write failed
             (full disk, permissions: the rank, file and cause are named; what was written is removed).
             The previous checkpoint at ``path``, if any, is untouched.
+
+    Warns:
+        UserWarning: once per process, when ``path`` has a file's suffix (``model.pt``): it is a folder.
     """
     path = Path(path)
     comm = engine.comm
     optimizers = list(optimizers)
+    refuse_reserved_keys(meta, path, _WRITTEN_HERE)
     save = _begin(path, comm)
     try:
         _check_space(save, comm, _shard_bytes(engine, optimizer_owners(optimizers), exclude_frozen))
@@ -310,6 +341,7 @@ def save_sharded(
         _abort(save, comm.rank)
         raise
     _commit(save, record, comm)
+    _say_it_is_a_folder(path, comm)
 
 
 def save_sharded_models(
@@ -329,11 +361,18 @@ def save_sharded_models(
         exclude_frozen: As :func:`save_sharded`'s.
 
     Raises:
+        ValueError: ``meta`` or a model's own meta holds an entry under a reserved name (as
+            :func:`save_sharded`); nothing is written.
         FileExistsError: as :func:`save_sharded`.
         CheckpointWriteError: as :func:`save_sharded`; the previous checkpoint at ``path`` is untouched.
+
+    Warns:
+        UserWarning: as :func:`save_sharded`.
     """
     path = Path(path)
     comm = next(iter(models.values()))[0].comm
+    for part in [meta] + [own for _, _, own in models.values()]:
+        refuse_reserved_keys(part, path, _WRITTEN_HERE)
     save = _begin(path, comm)
     try:
         need = sum(_shard_bytes(engine, optimizer_owners(list(optimizers.values())), exclude_frozen)
@@ -354,6 +393,7 @@ def save_sharded_models(
         _abort(save, comm.rank)
         raise
     _commit(save, record, comm, parts)
+    _say_it_is_a_folder(path, comm)
 
 
 def _write_meta(file: Path, record: dict[str, Any], checkpoint: Path) -> None:

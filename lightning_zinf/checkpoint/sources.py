@@ -12,12 +12,13 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_zinf.checkpoint.format import CheckpointError, _RangeFile
+from lightning_zinf.checkpoint.format import (CheckpointError, CheckpointNotFoundError, _RangeFile,
+                                             is_sharded_checkpoint, require_checkpoint)
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.tiling import tile_views
 
 __all__ = ["load_full_state_dict", "load_full_state_dicts", "overlapping_prefixes", "checkpoint_keys", "matching_prefix",
-           "provided_parameters"]
+           "provided_parameters", "tensor_source"]
 
 
 class _TorchFile:
@@ -51,10 +52,13 @@ _HF_CHECKPOINTS = ("model.safetensors.index.json", "model.safetensors", "pytorch
 def _checkpoint_files(path: Path) -> list[Path]:
     """The files of a checkpoint: the file itself, or in a Hugging Face model folder the single
     or sharded (``*.index.json``) safetensors checkpoint, else the ``pytorch_model.bin`` one."""
+    require_checkpoint(path, folders=True)  # names the checkpoint a shard file or save folder belongs to
     if path.is_file():
         return [path]
-    if not path.is_dir():
-        raise CheckpointError(f"{path} does not exist (expected a .safetensors or .bin file, or a Hugging Face model folder).")
+    if is_sharded_checkpoint(path):
+        raise CheckpointError(f"{path} is a lightning_zinf sharded checkpoint, not a full state dict: load it with "
+                              "the strategy (trainer.fit(ckpt_path=...), fabric.load) or load_sharded, or consolidate "
+                              "it into one file first (zinf-consolidate).")
     for name in _HF_CHECKPOINTS:
         found = path / name
         if not found.is_file():
@@ -67,10 +71,21 @@ def _checkpoint_files(path: Path) -> list[Path]:
                 raise CheckpointError(f"{found} names shard files that are not there: {', '.join(absent)}.")
             return files
         return [found]
-    raise CheckpointError(
+    raise CheckpointNotFoundError(
         f"{path} holds none of {', '.join(_HF_CHECKPOINTS)}: not a Hugging Face model folder "
         "(pass the checkpoint file itself, or the folder `save_pretrained` wrote)."
     )
+
+
+def tensor_source(source: os.PathLike | str) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint (a Hugging Face model folder, a ``.safetensors`` or ``torch.save``
+    file) by name, memory-mapped: a tensor's bytes are read only where it is used.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointError: as :func:`checkpoint_keys`.
+    """
+    src = _Source(source)
+    return {key: src.tensor(key) for key in sorted(src.keys())}
 
 
 def _checkpoint_names(name: str) -> list[str]:
@@ -180,8 +195,10 @@ def load_full_state_dict(
         The keys of ``source`` that no module took (empty when ``strict``).
 
     Raises:
-        CheckpointError: the file does not exist, a shape differs, or (``strict``) keys are missing
-            or unexpected by name (checked before anything is loaded, so a model whose modules
+        CheckpointNotFoundError: nothing at ``source``, a folder that is not a Hugging Face model's,
+            or a part of a sharded checkpoint (the message names the checkpoint folder).
+        CheckpointError: a sharded checkpoint (consolidate it first), a shape differs, or (``strict``)
+            keys are missing or unexpected by name (checked before anything is loaded, so a model whose modules
             rename keys themselves loads with ``strict=False``); the message names them.
     """
     return load_full_state_dicts(engine, {prefix: source}, strict=strict)[prefix]

@@ -77,7 +77,7 @@ class RankAgreement:
         self.negotiation.record = self._count
         self.negotiation.on_leave = self._left
 
-    def begin_pass(self, kind: Hashable, check: bool) -> None:
+    def begin_pass(self, kind: Hashable, check: bool, training: Optional[int] = None) -> Optional[bool]:
         """A pass of ``kind`` starts: the ranks meet at the start of a pass (a soft waypoint,
         :meth:`~lightning_zinf.engine.negotiation.Negotiation.waypoint`), then, if they are there
         together, agree in one all-reduce that every rank issued the same collectives since the
@@ -85,6 +85,18 @@ class RankAgreement:
         whether this pass replays an agreed trace of the same kind on every rank (checked against
         its script) or is negotiated. ``check=False`` (the passes of a generation phase, which every
         rank runs in step): no meeting, no check; the pass replays its trace if this rank's does.
+
+        Args:
+            kind: The pass's kind.
+            check: Meet and check (see above).
+            training: For a pass that may run backward, the digest of the parameters'
+                ``requires_grad`` flags and optimizer param groups
+                (:meth:`Freezing.prepare <lightning_zinf.engine.freezing.Freezing.prepare>`), agreed in
+                the same all-reduce as the mode; ``None`` for other passes.
+
+        Returns:
+            ``None``, unless every rank is at a training pass together: then whether their
+            ``training`` digests agree (for :meth:`Freezing.apply <lightning_zinf.engine.freezing.Freezing.apply>`).
 
         Raises:
             RuntimeError: the ranks' collectives since the last check differ, or the ranks wait at
@@ -95,7 +107,7 @@ class RankAgreement:
             pending = self.tracer.pending()
             self.tracer.begin_pass(kind)
             negotiation.begin_pass(kind, self.tracer.certified if pending is None else False)
-            return
+            return None
         together = self.waypoint(PASS)
         if negotiation.departed:  # the pass that ends left its script, or diverged: recorded anew
             self.tracer.rerecord_kind(negotiation.kind)
@@ -114,10 +126,16 @@ class RankAgreement:
             self.tracer.finish(None)
         self.tracer.begin_pass(kind, finished=True)
         replaying: Optional[bool] = None
-        if together:  # one collective on every rank, certified or not
+        decision: Optional[bool] = None
+        if together:  # one collective on every rank, certified or not, training or not
             mine = zlib.crc32(repr(kind).encode()) if self.tracer.certified else -1
-            replaying = self.comm.all_equal_each([mine])[0] and mine != -1
+            same_kind, all_training, same_flags = self.comm.all_equal_each(
+                [mine, int(training is not None), training or 0])
+            replaying = same_kind and mine != -1
+            if all_training and training is not None:
+                decision = same_flags
         negotiation.begin_pass(kind, replaying)
+        return decision
 
     def waypoint(self, waypoint: int) -> bool:
         """This rank reached ``waypoint`` (:mod:`~lightning_zinf.engine.negotiation`'s codes): meet

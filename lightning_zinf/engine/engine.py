@@ -57,10 +57,12 @@ from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swa
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
+from lightning_zinf.engine.freezing import Freezing
 from lightning_zinf.engine.negotiation import STEP_END, USER_COLLECTIVE
 from lightning_zinf.engine.optim import refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
 from lightning_zinf.engine.schedule import Schedule
+from lightning_zinf.engine.sharded import ShardedOptimizers
 from lightning_zinf.engine.steps import OptimizerSteps
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
@@ -72,6 +74,10 @@ from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.tiling import tile_linear_layers
 
 __all__ = ["ZeroEngine", "Unit"]
+
+_NVME_ADDING = ("not supported with OffloadConfig(optimizer='nvme') yet (its swap files are planned when the optimizer "
+                "is sharded). Build the optimizer over every parameter it will train, or offload the optimizer to "
+                "'cpu'.")
 
 
 class ZeroEngine:
@@ -135,9 +141,16 @@ class ZeroEngine:
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
         optimizers: The optimizers :meth:`shard_optimizer` re-pointed, in order.
-        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it:
-            ``(flat group index, position in the group)``, or ``None`` for a frozen parameter (the
-            optimizer's plain, unsharded state dict numbers them in this order).
+        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it
+            (``add_param_group`` included): ``(flat group index, position in the group)``, or
+            ``None`` for a frozen tensor of another model (the optimizer's plain, unsharded state
+            dict numbers them in this order).
+        sharded: The :class:`~lightning_zinf.engine.sharded.ShardedOptimizers` behind ``optimizers``:
+            what stands for each parameter in them, ``add_param_group``, and
+            :meth:`~lightning_zinf.engine.sharded.ShardedOptimizers.presenting` for code that expects
+            the model's parameters in their param groups.
+        freezing: The :class:`~lightning_zinf.engine.freezing.Freezing` part: ``requires_grad`` may
+            change between passes (freezing and unfreezing during training).
         state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
 
@@ -210,8 +223,6 @@ class ZeroEngine:
                                  host_copies=offload.param == "cpu", preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
-        self.optimizers: list[torch.optim.Optimizer] = []
-        self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
         for buffer_owner in module.modules():
             for name, buf in buffer_owner._buffers.items():
                 if buf is not None:
@@ -219,6 +230,11 @@ class ZeroEngine:
         self.offload: Optional[OptimizerOffload] = None
         if offload.optimizer != "none":
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
+        self.sharded = ShardedOptimizers(self.groups, offload=self.offload, param_offload=self.param_offload,
+                                         separate_masters=shards_offloaded,
+                                         adding_refused=_NVME_ADDING if offload.optimizer == "nvme" else None)
+        self.optimizers = self.sharded.optimizers
+        self.plain_layouts = self.sharded.plain_layouts
         self.agreement = RankAgreement(self.comm, self.tracer, self.units, self.groups)
         self.states = UnitStates(self.units, comm=self.comm, ledger=self.ledger, pool=self.pool,
                                  agreement=self.agreement, prefetch=prefetch, param_offload=self.param_offload,
@@ -236,15 +252,17 @@ class ZeroEngine:
                                  meet=self.agreement.waypoint)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
-                                    shards_offloaded=shards_offloaded, param_offload=self.param_offload,
+                                    param_offload=self.param_offload,
                                     offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
-                                    optimizers=self.optimizers, plain_layouts=self.plain_layouts, settle=self._settle)
+                                    sharded=self.sharded, settle=self._settle)
+        self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
+                                 frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
         self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
                                      agreement=self.agreement, settle=self._settle, begin_pass=self._begin_pass,
                                      auto_pass=auto_pass)
         self.state_dict_hooks = StateDictHooks(self)
         self._state_dict_handles = self.state_dict_hooks.install()
-        refuse_unsharded_steps(self, [p for g in self.groups if g.trainable for p in g.params])
+        refuse_unsharded_steps(self, [p for g in self.groups for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
         mark_partitioned(module, True)
         self.states.gather_exact([u for u in self.units if u.persistent])
@@ -303,8 +321,9 @@ class ZeroEngine:
         ``zero_grad()``). Every rank must call it at the same points.
 
         Raises:
-            RuntimeError: a parameter's ``requires_grad`` changed since partitioning; the ranks'
-                collectives since the last check differ (:meth:`verify_ranks_agree`).
+            RuntimeError: the ranks changed ``requires_grad`` differently, or unfroze a parameter
+                that cannot be (:meth:`Freezing.sync <lightning_zinf.engine.freezing.Freezing.sync>`);
+                the ranks' collectives since the last check differ (:meth:`verify_ranks_agree`).
         """
         # Inside keep_gathered() and generation phases: checked once, at their end.
         self._begin_pass(kind, check=not self.states.keep_budget and not self.generation.active)
@@ -317,20 +336,12 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        if not self.generation.active:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
-            self._check_requires_grad()
-        self.agreement.begin_pass(kind, check)
-
-    def _check_requires_grad(self) -> None:
-        for group in self.groups:
-            for name, p in zip(group.names, group.params):
-                if p.requires_grad != group.trainable:
-                    raise RuntimeError(
-                        f"Parameter '{name}' was {'trainable' if group.trainable else 'frozen'} when the model "
-                        f"was partitioned and is now {'trainable' if p.requires_grad else 'frozen'}. Freeze or "
-                        "unfreeze parameters before the strategy sets up (in `__init__` or `configure_model`); "
-                        "changing it later (e.g. a fine-tuning callback that unfreezes) is not supported yet."
-                    )
+        # PEFT's disable_adapter() freezes the adapters for a while in a generation phase; a pass
+        # without backward leaves the flags to the next training pass.
+        training = not self.generation.active and torch.is_grad_enabled()
+        decision = self.agreement.begin_pass(kind, check, self.freezing.prepare() if training else None)
+        if decision is not None:  # every rank is at a training pass, together
+            self.freezing.apply(decision)
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using (at a pass

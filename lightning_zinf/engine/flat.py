@@ -56,7 +56,7 @@ def keeps_compute_copy(dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
 
 
 class FlatGroup:
-    """One unit's parameters of one dtype and one ``requires_grad`` value, sharded over ranks.
+    """One unit's parameters of one dtype and one ``requires_grad`` value (when built), sharded over ranks.
 
     Args:
         names: Qualified parameter names (for messages and checkpoints), same order as ``params``.
@@ -80,6 +80,11 @@ class FlatGroup:
             bytes to the device, and the fp32 shard can be the optimizer's master.
 
     Attributes:
+        trainable: Some parameter of the group requires a gradient (as of the last pass boundary:
+            :class:`~lightning_zinf.engine.freezing.Freezing` follows ``requires_grad`` changes);
+            when built, all of them or none do.
+        wants_grad: Per parameter, whether it requires a gradient (as of the last pass boundary):
+            backward waits for those gradients only, and hands the others none.
         shard: This rank's ``shard_numel`` elements of the flat buffer, in the storage dtype.
         compute_shard: The same elements in ``compute_dtype``, where an offload tier keeps such a
             copy (a narrower ``compute_dtype``: ``host_copy``, or the NVMe parameter offload's
@@ -130,6 +135,7 @@ class FlatGroup:
         self.reduce_dtype = reduce_dtype
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.trainable = params[0].requires_grad
+        self.wants_grad = [self.trainable] * len(params)
         self.comm = comm
         self.device = device
         self.transfers = transfers or Transfers(device)
@@ -526,8 +532,9 @@ class FlatGroup:
         if self._grad_flat is not None or self.casts_gradients:
             return
         self._new_grad_buffer(pool)
-        for p, view in zip(self.params, self._grad_views):
-            p.grad = view
+        for p, view, wanted in zip(self.params, self._grad_views, self.wants_grad):
+            if wanted:  # a frozen parameter keeps no .grad, as in plain torch
+                p.grad = view
 
     def _new_grad_buffer(self, pool: BufferPool) -> None:
         # In the dtype autograd produces for the gathered parameters (their compute dtype).
@@ -535,14 +542,21 @@ class FlatGroup:
         self._grad_views = [self._grad_flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def mark_ready(self, index: int) -> bool:
-        """Note that parameter ``index`` has its gradient; True once every parameter has one."""
+        """Note that parameter ``index`` has its gradient; True once every parameter that requires
+        one (:attr:`wants_grad`) has one."""
         grad = self.params[index].grad
         if not self._ready[index] and self._grad_flat is None and grad is not None:
             # A gradient autograd allocated itself: accounted until start_reduce copies it.
             self._loose_grad_bytes += grad.numel() * grad.element_size()
             self.ledger.add("grad_buffers", grad.numel() * grad.element_size())
         self._ready[index] = True
-        return all(self._ready)
+        return all(ready or not wanted for ready, wanted in zip(self._ready, self.wants_grad))
+
+    def set_wanted(self, wanted: list[bool]) -> None:
+        """Which parameters require a gradient from the next pass on (one flag per parameter, at a
+        pass boundary): :attr:`wants_grad`, and :attr:`trainable` if any does."""
+        self.wants_grad = list(wanted)
+        self.trainable = any(wanted)
 
     def _drop_loose_grads(self) -> None:
         for p in self.params:

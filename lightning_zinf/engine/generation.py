@@ -118,7 +118,7 @@ class Generation:
           the other ranks one by one (a control all-reduce each, across nodes), and no pass
           boundary checks either; the ranks' collectives are verified once, on exit;
         - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
-          adapters' ``requires_grad`` off); they must be as partitioned again on exit;
+          adapters' ``requires_grad`` off): flags are read at the next training pass after it;
         - units stay gathered within ``budget`` bytes as in :meth:`keep_gathered` (a budget below
           the whole model keeps ``transformers``' ``synced_gpus`` on, the whole model turns it off);
         - with qwZ, each flat group's shard is quantized at most once: the packed row of codes and
@@ -142,8 +142,7 @@ class Generation:
         Raises:
             ValueError: ``budget`` is not a non-negative int.
             RuntimeError: on exit, the ranks' collectives in the phase differ
-                (:meth:`~lightning_zinf.ZeroEngine.verify_ranks_agree`), or a parameter's
-                ``requires_grad`` is not what it was when the model was partitioned.
+                (:meth:`~lightning_zinf.ZeroEngine.verify_ranks_agree`).
         """
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"generation_phase: budget must be a non-negative number of bytes (an int), got {budget!r}; "

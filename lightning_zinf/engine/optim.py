@@ -1,10 +1,6 @@
-"""The user's optimizer, stepped on fp32 master shards (ZeRO stage 3 optimizer-state partitioning).
-
-The optimizer object the user built (and any LR scheduler bound to it) is kept: its param groups
-are re-pointed, parameter by parameter, at the fragment of the fp32 master shard this rank owns.
-Hyper-parameters per group (weight decay off for norms, say) carry over unchanged. This is exact
-for *elementwise* optimizers (SGD, Adam, AdamW, RMSprop...), whose update of one element depends
-only on that element's gradient and state.
+"""The user's optimizer, stepped on fp32 master shards (ZeRO stage 3 optimizer-state partitioning):
+the refusal of an optimizer that was not re-pointed at them, and gradient clipping over the
+ranks' shards. The re-pointing itself is :class:`~lightning_zinf.engine.sharded.ShardedOptimizers`'.
 """
 
 from __future__ import annotations
@@ -13,69 +9,16 @@ import weakref
 from typing import Any, Iterable, Optional
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zinf.comm import Collectives
-from lightning_zinf.engine.flat import FlatGroup
 
-__all__ = ["shard_optimizer", "clip_grad_norm_", "local_grad_sq_norm", "refuse_unsharded_steps"]
-
-# Optimizers whose update mixes elements of one tensor (factored or matrix-wise statistics, line
-# search over the whole model): stepping them on shards would change the mathematics.
-_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "Shampoo", "SOAP", "Lamb", "LARS")
+__all__ = ["clip_grad_norm_", "local_grad_sq_norm", "refuse_unsharded_steps"]
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, groups: Iterable[FlatGroup]) -> torch.optim.Optimizer:
-    """Re-point ``optimizer`` at this rank's fp32 master fragments, in place, and return it.
-
-    Args:
-        optimizer: A freshly built torch optimizer over the model's parameters (no state yet).
-        groups: The engine's flat groups; trainable ones get master shards if they have none.
-
-    Returns:
-        The same optimizer object, now over 1-D fp32 fragments (some possibly empty).
-
-    Raises:
-        ValueError: the optimizer is not elementwise, already has state, or holds a tensor that is
-            not a trainable parameter of the partitioned model.
-    """
-    name = type(optimizer).__name__
-    if name in _NOT_ELEMENTWISE:
-        raise ValueError(
-            f"{name} is not an elementwise optimizer: its update of one element depends on other "
-            "elements of the tensor, so it cannot step ZeRO shards. Use SGD, Adam, AdamW, RMSprop or "
-            "another elementwise torch optimizer."
-        )
-    if len(optimizer.state) > 0:
-        raise ValueError(
-            f"The {name} optimizer already has state; build it in `configure_optimizers` (before any "
-            "step) so the strategy can move it onto the fp32 master shards."
-        )
-    fragment_of: dict[int, Tensor] = {}
-    for group in groups:
-        if group.trainable:
-            group.make_master()
-            fragment_of.update({id(p): f for p, f in zip(group.params, group.fragments)})
-    for param_group in optimizer.param_groups:
-        fragments = []
-        for p in param_group["params"]:
-            if id(p) in fragment_of:
-                fragments.append(fragment_of[id(p)])
-            elif isinstance(p, nn.Parameter) and not p.requires_grad:
-                continue  # frozen parameters are never stepped; plain torch would skip them too
-            else:
-                raise ValueError(
-                    f"The {name} optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
-                    "trainable parameter of the partitioned model. Build the optimizer from "
-                    "`self.parameters()` (or a subset) inside `configure_optimizers`."
-                )
-        param_group["params"] = fragments
-    return optimizer
-
-
-# The trainable parameters' ids of every live engine, keyed by the engine: an entry leaves with its
+# The parameters' ids of every live engine, keyed by the engine: an entry leaves with its
 # engine. One global hook reads them all; removing a hook per engine instead would happen inside a
 # garbage collection, which may run while torch iterates its table of hooks in another optimizer's
 # step ("OrderedDict mutated during iteration").
@@ -90,16 +33,18 @@ def refuse_unsharded_steps(owner: object, params: Iterable[Tensor]) -> None:
     (the engine partitioning them) lives.
 
     Partitioned parameters are empty tensors between uses and never get a gradient (it goes to the
-    shards): an optimizer over them that :func:`shard_optimizer` did not re-point would step nothing,
-    and the loss would stay flat with no error. Its ``step()`` raises ``RuntimeError`` instead, on
-    every rank, naming the fix. An optimizer is checked at its first step and again whenever its
+    shards): an optimizer over them that
+    :meth:`~lightning_zinf.engine.sharded.ShardedOptimizers.adopt` did not re-point would step
+    nothing, and the loss would stay flat with no error. Its ``step()`` raises ``RuntimeError``
+    instead, on every rank, naming the fix. An optimizer is checked at its first step and again whenever its
     param groups change (or another engine is built); the check compares parameter identities, so
     it costs no tensor work. DeepSpeed and FSDP2 have no such check: this project's own, from a
     new-user trial in which the engine silently trained nothing.
 
     Args:
         owner: The object whose lifetime bounds the refusal (the :class:`ZeroEngine`); held weakly.
-        params: The trainable parameters it partitioned (any shape and dtype).
+        params: The parameters it partitioned (any shape and dtype; frozen ones too, since they may
+            be unfrozen later).
 
     Nothing is raised here: a refused optimizer's ``step()`` raises ``RuntimeError``.
     """

@@ -104,7 +104,10 @@ class Schedule:
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
         self._backward_end_queued = False
         self._outer: Optional[_OuterForwards] = None  # a generation phase's passes, one per outermost forward
+        self._watched: set[int] = set()  # ids of the parameters that have a gradient hook
         self.handles = self._install(module)
+        for unit in units:
+            self.watch_gradients(unit)
 
     def _install(self, module: nn.Module) -> list[Any]:
         handles: list[Any] = []
@@ -112,14 +115,20 @@ class Schedule:
             handles.append(module.register_forward_pre_hook(self._root_pre_forward))
         for user in self._uses:
             handles.extend(self._hook_module(user))
-        on_grad = weakref.WeakMethod(self._on_grad)
-        for unit in self.units:
-            for position, group in enumerate(unit.groups):
-                if group.trainable:
-                    for index, p in enumerate(group.params):
-                        hook = functools.partial(_call_weakly, on_grad, unit.index, position, index)
-                        handles.append(p.register_post_accumulate_grad_hook(hook))
         return handles
+
+    def watch_gradients(self, unit: Unit) -> None:
+        """Hook every parameter of ``unit`` that requires a gradient and has no hook yet, so that its
+        group is reduce-scattered once its gradients are accumulated (at construction, and for
+        parameters unfrozen later). A hook stays when its parameter is frozen again: autograd
+        simply does not call it."""
+        on_grad = weakref.WeakMethod(self._on_grad)
+        for position, group in enumerate(unit.groups):
+            for index, p in enumerate(group.params):
+                if p.requires_grad and id(p) not in self._watched:
+                    hook = functools.partial(_call_weakly, on_grad, unit.index, position, index)
+                    self.handles.append(p.register_post_accumulate_grad_hook(hook))
+                    self._watched.add(id(p))
 
     def _hook_module(self, module: nn.Module) -> list[Any]:
         # always_call: checkpointing stops a recomputation by raising inside a module's forward;
@@ -177,6 +186,7 @@ class Schedule:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        self._watched.clear()
 
     # --- when to gather ---------------------------------------------------------------------------
     def _acquire(self, unit: Unit) -> None:

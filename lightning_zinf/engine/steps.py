@@ -10,7 +10,6 @@ persistent units holding them gathered again (ZeRO stage 3: Rajbhandari et al., 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -20,7 +19,8 @@ from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.negotiation import OPTIMIZER_STEP
-from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
+from lightning_zinf.engine.optim import clip_grad_norm_
+from lightning_zinf.engine.sharded import ShardedOptimizers
 from lightning_zinf.engine.ranges import phased
 from lightning_zinf.engine.transfer import Transfers
 from lightning_zinf.engine.units import Unit, UnitStates
@@ -46,23 +46,21 @@ class OptimizerSteps:
         transfers: The engine's copy queue.
         device: The compute device.
         shard_device: Where the parameter shards live (the host with parameter offload).
-        shards_offloaded: The parameter shards are offloaded (``OffloadConfig.param`` not ``"none"``).
         param_offload: The NVMe tier of the parameter shards, or ``None``.
         offload: The offloaded optimizer, or ``None``.
         swapper: The swap files' swapper (NVMe offload), or ``None``.
         nvme_path: ``OffloadConfig.nvme_path`` (where the swap files go).
-        optimizers: The engine's list of sharded optimizers (appended to here).
-        plain_layouts: The engine's list of their plain layouts (appended to here).
+        sharded: The engine's sharded optimizers (what stands for each parameter in them, their
+            plain layouts, ``add_param_group``).
         settle: Finishes every collective and swap in flight (the engine's; ``boundary=True`` at a
             step boundary).
     """
 
     def __init__(self, units: list[Unit], *, comm: Collectives, states: UnitStates, agreement: RankAgreement,
-                 transfers: Transfers, device: torch.device, shard_device: torch.device, shards_offloaded: bool,
+                 transfers: Transfers, device: torch.device, shard_device: torch.device,
                  param_offload: Optional[ParamOffload], offload: Optional[OptimizerOffload],
-                 swapper: Optional[NvmeSwapper], nvme_path: Optional[str],
-                 optimizers: list[torch.optim.Optimizer],
-                 plain_layouts: list[list[list[Optional[tuple[int, int]]]]], settle: Callable[..., None]) -> None:
+                 swapper: Optional[NvmeSwapper], nvme_path: Optional[str], sharded: ShardedOptimizers,
+                 settle: Callable[..., None]) -> None:
         self.units = units
         self.comm = comm
         self.states = states
@@ -70,13 +68,12 @@ class OptimizerSteps:
         self.transfers = transfers
         self.device = device
         self._shard_device = shard_device
-        self._shards_offloaded = shards_offloaded
         self.param_offload = param_offload
         self.offload = offload
         self.swapper = swapper
         self._nvme_path = nvme_path
-        self.optimizers = optimizers
-        self.plain_layouts = plain_layouts
+        self.sharded = sharded
+        self.optimizers = sharded.optimizers
         self._settle = settle
 
     @property
@@ -88,45 +85,25 @@ class OptimizerSteps:
         """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
         run :meth:`after_step` for the flat groups it steps after each of its steps (a step post-hook).
 
-        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
-        ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
-        masters, gradient shards, its per-element states) fit in ``nvme_path``
+        See :meth:`ShardedOptimizers.adopt <lightning_zinf.engine.sharded.ShardedOptimizers.adopt>` for
+        the rules and errors: the optimizer may hold frozen parameters (stepped once unfrozen), and
+        its ``add_param_group`` takes the model's parameters. With ``optimizer="nvme"`` every rank
+        first checks that the swap files this optimizer adds (fp32 masters, gradient shards, its
+        per-element states) fit in ``nvme_path``
         (:func:`~lightning_zinf.offload.preflight.ensure_space`; collective), and raises
         :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
         """
-        # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
-        def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
-            if self.param_offload is None:
-                return contextlib.nullcontext()
-            return self.param_offload.resident([group], write_back=False)
-
         if self.offload is not None and self.offload.nvme:
             self.swapper.planned_bytes = ensure_space(
                 self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
                 "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
-        if self.offload is not None:
-            self.offload.place_masters(shard_resident)
-        elif self._shards_offloaded:
-            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be
-            # it, unless gathers read a host copy instead (FlatGroup.make_master decides).
-            for group in self.groups:
-                if group.trainable and group.master is None:
-                    with shard_resident(group):
-                        group.make_master(separate=True)
-        # Where each parameter the user gave the optimizer went, for its plain (unsharded) state dict.
-        where = {id(p): (i, j) for i, g in enumerate(self.groups) if g.trainable for j, p in enumerate(g.params)}
-        layout = [[where.get(id(p)) for p in param_group["params"]] for param_group in optimizer.param_groups]
-        shard_optimizer(optimizer, self.groups)
-        self.plain_layouts.append(layout)
+        self.sharded.adopt(optimizer)
         if self.offload is not None and self.offload.nvme:
             self.offload.wrap_zero_grad(optimizer)
-        self.optimizers.append(optimizer)
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
-        # The groups it steps: those holding a master fragment it was given (fixed from here on, as
-        # the layout above is).
-        held = {id(f) for param_group in optimizer.param_groups for f in param_group["params"]}
-        stepped = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
-        optimizer.register_step_post_hook(lambda *_: self.after_step(stepped))
+        # The groups it steps: those holding a master fragment it was given (an unfreeze or
+        # add_param_group may add some).
+        optimizer.register_step_post_hook(lambda opt, *_: self.after_step(self.sharded.stepped(opt)))
         return optimizer
 
     def _swap_file_bytes(self) -> int:
@@ -146,8 +123,9 @@ class OptimizerSteps:
             self.offload.step(optimizer)
 
     def master_fragments(self) -> list[Tensor]:
-        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
-        return [f for g in self.groups if g.trainable for f in g.fragments]
+        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them (those of
+        groups frozen again included: they have no gradient)."""
+        return [f for g in self.groups for f in g.fragments]
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32).

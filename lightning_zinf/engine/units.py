@@ -76,7 +76,8 @@ class Unit:
         groups: One :class:`FlatGroup` per (dtype, requires_grad) among its parameters.
         numel: Parameter elements in the unit.
         persistent: Stays gathered for the whole run (small units and the root's own parameters).
-        trainable_groups: How many of ``groups`` are trainable; ``has_frozen``: some are not.
+        trainable_groups: How many of ``groups`` are trainable; ``has_frozen``: some parameter of
+            the unit requires no gradient (:meth:`count_kinds`).
         state: ``"released"``, ``"inflight"`` or ``"gathered"``.
         forward_depth: Forward calls (and exact holds) in progress that use the unit.
         held: Held gathered for backward (from its first output gradient until it is reduced).
@@ -94,8 +95,7 @@ class Unit:
         self.groups = groups
         self.numel = sum(g.numel for g in groups)
         self.persistent = persistent
-        self.trainable_groups = sum(g.trainable for g in groups)
-        self.has_frozen = self.trainable_groups < len(groups)
+        self.count_kinds()
         self.state = RELEASED
         self.handles: list[Handle] = []
         self.acquired: list[FlatGroup] = []  # groups whose NVMe shards this gather brought in
@@ -106,6 +106,12 @@ class Unit:
         self.reduced_groups = 0
         self.pending_backward = 0
         self.kept = False
+
+    def count_kinds(self) -> None:
+        """Recount :attr:`trainable_groups` and :attr:`has_frozen` from the groups' flags (at
+        construction, and at a pass boundary after ``requires_grad`` changed)."""
+        self.trainable_groups = sum(g.trainable for g in self.groups)
+        self.has_frozen = not all(w for g in self.groups for w in g.wants_grad)
 
     @property
     def gathered_nbytes(self) -> int:

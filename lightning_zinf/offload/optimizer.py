@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class OptimizerOffload:
-    """Places (and, for ``nvme``, swaps) the optimizer side of every trainable flat group.
+    """Places (and, for ``nvme``, swaps) the optimizer side of every trainable flat group (a group
+    unfrozen later is placed when it is: :meth:`place_masters` again).
 
     Args:
         groups: The engine's flat groups (frozen ones are ignored), in the engine's order; a group's
@@ -65,7 +66,6 @@ class OptimizerOffload:
         self.space = space
         self.params = params
         self.groups = groups
-        self.trainable = [i for i, g in enumerate(groups) if g.trainable]
         self._masters: dict[int, SwapRecord] = {}
         self._grads: dict[int, SwapRecord] = {}
         self._states: dict[int, list[SwapRecord]] = {}  # per group, one record per optimizer
@@ -75,17 +75,25 @@ class OptimizerOffload:
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
 
+    @property
+    def trainable(self) -> list[int]:
+        """Indices of the groups with an optimizer side: trainable now, or given a master before
+        (a group frozen again keeps its master and states, as torch keeps a frozen parameter's)."""
+        return [i for i, g in enumerate(self.groups) if g.trainable or g.master is not None]
+
     # --- placement --------------------------------------------------------------------------------
-    def place_masters(self, shard_resident: Callable[[FlatGroup], ContextManager[None]]) -> None:
+    def place_masters(self, shard_resident: Callable[[FlatGroup], ContextManager[None]],
+                      indices: Optional[list[int]] = None) -> None:
         """Create every trainable group's fp32 master on the CPU (separate from the compute shard),
         and with ``nvme`` swap it out. Idempotent; call before the optimizer is sharded.
 
         Args:
             shard_resident: Keeps a group's parameter shard in memory for the block (it may be on
                 NVMe); one group at a time, so that no more than one shard is in memory at once.
+            indices: Only these groups (by index), trainable or not (default: the trainable ones).
         """
         cpu = torch.device("cpu")
-        for i in self.trainable:
+        for i in self.trainable if indices is None else indices:
             group = self.groups[i]
             if group.master is not None:
                 continue
