@@ -84,7 +84,8 @@ class RankAgreement:
         last check (:meth:`verify`) and on the previous pass's trace recording, and in another
         whether this pass replays an agreed trace of the same kind on every rank (checked against
         its script) or is negotiated. ``check=False`` (the passes of a generation phase, which every
-        rank runs in step): no meeting, no check; the pass replays its trace if this rank's does.
+        rank runs in step): no meeting; the previous pass's recording is validated as a trace (a
+        collective) and a pass replaying an agreed trace is trusted, not checked.
 
         Args:
             kind: The pass's kind.
@@ -103,10 +104,9 @@ class RankAgreement:
                 other waypoints than a pass start.
         """
         negotiation = self.negotiation
-        if not check:
-            pending = self.tracer.pending()
+        if not check:  # in step by construction: validated (a collective) and, once agreed, trusted
             self.tracer.begin_pass(kind)
-            negotiation.begin_pass(kind, self.tracer.certified if pending is None else False)
+            negotiation.begin_pass(kind, False, trusted=self.tracer.certified)
             return None
         together = self.waypoint(PASS)
         if negotiation.departed:  # the pass that ends left its script, or diverged: recorded anew

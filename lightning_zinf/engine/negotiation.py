@@ -95,20 +95,25 @@ class Negotiation:
         self._script: list[int] = []
         self._position = 0
         self._writing: Optional[list[int]] = None  # this pass's events, in a checked replay pass
+        self._trusted = False
         self.kind: Hashable = None
 
     # --- passes -------------------------------------------------------------------------------------
-    def begin_pass(self, kind: Hashable, replaying: Optional[bool]) -> None:
+    def begin_pass(self, kind: Hashable, replaying: Optional[bool], trusted: bool = False) -> None:
         """A pass of ``kind`` starts. ``replaying``: every rank replays an agreed trace of this kind
         (its script is followed, or, the first time, written in a negotiated pass); ``None``: the
         ranks are not at the same point (a soft start, :meth:`waypoint` returned ``False``), so
-        the pass is negotiated and nothing is written."""
+        the pass is negotiated and nothing is written. ``trusted``: the ranks run this pass in step
+        by construction (a generation phase's decode steps under ``synced_gpus``) and replay an
+        agreed trace: nothing is checked (a rank that left the trace would wait in a collective
+        the others never issue, which the watch reports)."""
         self._finish()
         self.kind, self.departed, self._position = kind, False, 0
         script = self._scripts.get(kind) if replaying else None
-        self.negotiating = script is None
+        self.negotiating = script is None and not trusted
+        self._trusted = trusted
         self._script = script or []
-        self._writing = [] if replaying and script is None else None
+        self._writing = [] if replaying and script is None and not trusted else None
 
     def _finish(self) -> None:
         self.departed_passes += self.departed
@@ -126,7 +131,7 @@ class Negotiation:
         script (leaving it if it differs); in a negotiated pass, rounds until it is chosen, serving
         the others' requests meanwhile. Sets :attr:`divergent`."""
         self.divergent = False
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 or self._trusted:
             return
         if not self.negotiating:
             if self._follows(code):
@@ -149,6 +154,8 @@ class Negotiation:
         """
         if self.comm.world_size == 1:
             return True
+        if self._trusted:  # every rank is here in step: meet by rounds, which name a rank elsewhere
+            self._trusted, self.negotiating = False, True
         if not self.negotiating:
             if self._follows(_scripted(waypoint)):
                 if not self.comm.any_rank([False])[0]:
