@@ -485,7 +485,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
 
     def _before_collective(self) -> None:
         for engine in self._engines:
-            engine.before_collective()
+            engine.meet("collective")
 
     # --- checkpoints ------------------------------------------------------------------------------
     @override

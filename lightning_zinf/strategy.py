@@ -469,7 +469,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
     def _step_end(self, output: Any) -> Any:
         """After the LightningModule's step: ranks that ran different modules in it meet."""
-        self.engine.end_step()
+        self.engine.meet("step end")
         return output
 
     @override
@@ -530,7 +530,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
     def _before_collective(self) -> None:
         if self._engine is not None:
-            self._engine.before_collective()
+            self._engine.meet("collective")
 
     # --- checkpoints ------------------------------------------------------------------------------
     @property

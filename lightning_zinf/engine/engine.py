@@ -87,10 +87,9 @@ class ZeroEngine:
     uses their ``.data`` is an empty tensor: only this rank's shard of each unit is resident. Use
     :meth:`gathered` to read or edit full values outside forward/backward.
 
-    A model whose parameters are on the meta device (built under
-    :func:`~lightning_zinf.engine.partition.meta_parameters`) is initialised unit by unit with each
-    module's ``reset_parameters()``, from rank 0's random state, so no rank ever holds it whole. A
-    model with real parameters is partitioned as it is, from rank 0's values (like DDP's broadcast).
+    A model built under :func:`~lightning_zinf.engine.partition.meta_parameters` gets, unit by unit,
+    the values eager construction gives it on rank 0, so no rank ever holds it whole; one with real
+    parameters is partitioned from rank 0's values (like DDP's broadcast).
 
     Args:
         module: The model. Its buffers are moved to ``device`` and stay replicated on every rank.
@@ -141,21 +140,15 @@ class ZeroEngine:
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
         optimizers: The optimizers :meth:`shard_optimizer` re-pointed, in order.
-        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it
-            (``add_param_group`` included): ``(flat group index, position in the group)``, or
-            ``None`` for a frozen tensor of another model (the optimizer's plain, unsharded state
-            dict numbers them in this order).
-        sharded: The :class:`~lightning_zinf.engine.sharded.ShardedOptimizers` behind ``optimizers``:
-            what stands for each parameter in them, ``add_param_group``, and
-            :meth:`~lightning_zinf.engine.sharded.ShardedOptimizers.presenting` for code that expects
-            the model's parameters in their param groups.
-        freezing: The :class:`~lightning_zinf.engine.freezing.Freezing` part: ``requires_grad`` may
-            change between passes (freezing and unfreezing during training).
+        plain_layouts: Per optimizer, per param group, per parameter given: ``(flat group index,
+            position)``, or ``None`` for another model's tensor (the plain state dict's numbering).
+        sharded: The :class:`~lightning_zinf.engine.sharded.ShardedOptimizers` behind ``optimizers``.
+        freezing: The :class:`~lightning_zinf.engine.freezing.Freezing`: ``requires_grad`` changes.
         state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
 
     Raises:
-        ValueError: the model has no parameters; a module built on the meta device has no
+        ValueError: the model has no parameters; a module made on the meta device has no
             ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
             malformed, or an ``activation_checkpointing`` entry matches no module;
             ``zero_pp.ranks_per_node`` or (with hpZ) ``zero_pp.hpz_partition_size`` does not divide
@@ -280,9 +273,8 @@ class ZeroEngine:
 
     @property
     def waiting_in(self) -> Optional[str]:
-        """The agreement check this rank is blocked in, waiting for the other ranks (a description),
-        or None; the strategies' watch publishes it, so that two ranks waiting in different calls
-        are reported as a deadlock (:mod:`lightning_zinf.comm.watch`)."""
+        """The agreement check this rank waits for the other ranks in (a description), or None; the
+        watch reports two ranks waiting in different calls as a deadlock (:mod:`lightning_zinf.comm.watch`)."""
         return self.agreement.waiting_in
 
     @property
@@ -350,26 +342,13 @@ class ZeroEngine:
             self.schedule.reset()
         self.states.settle(boundary)
 
-    def end_step(self) -> None:
-        """The end of a training, validation, test or predict step (the Lightning strategy calls it
-        when the LightningModule's step returns): ranks that ran different modules in the step
-        meet here, serving each other's gathers until every rank has ended it
-        (:mod:`~lightning_zinf.engine.negotiation`). Every rank must call it at the same points.
-
-        Raises:
-            RuntimeError: another rank waits at another step boundary (every rank raises, naming each one's).
-        """
-        self.agreement.waypoint(STEP_END)
-
-    def before_collective(self) -> None:
-        """Before a collective the training code makes through the strategy (Lightning's logging
-        with ``sync_dist``, ``all_gather``, ``barrier``, ``broadcast``): ranks that ran different
-        modules meet here first, so the collective pairs with the same one on every rank.
-
-        Raises:
-            RuntimeError: another rank waits at another step boundary (every rank raises, naming each one's).
-        """
-        self.agreement.waypoint(USER_COLLECTIVE)
+    def meet(self, where: str) -> None:
+        """Meet the other ranks at ``where``: ``"step end"`` (a LightningModule's step returned) or
+        ``"collective"`` (before one the training code makes through the strategy: logging with
+        ``sync_dist``, a barrier); ranks that ran different modules serve each other until all are
+        there (:mod:`~lightning_zinf.engine.negotiation`). Every rank must call it at the same
+        points; one waiting elsewhere makes every rank raise ``RuntimeError`` naming each one's."""
+        self.agreement.waypoint({"step end": STEP_END, "collective": USER_COLLECTIVE}[where])
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Gather ``param``'s unit whenever ``module`` runs, for a parameter that ``module``'s forward
