@@ -384,3 +384,56 @@ def test_a_validation_step_with_modules_on_rank_0_only_runs_as_under_ddp() -> No
     for name, value in ddp[0]["params"].items():
         for rank in zinf:
             torch.testing.assert_close(rank["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class LateBranches(Branches):
+    """``Branches`` diverging in step 4 only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.q(h) if self.rank == 1 and self.step == 4 else self.p(h)
+
+
+def _rounds_per_collective(rank: int, world: int) -> dict:
+    """Train ``LateBranches``: steps 0-3 agree (the trace is recorded, checked once, then
+    followed), step 4 diverges. Counts the control plane's rounds (all-gathers) and all-reduces
+    per step."""
+    torch.manual_seed(0)
+    model = LateBranches()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    comm = engine.comm
+    counts = {"rounds": 0, "all_reduces": 0}
+    gather_ints, all_equal_each, any_rank = comm.all_gather_ints, comm.all_equal_each, comm.any_rank
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def call(*args):
+            counts[name] += 1
+            return fn(*args)
+        return call
+
+    comm.all_gather_ints = counted("rounds", gather_ints)
+    comm.all_equal_each, comm.any_rank = counted("all_reduces", all_equal_each), counted("all_reduces", any_rank)
+    steps = []
+    for step in range(6):
+        before = dict(counts, collectives=engine.collectives_issued)
+        _set(model, rank, step)
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append({k: (engine.collectives_issued if k == "collectives" else counts[k]) - v for k, v in before.items()})
+    return {"steps": steps}
+
+
+def test_a_step_on_the_trace_checks_nothing_per_collective_and_one_that_diverges_one_round_each() -> None:
+    """The cost, counted: a step that follows the agreed trace makes no round at all and a few
+    small all-reduces (its meeting points: the pass start, the end of backward, the optimizer
+    step), however many collectives it issues; the step that diverges makes at most one round per
+    collective plus one per meeting point."""
+    steps = run_distributed(_rounds_per_collective, WORLD, timeout=120)[0]["steps"]
+    on_trace = steps[3]  # step 0 records the trace, step 1 checks it once (writing the script)
+    assert on_trace["rounds"] == 0 and on_trace["collectives"] >= 6, steps
+    assert on_trace["all_reduces"] <= 6, steps
+    diverged = steps[4]
+    assert 0 < diverged["rounds"] <= diverged["collectives"] + 3, steps
