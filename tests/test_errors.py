@@ -58,10 +58,12 @@ def test_model_without_parameters() -> None:
 class _NoReset(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
+        self.scale = nn.Parameter(torch.ones(4, device="meta"))  # no values to record, no route to make them
 
 
 def test_meta_module_without_reset_parameters() -> None:
+    """A parameter the model itself makes on the meta device is not recorded (there is nothing to
+    record); with no ``reset_parameters()`` either, the engine refuses it by name."""
     with meta_parameters():
         model = nn.Sequential(nn.Linear(4, 4), _NoReset())
     with pytest.raises(ValueError, match=r"Module '1' \(_NoReset\).*no initialisation route.*\(scale\).*no `reset_parameters\(\)`"):
