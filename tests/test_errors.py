@@ -115,8 +115,11 @@ def test_unsharded_optimizer_is_refused_at_its_step() -> None:
 
 
 def test_bad_block_class_entry() -> None:
-    with pytest.raises(ValueError, match="block_classes entries must be class names or classes"):
+    with pytest.raises(ValueError, match=r"block_classes entries must be module classes or class names, got 3 \(int\)"):
         ZeroEngine(models.GPT(), block_classes=[3])  # type: ignore[list-item]
+    model = models.GPT()
+    with pytest.raises(ValueError, match=r"got a module instance \(Block\); pass its class, block_classes=\[Block\]"):
+        ZeroEngine(model, block_classes=[model.blocks[0]])  # type: ignore[list-item]
 
 
 def test_block_class_matching_no_module_is_named() -> None:

@@ -50,12 +50,22 @@ class UnitSpec:
 
 def resolve_block_classes(block_classes: Sequence[Union[str, type]]) -> tuple[set[type], set[str]]:
     """Split block class specs into classes and names (a name matches a class's ``__name__`` or its
-    ``module.qualname`` path), so YAML can say ``Block`` or ``mypkg.model.Block``."""
+    ``module.qualname`` path), so YAML can say ``Block`` or ``mypkg.model.Block``.
+
+    Raises:
+        ValueError: an entry is neither a class nor a name (a module instance names its class to pass).
+    """
+    if isinstance(block_classes, (str, type)):
+        block_classes = [block_classes]
+    for spec in block_classes:
+        if isinstance(spec, nn.Module):
+            raise ValueError(f"block_classes takes module classes, got a module instance ({type(spec).__name__}); "
+                             f"pass its class, block_classes=[{type(spec).__name__}], or the name '{type(spec).__name__}'.")
+        if not isinstance(spec, (str, type)):
+            raise ValueError(f"block_classes entries must be module classes or class names, got {spec!r} "
+                             f"({type(spec).__name__}).")
     classes = {c for c in block_classes if isinstance(c, type)}
     names = {c for c in block_classes if isinstance(c, str)}
-    for spec in block_classes:
-        if not isinstance(spec, (str, type)):
-            raise ValueError(f"block_classes entries must be class names or classes, got {spec!r}.")
     return classes, names
 
 
@@ -84,7 +94,8 @@ def plan_units(
     at the tiles so that units keep module order, and the block gathers all of them. A parameter
     registered in several modules (tied embeddings) belongs to the first unit that reaches it in
     ``named_modules()`` order; the other modules list that unit as an *external* unit and gather it
-    with their own.
+    with their own. ``root`` itself may be a block: the whole model is then one unit, which stays
+    gathered (as the root's own parameters do: code may call its submodules without its forward).
 
     Args:
         root: The model.
@@ -131,7 +142,9 @@ def plan_units(
 
     matched: set[Union[str, type]] = set()
     for mod_name, module in root.named_modules():
-        entry = matches_classes(module, classes, names) if module is not root else None
+        # The model itself may be a block (DeepSpeed's leaf modules allow it): one unit of every
+        # parameter, gathered for the whole run as the root's own parameters are (is_root).
+        entry = matches_classes(module, classes, names)
         if entry is not None:
             matched.add(entry)
         if id(module) in inside_block:
