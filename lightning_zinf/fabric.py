@@ -42,10 +42,13 @@ from lightning_zinf.engine.state_dict import state_dict_options
 from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full_checkpoint,
                                             load_full_optimizer_state_dict, load_trainable_checkpoint,
                                             save_full_checkpoint, trainable_only, trainable_state_dict)
-from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
-                                    init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
-                                    preemption_exit_status, refuse_checkpoint_io, register_presets,
-                                    restore_hyperparameters, start_watch, wait_for_launched)
+from lightning_zinf.checkpoint_entries import module_buffers, optimizer_hyperparameters, restore_hyperparameters
+from lightning_zinf.distributed import RankLayout, all_reduce, barrier, broadcast, init_distributed
+from lightning_zinf.engine_setup import build_engine
+from lightning_zinf.failures import finish_run, start_watch
+from lightning_zinf.options import ZeroOptions, register_presets
+from lightning_zinf.preemption_exit import mark_script_launcher, preemption_exit_status, wait_for_launched
+from lightning_zinf.unsupported import refuse_checkpoint_io
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_fabric_precision
 from lightning_zinf.preemption import Preemption
 
@@ -184,7 +187,7 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
 
         Raises:
             NotImplementedError: any plugin, as Lightning's Fabric ``FSDPStrategy`` raises: it would
-                never be called (:func:`~lightning_zinf.options.refuse_checkpoint_io`).
+                never be called (:func:`~lightning_zinf.unsupported.refuse_checkpoint_io`).
         """
         refuse_checkpoint_io(io, type(self).__name__)
         self._checkpoint_io = io

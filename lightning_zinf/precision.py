@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zinf.config import MixedPrecisionConfig
-from lightning_zinf.options import NotSupportedError
+from lightning_zinf.unsupported import NotSupportedError
 
 if TYPE_CHECKING:
     from lightning_zinf.engine import ZeroEngine

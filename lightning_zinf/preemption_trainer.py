@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_zinf.options import preemption_exit_status, wait_for_launched
+from lightning_zinf.preemption_exit import preemption_exit_status, wait_for_launched
 from lightning_zinf.preemption import Preemption
 
 __all__ = ["PreemptionCheckpoint", "PreemptionSignalConnector", "preemption_checkpoint_path", "take_over_signals"]
@@ -128,7 +128,7 @@ class PreemptionSignalConnector(_SignalConnector):
       preemption: the process is about to exit, and the signals stay ignored until it has
       (:meth:`Preemption.ignore_signals`: torchrun sends SIGTERM to the ranks still running when
       one has exited, which must not kill a rank that is still exiting). The launching process
-      then waits for the processes it launched (:func:`~lightning_zinf.options.wait_for_launched`).
+      then waits for the processes it launched (:func:`~lightning_zinf.preemption_exit.wait_for_launched`).
 
     ``trainer.received_sigterm`` stays ``False``: Lightning's loops would act on it on one rank alone.
 

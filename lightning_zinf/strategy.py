@@ -42,10 +42,13 @@ from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full
                                             save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.launcher import NotebookLauncher
 from lightning_zinf.comm.watch import RankWatch
-from lightning_zinf.options import (RankLayout, ZeroOptions, all_reduce, barrier, broadcast, build_engine, finish_run,
-                                    init_distributed, mark_script_launcher, module_buffers, optimizer_hyperparameters,
-                                    refuse_checkpoint_io, register_presets, report_failure, restore_hyperparameters,
-                                    start_watch)
+from lightning_zinf.checkpoint_entries import module_buffers, optimizer_hyperparameters, restore_hyperparameters
+from lightning_zinf.distributed import RankLayout, all_reduce, barrier, broadcast, init_distributed
+from lightning_zinf.engine_setup import build_engine
+from lightning_zinf.failures import finish_run, report_failure, start_watch
+from lightning_zinf.options import ZeroOptions, register_presets
+from lightning_zinf.preemption_exit import mark_script_launcher
+from lightning_zinf.unsupported import refuse_checkpoint_io
 from lightning_zinf.precision import policy_for, refuse_clipping_by_value, to_zero_precision
 from lightning_zinf.preemption import Preemption
 from lightning_zinf.preemption_trainer import take_over_signals
@@ -277,7 +280,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
 
         Raises:
             NotImplementedError: any plugin: it would never be called
-                (:func:`~lightning_zinf.options.refuse_checkpoint_io`).
+                (:func:`~lightning_zinf.unsupported.refuse_checkpoint_io`).
         """
         refuse_checkpoint_io(io, type(self).__name__)
         self._checkpoint_io = io
@@ -621,7 +624,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks (they end within a few seconds with this message, rather than at the
         backend's timeout with its own); if another rank failed first, this rank's error is the
-        consequence, and that rank's message is added to it (:func:`~lightning_zinf.options.report_failure`)."""
+        consequence, and that rank's message is added to it (:func:`~lightning_zinf.failures.report_failure`)."""
         report_failure(self._watch, exception)
 
     @override

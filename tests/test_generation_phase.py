@@ -599,4 +599,4 @@ def test_a_budget_that_is_not_a_byte_count_is_refused(budget: Any) -> None:
     with pytest.raises(ValueError, match=r"budget must be a non-negative number of bytes.*inference_budget"):
         with engine.generation_phase(budget):
             pass
-    assert engine.schedule._outer is None and not engine._in_phase
+    assert engine.schedule._outer is None and not engine.generation.active

@@ -44,7 +44,7 @@ _COPIES = ("aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::ca
            "aten::empty", "aten::empty_strided", "aten::zeros", "aten::new_empty", "aten::contiguous")
 # The engine's entry points from autograd and the optimizer, and its blocking waits.
 _HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_on_grad", "_backward_end")
-_STEP_HOOKS = ("_before_step", "after_step", "begin_pass")
+_STEP_HOOKS = ("_before_step", "after_step")  # the optimizer's hooks, on OptimizerSteps
 
 
 def _scoped(name: str, fn):
@@ -61,12 +61,14 @@ def _instrument_engine() -> None:
     from lightning_zinf.comm import collectives
     from lightning_zinf.engine.engine import ZeroEngine
     from lightning_zinf.engine.schedule import Schedule
+    from lightning_zinf.engine.steps import OptimizerSteps
     from lightning_zinf.engine.units import UnitStates
 
     for name in _HOOKS:
         setattr(Schedule, name, _scoped(f"zinf.hook.{name}", getattr(Schedule, name)))
     for name in _STEP_HOOKS:
-        setattr(ZeroEngine, name, _scoped(f"zinf.hook.{name}", getattr(ZeroEngine, name)))
+        setattr(OptimizerSteps, name, _scoped(f"zinf.hook.{name}", getattr(OptimizerSteps, name)))
+    ZeroEngine.begin_pass = _scoped("zinf.hook.begin_pass", ZeroEngine.begin_pass)
     UnitStates.wait_gather = _scoped("zinf.wait", UnitStates.wait_gather)
     collectives._Then.wait = _scoped("zinf.wait", collectives._Then.wait)
 

@@ -58,8 +58,17 @@ class MemoryAccounting:
         self.space = space
 
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes held for training state, by tier (``device``, ``cpu``, ``nvme``): see
-        :meth:`~lightning_zinf.ZeroEngine.resident_bytes`."""
+        """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``; the
+        engine's :meth:`~lightning_zinf.ZeroEngine.resident_bytes`).
+
+        ``device``: parameter shards, gathered parameters, hpZ secondary partitions and gradient
+        buffers (in use and pooled), plus the fp32 masters, fp32 gradient shards and optimizer
+        states when the optimizer is not offloaded.
+        ``cpu``: with parameter or optimizer offload, those tensors currently in CPU memory.
+        ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
+        machine without an accelerator the device is the CPU as well; the split says which tier
+        the engine placed each tensor on. :meth:`memory` splits the same bytes by category.
+        """
         state = self.state_bytes()
         moving = sum(self.ledger.now[c] for c in MOVING)
         optimizer_side = state["grad_shards"] + state["optimizer"]
@@ -71,8 +80,19 @@ class MemoryAccounting:
         }
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """Category -> ``(bytes now, peak bytes)``, the long-lived state counted now: see
-        :meth:`~lightning_zinf.ZeroEngine.memory`."""
+        """The memory ledger: bytes this rank holds now and at most since the last
+        :meth:`~lightning_zinf.ZeroEngine.reset_memory_peaks` (a training step), by category (what
+        each holds: :data:`~lightning_zinf.engine.ledger.CATEGORIES`; the engine's
+        :meth:`~lightning_zinf.ZeroEngine.memory`).
+
+        Gathered units, secondary partitions, gradient buffers and reduce-scatters in flight are
+        accounted as the engine allocates and frees them, so their peaks are exact; the shards,
+        gradient shards, optimizer state and staging memory are counted from the state now (their
+        peak is the largest value seen by these calls, and staging's the pool's own peak).
+
+        Returns:
+            Category -> ``(bytes now, peak bytes)``.
+        """
         for category, nbytes in self.state_bytes().items():
             self.ledger.set(category, nbytes)
         if self.space is not None:

@@ -24,16 +24,22 @@ from __future__ import annotations
 
 import zlib
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.trace import Tracer
 
-if TYPE_CHECKING:
-    from lightning_zinf.engine.units import Unit
+__all__ = ["RankAgreement", "NamedUnit"]
 
-__all__ = ["RankAgreement"]
+
+class NamedUnit(Protocol):
+    """What the agreement reads of a unit (a :class:`~lightning_zinf.engine.units.Unit`): its
+    index, a gather's code, and for messages its owner's name and its size in elements."""
+
+    index: int
+    name: str
+    numel: int
 
 
 class RankAgreement:
@@ -55,7 +61,7 @@ class RankAgreement:
             agreed; the strategies point it at their :class:`~lightning_zinf.comm.watch.RankWatch`.
     """
 
-    def __init__(self, comm: Collectives, tracer: Tracer, units: list[Unit], groups: list[FlatGroup]) -> None:
+    def __init__(self, comm: Collectives, tracer: Tracer, units: Sequence[NamedUnit], groups: list[FlatGroup]) -> None:
         self.comm = comm
         self.tracer = tracer
         self.units = units
@@ -81,7 +87,7 @@ class RankAgreement:
         finally:
             self._forced -= 1
 
-    def note_gather(self, unit: Unit) -> None:
+    def note_gather(self, unit: NamedUnit) -> None:
         """Before this rank gathers ``unit``: check (unless certified) and record it.
 
         Raises:
@@ -106,6 +112,9 @@ class RankAgreement:
     def verify(self, where: str = "an agreement check of the engine") -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
         the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
+        Run at every pass boundary and before every optimizer step, so a rank whose control flow
+        diverged (a different branch over units of the same size, which the collectives
+        themselves cannot notice) stops training before a wrong update is applied.
 
         Args:
             where: What this check is, for :attr:`waiting_in` while it waits for the other ranks.

@@ -26,8 +26,11 @@ The engine is a facade over parts with one concern each (FSDP2's split of its st
 group and collectives is the model): construction (:mod:`~lightning_zinf.engine.build`), the hooks
 that decide when (:mod:`~lightning_zinf.engine.schedule`), the unit state machine and the
 reduce-scatter queue (:mod:`~lightning_zinf.engine.units`), rank agreement
-(:mod:`~lightning_zinf.engine.agreement`) and memory accounting
-(:mod:`~lightning_zinf.engine.accounting`). It owns the wiring, the pass and step boundaries, and
+(:mod:`~lightning_zinf.engine.agreement`), memory accounting
+(:mod:`~lightning_zinf.engine.accounting`), state access for reading and editing
+(:mod:`~lightning_zinf.engine.access`), generation inside training
+(:mod:`~lightning_zinf.engine.generation`) and the optimizer step
+(:mod:`~lightning_zinf.engine.steps`). It owns the wiring, the pass and step boundaries, and
 the calls users make: optimizer sharding, clipping, gathers for reading and editing, state access
 unit by unit.
 """
@@ -36,9 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -46,17 +48,19 @@ from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.engine.access import StateAccess
 from lightning_zinf.engine.accounting import MOVING, MemoryAccounting
 from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swap_space, swapped_shards
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.optim import clip_grad_norm_, refuse_unsharded_steps, shard_optimizer
+from lightning_zinf.engine.optim import refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
-from lightning_zinf.engine.ranges import phased
 from lightning_zinf.engine.schedule import Schedule
+from lightning_zinf.engine.steps import OptimizerSteps
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import Transfers, resolve_device
@@ -64,7 +68,6 @@ from lightning_zinf.engine.units import Unit, UnitStates
 from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
-from lightning_zinf.offload.preflight import ensure_space
 from lightning_zinf.tiling import tile_linear_layers
 
 __all__ = ["ZeroEngine", "Unit"]
@@ -124,6 +127,9 @@ class ZeroEngine:
             collectives this rank issues and checks that every rank issues the same.
         accounting: The :class:`~lightning_zinf.engine.accounting.MemoryAccounting` behind
             :meth:`memory` and :meth:`resident_bytes`.
+        access: The :class:`~lightning_zinf.engine.access.StateAccess`: exact reads and edits of the state.
+        generation: The :class:`~lightning_zinf.engine.generation.Generation`: units kept, generation phases.
+        steps: The :class:`~lightning_zinf.engine.steps.OptimizerSteps`: the sharded optimizers' steps.
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
@@ -185,9 +191,8 @@ class ZeroEngine:
         on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
         self.ledger = MemoryLedger(tuple(on_device))
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
-        self._nvme_path = offload.nvme_path
-        self._shards_offloaded = offload.param != "none"
-        self._shard_device = torch.device("cpu") if self._shards_offloaded else self.device
+        shards_offloaded = offload.param != "none"
+        shard_device = torch.device("cpu") if shards_offloaded else self.device
         self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         specs, uses = plan_units(module, block_classes)
@@ -197,17 +202,13 @@ class ZeroEngine:
         self.space = make_swap_space(offload, self.comm, self.device, swapped)
         self.swapper = self.space.swapper if self.space is not None else None
         self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
-        self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=self._shard_device,
+        self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=shard_device,
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
                                  persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
                                  host_copies=offload.param == "cpu", preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
-        self._gathered_depth = 0  # nested gathered() blocks
-        self._auto_pass = auto_pass
-        self._pass_kind: Optional[Hashable] = None  # of the last pass begun outside a generation phase
-        self._in_phase = False  # inside generation_phase()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.plain_layouts: list[list[list[Optional[tuple[int, int]]]]] = []  # per optimizer (shard_optimizer)
         for buffer_owner in module.modules():
@@ -222,17 +223,28 @@ class ZeroEngine:
                                  agreement=self.agreement, prefetch=prefetch, param_offload=self.param_offload,
                                  offload=self.offload, transfers=self.transfers)
         self.accounting = MemoryAccounting(self.ledger, self.groups, self.optimizers,
-                                           shards_offloaded=self._shards_offloaded, param_offload=self.param_offload,
+                                           shards_offloaded=shards_offloaded, param_offload=self.param_offload,
                                            offload=self.offload, space=self.space)
+        self.access = StateAccess(self.units, states=self.states, agreement=self.agreement, transfers=self.transfers,
+                                  param_offload=self.param_offload, offload=self.offload, optimizers=self.optimizers,
+                                  settle=self._settle)
         self.schedule = Schedule(module, self.units, {m: [self.units[i] for i in ids] for m, ids in uses.items()},
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None)
+        self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
+                                    transfers=self.transfers, device=self.device, shard_device=shard_device,
+                                    shards_offloaded=shards_offloaded, param_offload=self.param_offload,
+                                    offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
+                                    optimizers=self.optimizers, plain_layouts=self.plain_layouts, settle=self._settle)
+        self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
+                                     agreement=self.agreement, settle=self._settle, begin_pass=self._begin_pass,
+                                     auto_pass=auto_pass)
         self.state_dict_hooks = StateDictHooks(self)
         self._state_dict_handles = self.state_dict_hooks.install()
         refuse_unsharded_steps(self, [p for g in self.groups if g.trainable for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
-        self._mark_partitioned(True)
+        mark_partitioned(module, True)
         self.states.gather_exact([u for u in self.units if u.persistent])
 
     # --- what the parts keep, as the engine's own ---------------------------------------------------
@@ -293,9 +305,9 @@ class ZeroEngine:
                 collectives since the last check differ (:meth:`verify_ranks_agree`).
         """
         # Inside keep_gathered() and generation phases: checked once, at their end.
-        self._begin_pass(kind, check=not self.states.keep_budget and not self._in_phase)
-        if not self._in_phase:
-            self._pass_kind = kind
+        self._begin_pass(kind, check=not self.states.keep_budget and not self.generation.active)
+        if not self.generation.active:
+            self.generation.resume_kind = kind
 
     def _begin_pass(self, kind: Hashable, check: bool) -> None:
         self.state_dict_hooks.reset()
@@ -303,7 +315,7 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        if not self._in_phase:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
+        if not self.generation.active:  # PEFT's disable_adapter() (a reference forward) freezes the adapters for a while
             self._check_requires_grad()
         if check:
             self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
@@ -343,92 +355,34 @@ class ZeroEngine:
 
     # --- optimizer -------------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
-        run :meth:`after_step` for the flat groups it steps after each of its steps (a step post-hook).
+        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and run
+        :meth:`after_step` after each of its steps (:meth:`OptimizerSteps.shard_optimizer
+        <lightning_zinf.engine.steps.OptimizerSteps.shard_optimizer>`: the rules and errors)."""
+        return self.steps.shard_optimizer(optimizer)
 
-        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
-        ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
-        masters, gradient shards, its per-element states) fit in ``nvme_path``
-        (:func:`~lightning_zinf.offload.preflight.ensure_space`; collective), and raises
-        :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
-        """
-        # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
-        def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
-            if self.param_offload is None:
-                return contextlib.nullcontext()
-            return self.param_offload.resident([group], write_back=False)
+    def master_fragments(self) -> list[Tensor]:
+        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
+        return self.steps.master_fragments()
 
-        if self.offload is not None and self.offload.nvme:
-            self.swapper.planned_bytes = ensure_space(
-                self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
-                "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
-        if self.offload is not None:
-            self.offload.place_masters(shard_resident)
-        elif self._shards_offloaded:
-            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be
-            # it, unless gathers read a host copy instead (FlatGroup.make_master decides).
-            for group in self.groups:
-                if group.trainable and group.master is None:
-                    with shard_resident(group):
-                        group.make_master(separate=True)
-        # Where each parameter the user gave the optimizer went, for its plain (unsharded) state dict.
-        where = {id(p): (i, j) for i, g in enumerate(self.groups) if g.trainable for j, p in enumerate(g.params)}
-        layout = [[where.get(id(p)) for p in param_group["params"]] for param_group in optimizer.param_groups]
-        shard_optimizer(optimizer, self.groups)
-        self.plain_layouts.append(layout)
-        if self.offload is not None and self.offload.nvme:
-            self.offload.wrap_zero_grad(optimizer)
-        self.optimizers.append(optimizer)
-        optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
-        # The groups it steps: those holding a master fragment it was given (fixed from here on, as
-        # the layout above is).
-        held = {id(f) for param_group in optimizer.param_groups for f in param_group["params"]}
-        stepped = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
-        optimizer.register_step_post_hook(lambda *_: self.after_step(stepped))
-        return optimizer
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32)
+        (:meth:`OptimizerSteps.clip_grad_norm_ <lightning_zinf.engine.steps.OptimizerSteps.clip_grad_norm_>`)."""
+        return self.steps.clip_grad_norm_(max_norm)
 
-    def _swap_file_bytes(self) -> int:
-        """Bytes of this rank's swap files now (records written, in memory or not)."""
-        return sum(n for part in (self.param_offload, self.offload) if part is not None for n in part.tier_bytes().values())
-
-    @phased("zinf.before_step")
-    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._settle()
-        self.verify_ranks_agree("the agreement check before an optimizer step")
-        if self.offload is not None:
-            if self._shard_device != self.device:
-                self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read
-            # Sub-group by sub-group, each one's updated shards copied out while the next steps;
-            # the optimizer's own step then has nothing left.
-            self.offload.step(optimizer)
+    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
+        """After ``optimizer.step()``: the masters of ``groups`` (``None``: all) cast into the compute
+        shards (:meth:`OptimizerSteps.after_step <lightning_zinf.engine.steps.OptimizerSteps.after_step>`)."""
+        self.steps.after_step(groups)
 
     # --- memory ----------------------------------------------------------------------------------
     def resident_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``).
-
-        ``device``: parameter shards, gathered parameters, hpZ secondary partitions and gradient
-        buffers (in use and pooled), plus the fp32 masters, fp32 gradient shards and optimizer
-        states when the optimizer is not offloaded.
-        ``cpu``: with parameter or optimizer offload, those tensors currently in CPU memory.
-        ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
-        machine without an accelerator the device is the CPU as well; the split says which tier
-        the engine placed each tensor on. :meth:`memory` splits the same bytes by category.
-        """
+        """Bytes this rank holds for training state, by tier (``device``, ``cpu``, ``nvme``):
+        :meth:`MemoryAccounting.resident_bytes <lightning_zinf.engine.accounting.MemoryAccounting.resident_bytes>`."""
         return self.accounting.resident_bytes()
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """The memory ledger: bytes this rank holds now and at most since the last
-        :meth:`reset_memory_peaks` (a training step), by category (what each holds:
-        :data:`~lightning_zinf.engine.ledger.CATEGORIES`).
-
-        Gathered units, secondary partitions, gradient buffers and reduce-scatters in flight are
-        accounted as the engine allocates and frees them, so their peaks are exact; the shards,
-        gradient shards, optimizer state and staging memory are counted from the state now (their
-        peak is the largest value seen by these calls, and staging's the pool's own peak).
-
-        Returns:
-            Category -> ``(bytes now, peak bytes)``.
-        """
+        """Category -> ``(bytes now, peak bytes since :meth:`reset_memory_peaks`)``: the memory ledger
+        (:meth:`MemoryAccounting.memory <lightning_zinf.engine.accounting.MemoryAccounting.memory>`)."""
         return self.accounting.memory()
 
     def reset_memory_peaks(self) -> None:
@@ -445,18 +399,9 @@ class ZeroEngine:
 
     # --- rank agreement --------------------------------------------------------------------------
     def verify_ranks_agree(self, where: str = "an agreement check of the engine") -> None:
-        """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
-        the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
-        Run at every pass boundary and before every optimizer step, so a rank whose control flow
-        diverged (a different branch over units of the same size, which the collectives
-        themselves cannot notice) stops training before a wrong update is applied.
-
-        Args:
-            where: What this check is, for :attr:`waiting_in` while it waits for the other ranks.
-
-        Raises:
-            RuntimeError: the ranks' sequences differ; the message gives the first difference.
-        """
+        """Check that every rank issued the same gathers and reduce-scatters since the last check;
+        ``where`` names the check for :attr:`waiting_in`. Raises ``RuntimeError`` naming the first
+        difference (:meth:`RankAgreement.verify <lightning_zinf.engine.agreement.RankAgreement.verify>`)."""
         self.agreement.verify(where)
 
     def progress(self) -> str:
@@ -465,275 +410,51 @@ class ZeroEngine:
         return self.agreement.progress()
 
     # --- state access ----------------------------------------------------------------------------
-    @contextmanager
-    def state_resident(self, write_back: bool, groups: Optional[list[FlatGroup]] = None) -> Iterator[None]:
-        """The parameter shards, fp32 masters, gradient shards and optimizer states of ``groups``
-        (default: all) in memory for the block (with NVMe offload they are in swap files
-        otherwise); ``write_back``: they were modified (a load, an edit), so write them out
-        afterwards, and drop their hpZ secondary partitions (which hold the old values). For
-        checkpoints and edits: one group at a time keeps memory to one group's state."""
-        self._settle()
-        self.transfers.host_wait_h2d()  # the host may write host-tier shards a gather still reads
-        groups = self.groups if groups is None else groups
-        with contextlib.ExitStack() as stack:
-            for group in groups:
-                stack.enter_context(group.shard_resident(write_back))  # frozen groups stored quantized
-            if self.param_offload is not None:
-                stack.enter_context(self.param_offload.resident([g for g in groups if g.codes is None], write_back))
-            if self.offload is not None:
-                stack.enter_context(self.offload.resident(self.optimizers, write_back, groups))
-            try:
-                yield
-                if write_back and self.param_offload is not None:  # while the shards are in memory
-                    self.param_offload.refresh_copies(groups)  # (a failed load keeps the files as they were)
-            finally:
-                if write_back:  # host copies and hpZ secondaries follow the shards, loaded in full or not
-                    for group in groups:
-                        group.shard_changed()
-                        group.drop_secondary()
+    def state_resident(self, write_back: bool,
+                       groups: Optional[list[FlatGroup]] = None) -> contextlib.AbstractContextManager[None]:
+        """The shards, masters, gradient shards and optimizer states of ``groups`` (default: all) in
+        memory for the block; ``write_back``: written out afterwards
+        (:meth:`StateAccess.state_resident <lightning_zinf.engine.access.StateAccess.state_resident>`)."""
+        return self.access.state_resident(write_back, groups)
 
-    def master_fragments(self) -> list[Tensor]:
-        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
-        return [f for g in self.groups if g.trainable for f in g.fragments]
-
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
-        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32).
-
-        With NVMe optimizer offload the gradients may be on disk: the norm comes from the squared
-        norms recorded as they were accumulated, and the scaling is applied as each sub-group is
-        swapped in for the step.
-        """
-        if self.offload is not None and self.offload.nvme:
-            self._settle()
-            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm()).sqrt()  # on the host
-            self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            return norm
-        return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
-
-    @phased("zinf.after_step")
-    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
-        """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs, with the
-        flat groups that optimizer steps: those holding a master fragment it was given): for
-        ``groups``, cast the masters into the compute shards, mark the gradients consumed and drop
-        the stale hpZ secondary partitions; then re-gather the persistent units that hold one of them.
-
-        Other groups are left alone, so that several models or optimizers in one engine do not
-        disturb each other: another optimizer's gradients keep accumulating across this step, as
-        in plain torch, and frozen groups keep their secondary partitions (a step cannot change
-        them; loads and edits drop them, :meth:`state_resident`). A group holding parameters of
-        two optimizers is consumed by the step of either.
-
-        Args:
-            groups: The groups the optimizer that stepped holds, or ``None`` (after a load): every group.
-        """
-        self._settle(boundary=True)
-        if self._shard_device != self.device:
-            self.transfers.host_wait_h2d()  # host-tier shards are rewritten below
-        stepped = self.groups if groups is None else groups
-        for group in stepped:
-            # An offloaded optimizer rewrote the shards of what it stepped already (OptimizerOffload.step).
-            rewrites = self.param_offload is not None and group.master is not None and not group.host_state
-            if rewrites:
-                self.param_offload.will_overwrite(group)
-            group.after_step()
-            if rewrites:
-                self.param_offload.changed(group)
-        # Updated shards copied from host-side masters (in order, on the copy stream) are read by
-        # compute from here on: order it after them, without waiting on the host.
-        self.transfers.wait_on_device(self.transfers.record())
-        changed = {id(g) for g in stepped}
-        self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
-
-    @contextmanager
-    def gathered(self, write_back: bool = False) -> Iterator[None]:
-        """Gather every unit for the duration of the block (like FSDP's ``summon_full_params``),
-        with the exact values in the parameters' own dtype (the fp32 masters under a bf16
-        policy, not the bf16 copies forward computes with).
-
-        Args:
-            write_back: Copy edits made to the full parameters inside the block back into the shards
-                on exit. Every rank must make the same edits.
-        """
-        self._settle()
-        units = list(self.units)
-        for unit in units:
-            unit.forward_depth += 1
-        self._gathered_depth += 1
-        try:
-            with self.agreement.checked():
-                self.states.gather_exact(units, read=True)
-            yield
-            if write_back:
-                with self.state_resident(write_back=True):
-                    for group in self.groups:
-                        group.write_back()
-        finally:
-            self._gathered_depth -= 1
-            for unit in units:
-                unit.forward_depth -= 1
-                self.states.maybe_release(unit)
-            if self._gathered_depth == 0:  # an enclosing block still wants the exact values
-                self.states.gather_exact([u for u in units if u.persistent])  # back to the compute dtype
+    def gathered(self, write_back: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Gather every unit, exactly, for the block; ``write_back``: edits go back into the shards
+        (:meth:`StateAccess.gathered <lightning_zinf.engine.access.StateAccess.gathered>`)."""
+        return self.access.gathered(write_back)
 
     # --- one unit at a time, exactly (state_dict / load_state_dict) ---------------------------------
     def begin_unit_access(self) -> None:
-        """Finish every collective and swap in flight before code reads or writes parameters unit
-        by unit (:meth:`hold_exact`); call once per traversal, not per unit."""
-        self._settle()
+        """Settle before a traversal of :meth:`hold_exact` calls
+        (:meth:`StateAccess.begin_unit_access <lightning_zinf.engine.access.StateAccess.begin_unit_access>`)."""
+        self.access.begin_unit_access()
 
     def hold_exact(self, unit: Unit) -> None:
-        """Gather ``unit`` with its exact values in the parameters' own dtype (the fp32 masters'
-        values under a bf16 policy, as :meth:`gathered`) and keep it gathered until
-        :meth:`drop_exact`. Collective: every rank must hold the same units in the same order.
-        The per-unit counterpart of :meth:`gathered` (FSDP's full state dict gathers one
-        FlatParameter at a time the same way; Zhao et al., VLDB'23, §3.4).
-
-        Raises:
-            RuntimeError: the ranks are about to gather different units, or are in different calls
-                (the agreement check every gather here makes); nothing stays held.
-        """
-        unit.forward_depth += 1
-        try:
-            with self.agreement.checked():
-                self.states.gather_exact([unit], read=True)
-        except BaseException:
-            unit.forward_depth -= 1
-            raise
+        """Gather ``unit`` exactly and hold it until :meth:`drop_exact`; collective
+        (:meth:`StateAccess.hold_exact <lightning_zinf.engine.access.StateAccess.hold_exact>`)."""
+        self.access.hold_exact(unit)
 
     def drop_exact(self, unit: Unit, write_back: bool) -> None:
-        """End a :meth:`hold_exact`: with ``write_back``, copy this rank's slice of the (edited or
-        loaded) full values into its shards and fp32 masters first (only the elements that
-        changed: unedited masters keep their fp32 bits); then release the unit unless something
-        else holds it. A persistent unit stays gathered in the parameters' dtype until
-        :meth:`end_unit_access`."""
-        try:
-            if write_back:
-                with self.state_resident(write_back=True, groups=unit.groups):
-                    for group in unit.groups:
-                        group.write_back()
-        finally:
-            unit.forward_depth -= 1
-            self.states.maybe_release(unit)
+        """End a :meth:`hold_exact`, writing edits back first with ``write_back``
+        (:meth:`StateAccess.drop_exact <lightning_zinf.engine.access.StateAccess.drop_exact>`)."""
+        self.access.drop_exact(unit, write_back)
 
     def end_unit_access(self, units: Collection[Unit]) -> None:
-        """After a traversal of :meth:`hold_exact` calls: the persistent ones among ``units`` go back
-        to their compute-dtype gather (collective, as the holds were)."""
-        if self._gathered_depth == 0:  # inside gathered(): its exit does it
-            self.states.gather_exact([u for u in units if u.persistent])
+        """After a traversal: the persistent ``units`` back to their compute-dtype gather
+        (:meth:`StateAccess.end_unit_access <lightning_zinf.engine.access.StateAccess.end_unit_access>`)."""
+        self.access.end_unit_access(units)
 
-    @contextmanager
-    def keep_gathered(self, budget: int) -> Iterator[None]:
-        """Within the block, a unit that finishes its forward stays gathered while the gathered
-        bytes stay within ``budget`` (bytes), so later forward passes (the decode steps of one
-        ``generate()``) do not gather it again; on exit every unit kept is released. For passes
-        without gradients; a backward inside the block still works (units are released as usual).
-        Every rank must run the same forward passes in the block while gathers happen
-        (``transformers``' ``generate`` does, with ``synced_gpus``, which it turns on for a model
-        this engine partitions). When the budget holds every unit, only the first forward gathers,
-        so ``generate`` runs without ``synced_gpus`` (no all-reduce per token): a rank whose
-        sequences end first may stop. DeepSpeed's hybrid engine likewise gathers the model once per
-        ``generate`` call; this does so within a memory budget.
+    # --- generation inside training ---------------------------------------------------------------
+    def keep_gathered(self, budget: int) -> contextlib.AbstractContextManager[None]:
+        """Within the block, units that finish their forward stay gathered within ``budget`` bytes,
+        so later forward passes (decode steps) do not gather them again; released on exit
+        (:meth:`Generation.keep_gathered <lightning_zinf.engine.generation.Generation.keep_gathered>`)."""
+        return self.generation.keep_gathered(budget)
 
-        Args:
-            budget: Most bytes of gathered parameters kept (``0``: release as usual).
-        """
-        previous = self.states.keep_budget
-        self.states.keep_budget = budget
-        whole = self._holds_whole_model(budget)
-        if whole:
-            self._mark_partitioned(False)
-        try:
-            yield
-        finally:
-            if whole:
-                self._mark_partitioned(True)
-            self.states.keep_budget = previous
-            if previous == 0:
-                self.states.release_kept()
-                self.verify_ranks_agree()
-
-    def _holds_whole_model(self, budget: int) -> bool:
-        return budget >= sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)
-
-    @contextmanager
-    def generation_phase(self, budget: int) -> Iterator[None]:
-        """A generation phase inside a training step: RLHF's rollouts (``generate()`` of the
-        actor, a reward model's forward, a reference forward under PEFT's ``disable_adapter()``),
-        with ZeRO++'s behaviour for it (Wang et al., "ZeRO++", 2023, §4 and its RLHF generation
-        results; DeepSpeed's hybrid engine and DeepSpeed-Chat switch the same way between
-        generation and training). Use under ``torch.no_grad()``; every rank enters and leaves it
-        at the same point. Inside it:
-
-        - every outermost forward of a module of the model starts a trace pass of its own kind,
-          ``("generation", qualified name of that module)`` (:meth:`Schedule.pass_per_outer_forward
-          <lightning_zinf.engine.schedule.Schedule.pass_per_outer_forward>`), so each decode step
-          replays one stable trace: after the first forward of each kind no gather is checked with
-          the other ranks one by one (a control all-reduce each, across nodes), and no pass
-          boundary checks either; the ranks' collectives are verified once, on exit;
-        - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
-          adapters' ``requires_grad`` off); they must be as partitioned again on exit;
-        - units stay gathered within ``budget`` bytes as in :meth:`keep_gathered` (a budget below
-          the whole model keeps ``transformers``' ``synced_gpus`` on, the whole model turns it off);
-        - with qwZ, each flat group's shard is quantized at most once: the packed row of codes and
-          scales made at its first quantized gather is kept (accounted as ``"secondary"``) and sent
-          again by later gathers, until the phase ends or the shard changes (a step, a load, an
-          edit). Groups stored as frozen codes are never quantized, and hpZ's secondary partitions
-          keep re-gathers inside the node already. The rows sit on the compute device (about one
-          byte per element of this rank's shards, outside ``budget``): with parameters offloaded
-          to the host or NVMe that is a quarter of the fp32 shards' bytes brought to the device
-          for the phase.
-
-        On exit the kept units are released, the kept rows dropped, the ranks' collectives verified
-        (one all-reduce) and, without ``auto_pass``, a pass of the kind begun before the phase
-        (``"train"``) starts again, so the training forward and backward that follow replay their
-        own trace: switching costs at most one gather more of each unit. A phase entered inside
-        another is part of it.
-
-        Args:
-            budget: Most bytes of gathered parameters kept between forward passes (``0``: none).
-
-        Raises:
-            ValueError: ``budget`` is not a non-negative int.
-            RuntimeError: on exit, the ranks' collectives in the phase differ (:meth:`verify_ranks_agree`),
-                or a parameter's ``requires_grad`` is not what it was when the model was partitioned.
-        """
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-            raise ValueError(f"generation_phase: budget must be a non-negative number of bytes (an int), got {budget!r}; "
-                             "pass PrefetchConfig.inference_budget or 0.")
-        if self._in_phase:
-            yield
-            return
-        previous = self._pass_kind
-        self._settle()
-        # Every rank must enter: one that does not goes on to the agreed trace's gathers, which
-        # only the watch can tell from a slow rank (a hang until the timeout otherwise).
-        self.agreement.check_entry("entry into a generation phase, strategy.generation()")
-        self._in_phase = True
-        end_passes = self.schedule.pass_per_outer_forward(
-            self.module, lambda name: self._begin_pass(("generation", name), check=False))
-        for group in self.groups:
-            group.keeps_qwz_row = True
-        # The whole model kept: no synced_gpus, so ranks run different numbers of forward passes,
-        # and a pass that leaves its kind's trace (a decode that skips a module only the prefill
-        # runs) must not start a recording whose validation only some ranks would reach.
-        self.tracer.rerecord = not self._holds_whole_model(budget)
-        try:
-            with self.keep_gathered(budget):  # verifies the ranks' collectives at its end
-                try:
-                    yield
-                finally:
-                    end_passes()
-                    # Ranks may have run different numbers of decode passes: the last pass's trace is
-                    # validated here, at the same point on every rank, before the check on exit.
-                    self.tracer.end_pass()
-        finally:
-            self._in_phase = False
-            self.tracer.rerecord = True
-            for group in self.groups:
-                group.keeps_qwz_row = False
-                group.drop_qwz_row()  # after the release above settled the gathers that send it
-        if previous is not None and not self._auto_pass:  # with auto_pass the next forward starts its pass
-            self._begin_pass(previous, check=False)
+    def generation_phase(self, budget: int) -> contextlib.AbstractContextManager[None]:
+        """A generation phase inside a training step (RLHF's rollouts, reward and reference forwards),
+        units kept gathered within ``budget`` bytes (:meth:`Generation.phase
+        <lightning_zinf.engine.generation.Generation.phase>`: ZeRO++'s behaviour inside, the errors)."""
+        return self.generation.phase(budget)
 
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
@@ -748,13 +469,3 @@ class ZeroEngine:
         for handle in self._state_dict_handles:
             handle.remove()
         self._state_dict_handles = []
-
-    def _mark_partitioned(self, on: bool) -> None:
-        # transformers' generate() reads FSDP2's marker to keep all ranks stepping until every
-        # rank's sequences are done (synced_gpus): forward passes gather collectively here too.
-        # Dynamo reads the pair FSDP2 sets: parameters keep their identity while their storage comes
-        # and goes, so it takes them as graph inputs and guards nothing on them (with the marker
-        # alone it refuses the module and runs it uncompiled).
-        for submodule in self.module.modules():
-            submodule._is_fsdp_managed_module = on  # type: ignore[assignment]
-            submodule._fsdp_use_orig_params = on  # type: ignore[assignment]

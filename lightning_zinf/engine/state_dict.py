@@ -29,17 +29,39 @@ from __future__ import annotations
 import functools
 import weakref
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Collection, Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-if TYPE_CHECKING:
-    from lightning_zinf.engine.engine import Unit, ZeroEngine
+from lightning_zinf.comm import Collectives
+from lightning_zinf.engine.units import Unit
 
-__all__ = ["StateDictHooks", "state_dict_options"]
+__all__ = ["StateDictHooks", "state_dict_options", "UnitAccess"]
+
+
+class UnitAccess(Protocol):
+    """What the hooks use of the engine (:class:`~lightning_zinf.ZeroEngine` is one): its model,
+    units, collectives and compute device, and its exact access to one unit at a time."""
+
+    module: nn.Module
+    units: list[Unit]
+    comm: Collectives
+    device: torch.device
+
+    def begin_unit_access(self) -> None:
+        """Settle what is in flight before a traversal."""
+
+    def hold_exact(self, unit: Unit) -> None:
+        """Gather ``unit`` with its exact values and keep it gathered (collective)."""
+
+    def drop_exact(self, unit: Unit, write_back: bool) -> None:
+        """End a hold, writing edits back into the shards first with ``write_back``."""
+
+    def end_unit_access(self, units: Collection[Unit]) -> None:
+        """After a traversal: the persistent ones among ``units`` back to their compute gather."""
 
 
 class StateDictHooks:
@@ -59,7 +81,7 @@ class StateDictHooks:
             nothing (buffers and extra state only). Set these through :func:`state_dict_options`.
     """
 
-    def __init__(self, engine: "ZeroEngine") -> None:
+    def __init__(self, engine: UnitAccess) -> None:
         self._engine = weakref.ref(engine)
         self.rank0_only = False
         self.sharded = False
@@ -123,12 +145,12 @@ class StateDictHooks:
         self._depth, self._touched, self._copies, self._held, self._made = 0, {}, {}, {}, {}
 
     # --- traversal bookkeeping -----------------------------------------------------------------------
-    def _enter(self, engine: "ZeroEngine") -> None:
+    def _enter(self, engine: UnitAccess) -> None:
         if self._depth == 0:
             engine.begin_unit_access()
         self._depth += 1
 
-    def _leave(self, engine: "ZeroEngine") -> None:
+    def _leave(self, engine: UnitAccess) -> None:
         self._depth -= 1
         if self._depth == 0:
             self._flush(engine, owner=None)
@@ -188,7 +210,7 @@ class StateDictHooks:
                     group.repoint()
         self._leave(engine)
 
-    def _copy(self, full: Tensor, engine: "ZeroEngine") -> Tensor:
+    def _copy(self, full: Tensor, engine: UnitAccess) -> Tensor:
         """What a state dict keeps of a gathered parameter: all of it on the CPU, or (sharded) this
         rank's dim-0 chunk on the device."""
         if not self.sharded or engine.comm.world_size == 1 or full.dim() == 0:
@@ -196,7 +218,7 @@ class StateDictHooks:
         chunks = torch.chunk(full, engine.comm.world_size, dim=0)  # fewer than W when dim 0 is short
         return chunks[engine.comm.rank].clone() if engine.comm.rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
 
-    def _as_dtensor(self, local: Tensor, shape: torch.Size, engine: "ZeroEngine") -> Tensor:
+    def _as_dtensor(self, local: Tensor, shape: torch.Size, engine: UnitAccess) -> Tensor:
         if engine.comm.world_size == 1:
             return local
         if self._mesh is None:
@@ -240,7 +262,7 @@ class StateDictHooks:
         self._flush(engine, owner=module)
         self._leave(engine)
 
-    def _flush(self, engine: "ZeroEngine", owner: Optional[nn.Module]) -> None:
+    def _flush(self, engine: UnitAccess, owner: Optional[nn.Module]) -> None:
         """Write back and release the held units that are complete: those no module's post-hook
         waits for (``owner=None``: also everything, at the end of a traversal), or those of ``owner``."""
         done = [(i, unit) for i, (unit, holder) in self._held.items()

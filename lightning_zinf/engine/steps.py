@@ -1,0 +1,196 @@
+"""The optimizer step: the user's optimizers re-pointed at this rank's fp32 master shards, the
+work before and after each of their steps, and gradient clipping over the ranks.
+
+:meth:`OptimizerSteps.shard_optimizer` re-points an optimizer (:func:`~lightning_zinf.engine.optim.shard_optimizer`)
+and hooks its steps: before one, the collectives in flight are settled, the ranks' agreement is
+verified and an offloaded optimizer steps sub-group by sub-group; after one
+(:meth:`OptimizerSteps.after_step`), the stepped masters are cast into the compute shards and the
+persistent units holding them gathered again (ZeRO stage 3: Rajbhandari et al., SC'20, §5.3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zinf.comm import Collectives
+from lightning_zinf.engine.agreement import RankAgreement
+from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.optim import clip_grad_norm_, shard_optimizer
+from lightning_zinf.engine.ranges import phased
+from lightning_zinf.engine.transfer import Transfers
+from lightning_zinf.engine.units import Unit, UnitStates
+from lightning_zinf.offload.optimizer import OptimizerOffload
+from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.preflight import ensure_space
+from lightning_zinf.offload.swapper import NvmeSwapper
+
+__all__ = ["OptimizerSteps"]
+
+
+class OptimizerSteps:
+    """The engine's sharded optimizers and their steps (the engine's
+    :meth:`~lightning_zinf.ZeroEngine.shard_optimizer`, :meth:`~lightning_zinf.ZeroEngine.after_step`,
+    :meth:`~lightning_zinf.ZeroEngine.clip_grad_norm_` and
+    :meth:`~lightning_zinf.ZeroEngine.master_fragments` delegate here).
+
+    Args:
+        units: The engine's units.
+        comm: The engine's collectives.
+        states: The unit state machine (persistent units are gathered again after a step).
+        agreement: The rank agreement (verified before every step).
+        transfers: The engine's copy queue.
+        device: The compute device.
+        shard_device: Where the parameter shards live (the host with parameter offload).
+        shards_offloaded: The parameter shards are offloaded (``OffloadConfig.param`` not ``"none"``).
+        param_offload: The NVMe tier of the parameter shards, or ``None``.
+        offload: The offloaded optimizer, or ``None``.
+        swapper: The swap files' swapper (NVMe offload), or ``None``.
+        nvme_path: ``OffloadConfig.nvme_path`` (where the swap files go).
+        optimizers: The engine's list of sharded optimizers (appended to here).
+        plain_layouts: The engine's list of their plain layouts (appended to here).
+        settle: Finishes every collective and swap in flight (the engine's; ``boundary=True`` at a
+            step boundary).
+    """
+
+    def __init__(self, units: list[Unit], *, comm: Collectives, states: UnitStates, agreement: RankAgreement,
+                 transfers: Transfers, device: torch.device, shard_device: torch.device, shards_offloaded: bool,
+                 param_offload: Optional[ParamOffload], offload: Optional[OptimizerOffload],
+                 swapper: Optional[NvmeSwapper], nvme_path: Optional[str],
+                 optimizers: list[torch.optim.Optimizer],
+                 plain_layouts: list[list[list[Optional[tuple[int, int]]]]], settle: Callable[..., None]) -> None:
+        self.units = units
+        self.comm = comm
+        self.states = states
+        self.agreement = agreement
+        self.transfers = transfers
+        self.device = device
+        self._shard_device = shard_device
+        self._shards_offloaded = shards_offloaded
+        self.param_offload = param_offload
+        self.offload = offload
+        self.swapper = swapper
+        self._nvme_path = nvme_path
+        self.optimizers = optimizers
+        self.plain_layouts = plain_layouts
+        self._settle = settle
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        """All flat groups, unit by unit."""
+        return [g for u in self.units for g in u.groups]
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and
+        run :meth:`after_step` for the flat groups it steps after each of its steps (a step post-hook).
+
+        See :func:`lightning_zinf.engine.optim.shard_optimizer` for the rules and errors. With
+        ``optimizer="nvme"`` every rank first checks that the swap files this optimizer adds (fp32
+        masters, gradient shards, its per-element states) fit in ``nvme_path``
+        (:func:`~lightning_zinf.offload.preflight.ensure_space`; collective), and raises
+        :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
+        """
+        # Masters are made from the shards, which may be on NVMe: one group's shard in memory at a time.
+        def shard_resident(group: FlatGroup) -> contextlib.AbstractContextManager[None]:
+            if self.param_offload is None:
+                return contextlib.nullcontext()
+            return self.param_offload.resident([group], write_back=False)
+
+        if self.offload is not None and self.offload.nvme:
+            self.swapper.planned_bytes = ensure_space(
+                self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
+                "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())
+        if self.offload is not None:
+            self.offload.place_masters(shard_resident)
+        elif self._shards_offloaded:
+            # The shard leaves the device (or memory): the fp32 master the optimizer steps must not be
+            # it, unless gathers read a host copy instead (FlatGroup.make_master decides).
+            for group in self.groups:
+                if group.trainable and group.master is None:
+                    with shard_resident(group):
+                        group.make_master(separate=True)
+        # Where each parameter the user gave the optimizer went, for its plain (unsharded) state dict.
+        where = {id(p): (i, j) for i, g in enumerate(self.groups) if g.trainable for j, p in enumerate(g.params)}
+        layout = [[where.get(id(p)) for p in param_group["params"]] for param_group in optimizer.param_groups]
+        shard_optimizer(optimizer, self.groups)
+        self.plain_layouts.append(layout)
+        if self.offload is not None and self.offload.nvme:
+            self.offload.wrap_zero_grad(optimizer)
+        self.optimizers.append(optimizer)
+        optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
+        # The groups it steps: those holding a master fragment it was given (fixed from here on, as
+        # the layout above is).
+        held = {id(f) for param_group in optimizer.param_groups for f in param_group["params"]}
+        stepped = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
+        optimizer.register_step_post_hook(lambda *_: self.after_step(stepped))
+        return optimizer
+
+    def _swap_file_bytes(self) -> int:
+        """Bytes of this rank's swap files now (records written, in memory or not)."""
+        return sum(n for part in (self.param_offload, self.offload) if part is not None for n in part.tier_bytes().values())
+
+    @phased("zinf.before_step")
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._settle()
+        self.agreement.verify("the agreement check before an optimizer step")
+        if self.offload is not None:
+            if self._shard_device != self.device:
+                self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read
+            # Sub-group by sub-group, each one's updated shards copied out while the next steps;
+            # the optimizer's own step then has nothing left.
+            self.offload.step(optimizer)
+
+    def master_fragments(self) -> list[Tensor]:
+        """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them."""
+        return [f for g in self.groups if g.trainable for f in g.fragments]
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip gradient shards by the global L2 norm over all ranks; returns the norm (0-d fp32).
+
+        With NVMe optimizer offload the gradients may be on disk: the norm comes from the squared
+        norms recorded as they were accumulated, and the scaling is applied as each sub-group is
+        swapped in for the step.
+        """
+        if self.offload is not None and self.offload.nvme:
+            self._settle()
+            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm()).sqrt()  # on the host
+            self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            return norm
+        return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
+
+    @phased("zinf.after_step")
+    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
+        """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs, with the
+        flat groups that optimizer steps: those holding a master fragment it was given): for
+        ``groups``, cast the masters into the compute shards, mark the gradients consumed and drop
+        the stale hpZ secondary partitions; then re-gather the persistent units that hold one of them.
+
+        Other groups are left alone, so that several models or optimizers in one engine do not
+        disturb each other: another optimizer's gradients keep accumulating across this step, as
+        in plain torch, and frozen groups keep their secondary partitions (a step cannot change
+        them; loads and edits drop them, :meth:`state_resident`). A group holding parameters of
+        two optimizers is consumed by the step of either.
+
+        Args:
+            groups: The groups the optimizer that stepped holds, or ``None`` (after a load): every group.
+        """
+        self._settle(boundary=True)
+        if self._shard_device != self.device:
+            self.transfers.host_wait_h2d()  # host-tier shards are rewritten below
+        stepped = self.groups if groups is None else groups
+        for group in stepped:
+            # An offloaded optimizer rewrote the shards of what it stepped already (OptimizerOffload.step).
+            rewrites = self.param_offload is not None and group.master is not None and not group.host_state
+            if rewrites:
+                self.param_offload.will_overwrite(group)
+            group.after_step()
+            if rewrites:
+                self.param_offload.changed(group)
+        # Updated shards copied from host-side masters (in order, on the copy stream) are read by
+        # compute from here on: order it after them, without waiting on the host.
+        self.transfers.wait_on_device(self.transfers.record())
+        changed = {id(g) for g in stepped}
+        self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])

@@ -1,0 +1,195 @@
+"""The engine built from the strategies' options, the same way for the Trainer and for Fabric, with
+the pretrained full weights ``load_full_weights`` names loaded into it."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_full_state_dicts, matching_prefix, \
+    provided_parameters
+from lightning_zinf.config import MixedPrecisionConfig
+from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.options import ZeroOptions
+
+__all__ = ["build_engine", "checkpointed_layers"]
+
+
+def build_engine(
+    module: nn.Module,
+    options: ZeroOptions,
+    *,
+    device: torch.device,
+    ranks_per_node: int,
+    precision: MixedPrecisionConfig,
+    loss_scaling: bool,
+    timeout: Optional[timedelta],
+    auto_pass: bool,
+) -> ZeroEngine:
+    """Partition ``module`` with ``options`` (and load ``options.load_full_weights`` into it).
+
+    Args:
+        module: The model (the LightningModule, or the module given to Fabric), on the meta device
+            or real.
+        options: The strategy's options.
+        device: This rank's compute device.
+        ranks_per_node: Processes per node, as the launcher numbers ranks (node by node); used
+            unless ``options.zero_pp.ranks_per_node`` says otherwise.
+        precision: The policy derived from the precision plugin, used unless
+            ``options.mixed_precision`` is given.
+        loss_scaling: The precision plugin scales the loss (fp16): refused with NVMe optimizer offload.
+        timeout: How long the engine's own process groups wait for other ranks.
+        auto_pass: The engine starts a trace pass at each forward of ``module`` (Fabric) rather
+            than at each step the driver marks (the Trainer).
+
+    Returns:
+        The :class:`~lightning_zinf.engine.ZeroEngine` (also ``module._zinf_engine``).
+
+    Raises:
+        ValueError: fp16 loss scaling with NVMe optimizer offload.
+        CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model, or (a
+            mapping) a prefix names no submodule of ``module``, or none of a checkpoint's keys names a
+            parameter or buffer under its prefix.
+
+    Warns:
+        UserWarning: ``options.activation_checkpointing`` is set but the model already checkpoints
+            some layers itself (:func:`checkpointed_layers`); the option is then ignored.
+    """
+    if loss_scaling and options.offload.optimizer == "nvme":
+        raise ValueError(
+            "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
+            "gradients are on disk between backward and the optimizer step, so the scaler cannot unscale them "
+            "or check them for inf/NaN. Use precision='bf16-mixed' (no scaler), or optimizer='cpu'."
+        )
+    parts = _weight_parts(module, options)
+    preloaded = [name for part in parts for name in provided_parameters(module, part.keys, part.prefix)]
+    engine = ZeroEngine(
+        module,
+        block_classes=options.block_classes,
+        prefetch=options.prefetch,
+        offload=options.offload,
+        device=device,
+        auto_pass=auto_pass,
+        tiling=options.tiling,
+        zero_pp=dataclasses.replace(options.zero_pp, ranks_per_node=options.zero_pp.ranks_per_node or ranks_per_node),
+        mixed_precision=options.mixed_precision or precision,
+        activation_checkpointing=_activation_checkpointing(module, options.activation_checkpointing),
+        timeout=timeout,
+        preloaded=preloaded,
+    )
+    if parts:
+        _load_full_weights(engine, parts, preloaded)
+    return engine
+
+
+def checkpointed_layers(module: nn.Module) -> list[str]:
+    """The qualified names of ``module``'s submodules that already run under activation checkpointing
+    set up outside the strategy: torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
+    ``apply_activation_checkpointing``; what Lightning's ``FSDPStrategy`` looks for) and Hugging Face
+    modules after ``gradient_checkpointing_enable()`` (their ``gradient_checkpointing`` is ``True``).
+    Checkpointing called inside a ``forward`` (``torch.utils.checkpoint``) cannot be seen."""
+    return [name for name, sub in module.named_modules()
+            if isinstance(sub, CheckpointWrapper) or getattr(sub, "gradient_checkpointing", False) is True]
+
+
+def _activation_checkpointing(module: nn.Module, classes: Sequence[Union[str, type]]) -> Sequence[Union[str, type]]:
+    """``classes``, or none (with a warning) when the model checkpoints some layers itself: wrapping
+    a layer inside a checkpointed one would recompute it twice in backward. Lightning's FSDP
+    strategies make the same choice, with the same warning."""
+    if not classes:
+        return classes
+    present = checkpointed_layers(module)
+    if not present:
+        return classes
+    rank_zero_warn(
+        f"activation_checkpointing={[getattr(c, '__name__', c) for c in classes]} is configured, but the model "
+        f"already contains checkpointed layers ({', '.join(present[:5])}{' ...' if len(present) > 5 else ''}). "
+        "The strategy's checkpointing is ignored; to use it instead, remove the model's own (checkpoint_wrapper, "
+        "gradient_checkpointing_enable()) or leave activation_checkpointing unset."
+    )
+    return ()
+
+
+class _WeightPart(NamedTuple):
+    """One checkpoint of ``load_full_weights`` and where it loads."""
+
+    key: Optional[str]  # the mapping's key (ends in a dot, or ""); None for a single checkpoint
+    prefix: str  # where its model's parameters sit in the module (``key`` and the model's own prefix)
+    source: Union[str, os.PathLike]
+    keys: set[str]  # its tensor names
+
+
+def _weight_parts(module: nn.Module, options: ZeroOptions) -> list[_WeightPart]:
+    """The checkpoints ``options.load_full_weights`` names, each with the prefix it loads under
+    (read from headers only; the load reads the values). A single checkpoint loads under
+    ``load_prefix``, by default the prefix under which the most of its keys name a parameter; a
+    mapping's checkpoint loads under its key, or under the submodule of it where the most of its
+    keys name a parameter (``"actor."`` holding a PEFT model loads at ``"actor.base_model.model."``).
+
+    Raises:
+        CheckpointError: a checkpoint cannot be read; a mapping's key names no submodule of
+            ``module`` (the message lists its top-level submodules), or none of its checkpoint's
+            keys names a parameter or buffer under it.
+    """
+    weights = options.load_full_weights
+    if weights is None:
+        return []
+    if not isinstance(weights, Mapping):
+        keys = checkpoint_keys(weights)
+        prefix = options.load_prefix if options.load_prefix is not None else matching_prefix(module, keys)
+        return [_WeightPart(None, prefix, weights, keys)]
+    submodules = dict(module.named_modules(remove_duplicate=False))
+    parts = []
+    for key, source in weights.items():
+        name = key[:-1]  # keys end in a dot (ZeroOptions), but the whole module's, ""
+        if name not in submodules:
+            raise CheckpointError(
+                f"load_full_weights: the prefix {key!r} names no submodule of {type(module).__name__}; its top-level "
+                f"submodules are {[n for n, _ in module.named_children()]}."
+            )
+        keys = checkpoint_keys(source)
+        try:
+            inner = matching_prefix(submodules[name], keys)
+        except CheckpointError:
+            raise CheckpointError(
+                f"load_full_weights[{key!r}]={str(source)!r}: none of its keys ({sorted(keys)[:5]} ...) names a "
+                f"parameter or buffer of {key!r} ({type(submodules[name]).__name__}) or of a submodule of it. Check "
+                "that the prefix names the module this checkpoint was saved from."
+            ) from None
+        parts.append(_WeightPart(key, key + inner, source, keys))
+    return parts
+
+
+def _load_full_weights(engine: ZeroEngine, parts: list[_WeightPart], preloaded: list[str]) -> None:
+    """Load ``parts`` into ``engine``'s model in one pass (:func:`load_full_state_dicts`), refuse
+    entries that match no parameter, and log what was loaded and what keeps its initialisation."""
+    unexpected = load_full_state_dicts(engine, {part.prefix: part.source for part in parts}, strict=False)
+    for part in parts:
+        extra = unexpected[part.prefix]
+        if not extra:
+            continue
+        option = (f"load_full_weights={str(part.source)!r}" if part.key is None
+                  else f"load_full_weights[{part.key!r}]={str(part.source)!r}")
+        advice = ("pass load_prefix= where the model sits in the LightningModule (e.g. 'model.')" if part.key is None
+                  else "give the prefix of the module it was saved from")
+        under = f"load_prefix={part.prefix!r}" if part.key is None else f"the prefix {part.prefix!r}"
+        raise CheckpointError(
+            f"{option}: {len(extra)} of its entries match no parameter or buffer of the model under {under}: "
+            f"{extra[:10]}{' ...' if len(extra) > 10 else ''}. Check that it is this model's checkpoint, and {advice}."
+        )
+    loaded = set(preloaded)
+    fresh = [n for n, _ in engine.module.named_parameters() if n not in loaded]
+    for part in parts:
+        count = sum(1 for n in preloaded if n.startswith(part.prefix))
+        rank_zero_info(f"zero_infinity: loaded {count} parameters from {part.source} (prefix {part.prefix!r})")
+    rank_zero_info(
+        f"zero_infinity: {len(fresh)} parameters are in no checkpoint and keep their initialisation"
+        + (f": {fresh[:10]}{' ...' if len(fresh) > 10 else ''}" if fresh else "")
+    )
