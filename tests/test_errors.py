@@ -58,10 +58,12 @@ def test_model_without_parameters() -> None:
 class _NoReset(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(4))
+        self.scale = nn.Parameter(torch.ones(4, device="meta"))  # no values to record, no route to make them
 
 
 def test_meta_module_without_reset_parameters() -> None:
+    """A parameter the model itself makes on the meta device is not recorded (there is nothing to
+    record); with no ``reset_parameters()`` either, the engine refuses it by name."""
     with meta_parameters():
         model = nn.Sequential(nn.Linear(4, 4), _NoReset())
     with pytest.raises(ValueError, match=r"Module '1' \(_NoReset\).*no initialisation route.*\(scale\).*no `reset_parameters\(\)`"):
@@ -113,8 +115,11 @@ def test_unsharded_optimizer_is_refused_at_its_step() -> None:
 
 
 def test_bad_block_class_entry() -> None:
-    with pytest.raises(ValueError, match="block_classes entries must be class names or classes"):
+    with pytest.raises(ValueError, match=r"block_classes entries must be module classes or class names, got 3 \(int\)"):
         ZeroEngine(models.GPT(), block_classes=[3])  # type: ignore[list-item]
+    model = models.GPT()
+    with pytest.raises(ValueError, match=r"got a module instance \(Block\); pass its class, block_classes=\[Block\]"):
+        ZeroEngine(model, block_classes=[model.blocks[0]])  # type: ignore[list-item]
 
 
 def test_block_class_matching_no_module_is_named() -> None:
