@@ -289,14 +289,18 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     # --- model and optimizers ---------------------------------------------------------------------
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """Parameters created inside go to the meta device, to be initialised unit by unit when the
-        model is set up (``empty_init=False``: built for real on this rank's device, whole, and
-        partitioned at setup from rank 0's values)."""
+        """Parameters created inside go to the meta device, and get at setup, unit by unit, the
+        values eager construction on this rank's device gives them (rank 0's:
+        :func:`~lightning_zinf.meta_parameters`); ``empty_init=True`` skips ``torch.nn.init``
+        calls inside, as Lightning's other strategies do (values loaded or set later).
+        ``empty_init=False``: built for real on this rank's device, whole, and partitioned at setup
+        from rank 0's values."""
         if empty_init is False:
             return super().module_init_context(empty_init=False)
         stack = ExitStack()
+        stack.enter_context(self.root_device)
         stack.enter_context(self.precision.module_init_context())
-        stack.enter_context(meta_parameters())
+        stack.enter_context(meta_parameters(empty_init=bool(empty_init)))
         return stack
 
     @override

@@ -347,11 +347,12 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """How ``trainer.init_module(empty_init)`` and ``configure_model`` (entered with ``None``) build
         tensors: on this rank's device, in the precision plugin's dtype, and
 
-        - ``empty_init=True`` or ``None``: parameters on the meta device, so nothing of the model is
-          allocated on any rank; at setup the engine materialises them unit by unit with each
-          module's ``reset_parameters()`` and partitions them (values as eager construction draws
-          from the random state at the first parameter, see
+        - ``None``: parameters on the meta device, so nothing of the model is allocated on any
+          rank; at setup the engine materialises them unit by unit, with the values eager
+          construction gives them on rank 0, whatever ``__init__`` does, and partitions them (see
           :func:`~lightning_zinf.meta_parameters`). Buffers are real.
+        - ``empty_init=True``: the same, with the ``torch.nn.init`` calls inside skipped (values to
+          be loaded or set later), as Lightning's other strategies skip them.
         - ``empty_init=False``: real parameters, initialised as the modules do, whole on every
           rank; setup partitions them from rank 0's values.
 
@@ -364,7 +365,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             with super().tensor_init_context(empty_init=False):
                 yield
             return
-        with self.root_device, self.precision_plugin.tensor_init_context(), meta_parameters():
+        with self.root_device, self.precision_plugin.tensor_init_context(), meta_parameters(bool(empty_init)):
             yield
 
     @override

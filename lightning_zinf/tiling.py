@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zinf.config import TilingConfig
+from lightning_zinf.engine.construction import recorder_of
 
 __all__ = ["TiledLinear", "LinearTile", "TileBias", "TileView", "tile_linear_layers", "tile_splits", "tile_views",
            "MAX_TILES_PER_LAYER", "MAX_TILES"]
@@ -269,6 +270,10 @@ class TiledLinear(nn.Module):
         """A ``TiledLinear`` holding ``linear``'s weight and bias (copied; on the meta device, a meta
         layer), with the same dtype, device and ``requires_grad``. Draws no random numbers.
 
+        A layer built under :func:`~lightning_zinf.meta_parameters` gets tiles that are meta views
+        of its recorded weight and bias (:mod:`~lightning_zinf.engine.construction`): the engine
+        rebuilds each tile as its slice of the values construction gave the layer.
+
         Raises:
             ValueError: as the constructor, for the splits.
         """
@@ -283,6 +288,11 @@ class TiledLinear(nn.Module):
                     tile.weight.copy_(weight[tile.rows[0] : tile.rows[1], tile.cols[0] : tile.cols[1]])
                 if linear.bias is not None:
                     tiled.tile_bias.bias.copy_(linear.bias)
+        elif recorder_of(weight) is not None:
+            for tile in tiled.tiles:
+                tile.weight = _recorded_view(weight, weight.detach()[tile.rows[0] : tile.rows[1], tile.cols[0] : tile.cols[1]])
+            if linear.bias is not None:
+                tiled.tile_bias.bias = _recorded_view(linear.bias, linear.bias.detach())
         for tile in tiled.tiles:
             tile.weight.requires_grad_(weight.requires_grad)
         if linear.bias is not None:
@@ -293,6 +303,15 @@ class TiledLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.tile_bias is not None}, "
                 f"in_splits={self.in_splits}, out_splits={self.out_splits}")
+
+
+def _recorded_view(source: nn.Parameter, view: Tensor) -> nn.Parameter:
+    """A parameter that is ``view`` (a meta view of ``source``'s storage), recorded as ``source`` is."""
+    recorder = recorder_of(source)
+    assert recorder is not None
+    with recorder.paused():
+        view = view.as_subclass(Tensor)
+    return recorder.parameter(view, source.requires_grad)
 
 
 def _assemble(tiles: list[Tensor], out_splits: int, in_splits: int) -> Tensor:
@@ -425,13 +444,6 @@ def tile_linear_layers(root: nn.Module, config: TilingConfig) -> list[str]:
             continue
         in_splits, out_splits = tile_splits(child.in_features, child.out_features, config.tile_numel)
         tiled = TiledLinear.from_linear(child, in_splits=in_splits, out_splits=out_splits)
-        # Meta construction records where eager construction started drawing; the tiles keep it.
-        start = getattr(child.weight, "_zinf_init_rng_state", None)
-        if start is not None:
-            for p in tiled.parameters():
-                p._zinf_init_rng_state = start  # type: ignore[attr-defined]
-        if "_zinf_created" in child.__dict__:  # the tiles draw the layer's values in its place
-            tiled.__dict__["_zinf_created"] = child.__dict__["_zinf_created"]
         done[id(child)] = tiled
         parent._modules[child_name] = tiled
         replaced.append(name)

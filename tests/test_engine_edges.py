@@ -76,6 +76,21 @@ def test_two_optimizers_both_step() -> None:
                                                torch.optim.AdamW(m.b.parameters(), lr=1e-2)]))
 
 
+@pytest.mark.parametrize("block", [TwoLayers, "TwoLayers"], ids=["class", "name"])
+def test_the_model_itself_as_one_unit(block) -> None:
+    """``block_classes`` naming the model's own class (DeepSpeed's leaf-module tests set the whole
+    model as a leaf): one unit of every parameter, trained as plain torch. It was refused with
+    "matches no module" followed by a list that named the class."""
+    results = _train(TwoLayers, lambda m: [torch.optim.AdamW(m.parameters(), lr=1e-2)],
+                     engine_kw={"block_classes": [block], "prefetch": NO_PERSIST},
+                     prepare=lambda engine, model: _one_unit(engine))
+    _assert_same(results)
+
+
+def _one_unit(engine: ZeroEngine) -> None:
+    assert [(u.name, u.numel) for u in engine.units] == [("", 2 * (8 * 8 + 8))]
+
+
 @pytest.mark.parametrize("zero", ["optimizer", "module"])
 def test_gradients_do_not_leak_across_steps(zero: str) -> None:
     """``model.zero_grad()`` (not the optimizer's) and an optimizer over a subset of a unit."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zinf import MixedPrecisionConfig, OffloadConfig, ZeroEngine, meta_parameters
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, ZeroEngine
 from lightning_zinf.offload import SwapError
 from tests import models
 from tests.harness import run_distributed
@@ -75,8 +75,11 @@ def test_counted_need_is_what_is_written(tmp_path: Path, param: str, dtype: str,
 
 def _huge(rank: int, world: int, nvme: str) -> str:
     """A model of 932 * 2^30 = 1.0e12 parameters built on the meta device; the engine must refuse it
-    before materialising or writing anything."""
-    with meta_parameters():
+    before materialising or writing anything. Built on ``torch.device("meta")`` (each module's
+    ``reset_parameters()`` would initialise it at setup): inside ``meta_parameters()``
+    construction records its initialisation, whose random draws it runs once, as eager
+    construction does, which for 10^12 values takes hours."""
+    with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(2**15, 2**15, bias=False) for _ in range(932)])
     with pytest.raises(SwapError) as refused:
         ZeroEngine(model, offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme))

@@ -24,8 +24,8 @@ from lightning_zinf.comm.topology import require_divisor
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, ZeroPPConfig
 from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.partition import (LibraryInits, Replay, UnitSpec, creation_order, init_rng_state,
-                                             materialize, parameter_slots, parent_modules)
+from lightning_zinf.engine.construction import Replayer, recorder_of
+from lightning_zinf.engine.partition import UnitSpec, materialize, parameter_slots, parent_modules
 from lightning_zinf.engine.transfer import Transfers
 from lightning_zinf.engine.units import Unit
 from lightning_zinf.offload.params import ParamOffload
@@ -80,9 +80,16 @@ class UnitBuilder:
     def build(self, specs: list[UnitSpec]) -> list[Unit]:
         """One :class:`Unit` per spec, in plan order (the trace's unit ids).
 
+        A model built on the meta device is materialised unit by unit
+        (:func:`~lightning_zinf.engine.partition.materialize`): recorded parameters with the values
+        eager construction gives them on rank 0 (every rank replays rank 0's recorded random states;
+        a unit whose values come from tensors outside construction, or all of them if the ranks
+        recorded different draws, takes rank 0's values by broadcast), others by their module's
+        initialisation route from rank 0's random state.
+
         Raises:
-            ValueError: a module built on the meta device has no ``reset_parameters()``
-                (:func:`~lightning_zinf.engine.partition.materialize`).
+            NotReproducible: a recorded value cannot be rebuilt (names the parameter and why).
+            ValueError: a module with unrecorded meta parameters has no initialisation route.
         """
         on_meta = any(p.is_meta for spec in specs for _, p in spec.params)
         names = {m: n for n, m in self.module.named_modules()}
@@ -94,39 +101,36 @@ class UnitBuilder:
                               if p.is_meta and n in to_load)
         shapes = {id(p): p.shape for p in self.module.parameters()}
         own_rng = torch.get_rng_state()
+        replayer = Replayer()
+        same_draws = True
         if on_meta:
-            start = init_rng_state(specs)
-            torch.set_rng_state(self.comm.broadcast((own_rng if start is None else start).clone()))
+            recorders = {id(r): r for _, p in self.module.named_parameters() if (r := recorder_of(p)) is not None}
+            for recorder in recorders.values():  # collective: every rank built the model the same way
+                same_draws = recorder.adopt_rank0_draws(self.comm.broadcast, self.comm.all_equal) and same_draws
+            # The initialisation routes of parameters built on the meta device draw from rank 0's state.
+            torch.set_rng_state(self.comm.broadcast(own_rng.clone()))
         units: list[Optional[Unit]] = [None] * len(specs)
-        done: set[int] = set()  # parameters materialised so far, over the units
-        # What the parameter-less modules of a transformers model wait for, counted once.
-        inits = LibraryInits(list(self.module.modules()), parents) if on_meta else None
-        # Materialised in the order eager construction draws (a unit's first module's creation), so
-        # the random stream is consumed as it would be; kept in plan order (the trace's unit ids).
-        first_made = [spec.modules[creation_order(spec.modules)[0]] if spec.modules else spec.module for spec in specs]
-        order = creation_order(first_made) if on_meta else range(len(specs))
-        replay = Replay(specs, list(self.module.modules())) if on_meta else None
         try:
-            for index in order:
-                spec = specs[index]
+            for index, spec in enumerate(specs):
+                outside = False
                 if on_meta:
-                    materialize(spec, names, slots, shapes, parents, built_real, preloaded, done, replay, inits)
-                # Values built for real (in __init__, or loaded) are rank 0's, as DDP broadcasts
-                # them; materialised ones are drawn alike on every rank from rank 0's RNG state.
-                groups = [self._flat_group(members, any(id(p) in built_real for _, p in members))
+                    outside = materialize(spec, names, slots, shapes, parents, replayer, preloaded)
+                # Values built for real (in __init__, or loaded) or from outside construction are rank
+                # 0's, as DDP broadcasts them; the rest are drawn alike on every rank.
+                rank0 = outside or not same_draws
+                groups = [self._flat_group(members, rank0 or any(id(p) in built_real for _, p in members))
                           for members in split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.persistence_threshold
                 units[index] = Unit(index, spec.name, groups, persistent, spec.module)
-            if replay is not None:
-                replay.until(float("inf"))  # dropped after the last module: the stream ends as eager's
         finally:
-            if on_meta:
-                torch.set_rng_state(own_rng)
+            replayer.close()
+            torch.set_rng_state(own_rng)
         return units  # type: ignore[return-value]  # every index filled
 
     def _flat_group(self, members: list[tuple[str, nn.Parameter]], from_rank0: bool) -> FlatGroup:
         params = [p for _, p in members]
-        source = torch.cat([p.detach().reshape(-1) for p in params]).to(self.device)
+        # Replayed values are where eager construction made them (an accelerator, or the CPU).
+        source = torch.cat([p.detach().reshape(-1).to(self.device) for p in params])
         if from_rank0:
             self.comm.broadcast(source)  # ranks must shard identical values
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self.shard_device,

@@ -2,29 +2,28 @@
 
 ZeRO-Infinity §7 ("ease of use"): partitioning happens at model construction, with no change to
 the model's code. Inside :func:`meta_parameters` every parameter a module registers is moved to the
-meta device (no memory), while buffers stay real. :func:`materialize` later initialises the
-parameters one unit at a time on the CPU, each module by its library's route (PEFT's LoRA init, a
-``transformers`` model's own ``_init_weights``, torch's ``reset_parameters()``), so the engine can
-shard a unit before the next one exists. Parameters that were real when the model was built keep
-their values.
+meta device (no memory), while buffers stay real, and what construction does to the parameters is
+recorded (:mod:`~lightning_zinf.engine.construction`). :func:`materialize` later gives the
+parameters of one unit at a time the values eager construction gives them, so the engine can shard
+a unit before the next one exists. Parameters that were real when the model was built keep their
+values.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from lightning_zinf.engine.construction import ConstructionRecorder, Replayer
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "init_rng_state", "creation_order", "Replay",
-           "parameter_slots", "parent_modules", "resolve_block_classes", "matches_classes", "LibraryInits"]
+__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "parameter_slots", "parent_modules",
+           "resolve_block_classes", "matches_classes"]
 
 
 @dataclass
@@ -51,12 +50,22 @@ class UnitSpec:
 
 def resolve_block_classes(block_classes: Sequence[Union[str, type]]) -> tuple[set[type], set[str]]:
     """Split block class specs into classes and names (a name matches a class's ``__name__`` or its
-    ``module.qualname`` path), so YAML can say ``Block`` or ``mypkg.model.Block``."""
+    ``module.qualname`` path), so YAML can say ``Block`` or ``mypkg.model.Block``.
+
+    Raises:
+        ValueError: an entry is neither a class nor a name (a module instance names its class to pass).
+    """
+    if isinstance(block_classes, (str, type)):
+        block_classes = [block_classes]
+    for spec in block_classes:
+        if isinstance(spec, nn.Module):
+            raise ValueError(f"block_classes takes module classes, got a module instance ({type(spec).__name__}); "
+                             f"pass its class, block_classes=[{type(spec).__name__}], or the name '{type(spec).__name__}'.")
+        if not isinstance(spec, (str, type)):
+            raise ValueError(f"block_classes entries must be module classes or class names, got {spec!r} "
+                             f"({type(spec).__name__}).")
     classes = {c for c in block_classes if isinstance(c, type)}
     names = {c for c in block_classes if isinstance(c, str)}
-    for spec in block_classes:
-        if not isinstance(spec, (str, type)):
-            raise ValueError(f"block_classes entries must be class names or classes, got {spec!r}.")
     return classes, names
 
 
@@ -85,7 +94,8 @@ def plan_units(
     at the tiles so that units keep module order, and the block gathers all of them. A parameter
     registered in several modules (tied embeddings) belongs to the first unit that reaches it in
     ``named_modules()`` order; the other modules list that unit as an *external* unit and gather it
-    with their own.
+    with their own. ``root`` itself may be a block: the whole model is then one unit, which stays
+    gathered (as the root's own parameters do: code may call its submodules without its forward).
 
     Args:
         root: The model.
@@ -132,7 +142,9 @@ def plan_units(
 
     matched: set[Union[str, type]] = set()
     for mod_name, module in root.named_modules():
-        entry = matches_classes(module, classes, names) if module is not root else None
+        # The model itself may be a block (DeepSpeed's leaf modules allow it): one unit of every
+        # parameter, gathered for the whole run as the root's own parameters are (is_root).
+        entry = matches_classes(module, classes, names)
         if entry is not None:
             matched.add(entry)
         if id(module) in inside_block:
@@ -186,103 +198,53 @@ def plan_units(
 
 
 @contextmanager
-def meta_parameters() -> Iterator[None]:
-    """Within this context, parameters modules register are moved to the meta device.
+def meta_parameters(empty_init: bool = False) -> Iterator[None]:
+    """Within this context, parameters modules register are moved to the meta device, and what
+    construction does to them is recorded (:class:`~lightning_zinf.engine.construction.ConstructionRecorder`).
 
     Buffers stay real (a causal mask built in ``__init__`` keeps its values). Each parameter is
-    allocated for an instant before it moves, one at a time, so peak memory is one parameter.
-    Initialisation done in ``__init__`` on meta parameters is lost; :func:`materialize` re-runs each
-    module's ``reset_parameters()`` instead (the FSDP2 convention), starting from the CPU random
-    state of the moment the first parameter was created (:func:`init_rng_state`), which is where
-    eager construction would have started drawing.
-    """
-    original = nn.Module.register_parameter
-    first_state: list[torch.Tensor] = []
-    created: list[nn.Module] = []  # every module that made parameters here, in order (see Replay)
+    allocated for an instant before it moves, one at a time, so peak memory is one parameter (and
+    one stand-in of a parameter's size while a random initialisation advances the generators).
+    The engine later rebuilds each parameter with the values eager construction gives it
+    (:func:`materialize`), whatever ``__init__`` does: ``reset_parameters()``, a parent's
+    ``self.apply(init)``, ``nn.init.*``, in-place writes, ``.data`` assignments, library inits.
+    A parameter created on the meta device already (``device="meta"``) is not recorded: its module's
+    ``reset_parameters()`` initialises it (the FSDP2 convention). Nested contexts share one record.
 
-    def register_on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and "_zinf_created" not in self.__dict__:
-            # When the module made its first parameter: eager construction draws in this order.
-            self.__dict__["_zinf_created"] = next(_CREATED)
-            created.append(self)
-        if param is not None and not param.is_meta:
-            if not first_state:
-                first_state.append(torch.get_rng_state())
-            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-            param._zinf_init_rng_state = first_state[0]  # type: ignore[attr-defined]
-            param._zinf_created_modules = created  # type: ignore[attr-defined]
+    Args:
+        empty_init: Lightning's ``init_module(empty_init=True)``: the ``torch.nn.init`` calls made
+            inside draw from a copy of the random generators, so the generators end where its other
+            strategies leave them (they skip those calls: DDP keeps uninitialised memory), while
+            the parameters still get eager construction's values (as FSDP's meta-device init gives
+            every parameter its module's init). Calls made after the context draw as usual.
+    """
+    global _ACTIVE
+    if _ACTIVE is not None:
+        yield
+        return
+    recorder = ConstructionRecorder()
+    original = nn.Module.register_parameter
+
+    def register_on_meta(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        with recorder.paused():  # the recorder answers `is_meta` for user code only
+            if param is not None and not param.is_meta and not isinstance(param, nn.UninitializedParameter):
+                param = recorder.parameter(recorder.to_meta(param), param.requires_grad)
         original(self, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    _ACTIVE = recorder
+    recorder.empty_init = empty_init
     try:
-        yield
+        with recorder.mode():
+            yield
     finally:
+        recorder.empty_init = False
+        _ACTIVE = None
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-#: Numbers modules in the order they register their first parameter inside :func:`meta_parameters`.
-_CREATED = itertools.count()
-
-
-def creation_order(modules: Sequence[nn.Module]) -> list[int]:
-    """Positions of ``modules`` in the order eager construction would have initialised them: by
-    when each registered its first parameter inside :func:`meta_parameters` (a LoRA layer that
-    builds its wrapped ``nn.Linear`` before its own ``lora_A`` draws the Linear's values first,
-    although ``modules()`` lists the LoRA layer first). A module with no record (built outside the
-    context, or a tile made later by the tiling transform) keeps its place after the one before it.
-    """
-    keys = []
-    previous = -1
-    for position, module in enumerate(modules):
-        previous = module.__dict__.get("_zinf_created", previous)
-        keys.append((previous, position))
-    return sorted(range(len(modules)), key=keys.__getitem__)
-
-
-class Replay:
-    """The initialisations of modules that construction made and then dropped (a LoRA model that
-    builds a plain ``nn.Linear`` and replaces it with its own layer; LitGPT's LoRA blocks do): eager
-    construction drew their initial values too, so the random stream only matches eager's if their
-    draws are replayed, on scratch tensors, at their place in the creation order.
-
-    Args:
-        specs: The units of the model being materialised (their meta parameters name the modules
-            that :func:`meta_parameters` saw made).
-        alive: The model's modules now; one that took a dropped module's place and its creation
-            number (a ``TiledLinear`` for the ``nn.Linear`` it tiles) draws its values itself.
-    """
-
-    def __init__(self, specs: list[UnitSpec], alive: list[nn.Module]) -> None:
-        created: list[nn.Module] = next((p._zinf_created_modules for spec in specs for _, p in spec.params
-                                         if hasattr(p, "_zinf_created_modules")), [])
-        taken = {m.__dict__.get("_zinf_created") for m in alive}
-        self._pending = collections.deque(m for m in created if m.__dict__["_zinf_created"] not in taken)
-
-    def until(self, created: float) -> None:
-        """Replay the dropped modules made before the module numbered ``created`` (``inf``: all)."""
-        while self._pending and self._pending[0].__dict__["_zinf_created"] < created:
-            module = self._pending.popleft()
-            reset = getattr(module, "reset_parameters", None)
-            if reset is None:
-                continue
-            kept = {n: p for n, p in module._parameters.items() if p is not None}
-            for n, p in kept.items():
-                module._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
-            try:
-                with torch.no_grad():
-                    reset()
-            finally:
-                module._parameters.update(kept)
-
-
-def init_rng_state(specs: list[UnitSpec]) -> Optional[torch.Tensor]:
-    """The CPU random state recorded when the first meta parameter was created, if any."""
-    for spec in specs:
-        for _, p in spec.params:
-            state = getattr(p, "_zinf_init_rng_state", None)
-            if state is not None:
-                return state
-    return None
+#: The recorder of the outermost :func:`meta_parameters` context in progress, if any.
+_ACTIVE: Optional[ConstructionRecorder] = None
 
 
 def _peft_route(module: nn.Module, parents: dict[nn.Module, nn.Module]) -> Optional[Callable[[], None]]:
@@ -371,126 +333,65 @@ def parent_modules(root: nn.Module) -> dict[nn.Module, nn.Module]:
     return parents
 
 
-class LibraryInits:
-    """The modules without parameters of their own inside a ``transformers`` model, whose init
-    (``_init_weights``, e.g. GPT-2's rescaling of each block's ``c_proj``) :func:`materialize` runs
-    once every parameter below them is materialised, with how many of those are still waiting.
-
-    Counted once, updated as units are materialised: each unit then costs its own parameters times
-    the model's depth, where listing every ancestor's parameters for every unit (the root's are the
-    whole model's) made setup quadratic in the number of units.
-
-    Args:
-        modules: The model's modules (``root.modules()``).
-        parents: :func:`parent_modules` of the model.
-        done: Ids of the parameters materialised already (they do not wait).
-
-    Attributes:
-        pending: module -> parameters below it (each counted once) not materialised yet.
-        holders: id of a waiting parameter -> the modules counting it.
-    """
-
-    def __init__(self, modules: Sequence[nn.Module], parents: dict[nn.Module, nn.Module],
-                 done: Collection[int] = frozenset()) -> None:
-        self.pending: dict[nn.Module, int] = {}
-        self.holders: dict[int, list[nn.Module]] = {}
-        for module in modules:
-            if any(p is not None for p in module._parameters.values()) or _library_model(module, parents) is None:
-                continue
-            below = [p for p in module.parameters() if id(p) not in done]
-            self.pending[module] = len(below)
-            for p in below:
-                self.holders.setdefault(id(p), []).append(module)
-
-    def materialized(self, replaced: dict[int, nn.Parameter],
-                     to_load: Collection[int] = ()) -> tuple[set[nn.Module], set[nn.Module]]:
-        """Count the parameters of ``replaced`` (id when counted -> the new parameter) as done.
-
-        Returns:
-            The modules that counted any of them, and those that counted one of ``to_load`` (ids
-            of new parameters whose values are loaded next).
-        """
-        touched: set[nn.Module] = set()
-        loading: set[nn.Module] = set()
-        for old, new in replaced.items():
-            for module in self.holders.pop(old, ()):
-                self.pending[module] -= 1
-                touched.add(module)
-                if id(new) in to_load:
-                    loading.add(module)
-        return touched, loading
-
-
 def materialize(
     spec: UnitSpec,
     names: dict[nn.Module, str],
     slots: dict[int, list[tuple[nn.Module, str]]],
     shapes: dict[int, torch.Size],
-    parents: Optional[dict[nn.Module, nn.Module]] = None,
-    built_real: frozenset[int] = frozenset(),
+    parents: dict[nn.Module, nn.Module],
+    replayer: Replayer,
     preloaded: frozenset[int] = frozenset(),
-    done: Optional[set[int]] = None,
-    replay: Optional[Replay] = None,
-    library_inits: Optional[LibraryInits] = None,
-) -> None:
-    """Give a unit's meta parameters real CPU memory and initialise them by their library's
-    route (:func:`_initialize`); real parameters keep their values. Modules are initialised in
-    creation order (:func:`creation_order`), with the draws of dropped modules made before each
-    replayed first (``replay``).
+) -> bool:
+    """Give a unit's meta parameters real memory and their values; real parameters keep theirs.
+
+    A parameter :func:`meta_parameters` recorded gets the values eager construction gives it
+    (``replayer``: every recorded call that made or wrote its storage, run again with the recorded
+    random states, on the device eager construction used). One created on the meta device already
+    gets its module's initialisation route (:func:`_initialize`: PEFT's LoRA init, the enclosing
+    ``transformers`` model's ``_init_weights``, ``reset_parameters()``), modules in ``modules()``
+    order with their other parameters swapped for scratch tensors so the route overwrites only
+    these. Parameters in ``preloaded`` (ids) get zeros: the caller loads their values next.
 
     Each meta parameter is replaced by a new ``nn.Parameter`` in every module that registers it
     (``slots``: parameter id -> ``(module, name)`` pairs) and in ``spec.params``; ``shapes`` holds
-    every parameter's shape from before partitioning (a shared parameter of an earlier unit is
-    already released to an empty tensor when a later module is reset); no optimizer can
-    hold the old object yet, since the model has not been set up. Modules are reset in
-    ``modules()`` order, which for ordinary models is construction order, so the random stream is
-    consumed as eager construction would consume it. A module whose parameters were all real when
-    the model was built (ids in ``built_real``: built in ``__init__`` with their values) is not
-    initialised at all. Any other is, with its parameters other than this unit's fresh ones (real
-    ones, and those shared with a unit materialised earlier) swapped for scratch tensors, so the
-    route draws the same random numbers without overwriting them. Meta parameters in ``preloaded``
-    (ids) get zeroed memory but no initialisation: the caller loads their values next (a module
-    whose fresh parameters are all preloaded is not initialised at all). ``done`` collects the ids
-    of the parameters materialised over the calls of one partition (units are materialised in
-    order), so a library's init of a module without parameters of its own runs once the last unit
-    below it has been materialised; ``library_inits`` (:class:`LibraryInits`, one for all the
-    calls of a partition) counts what those modules still wait for, so each call costs its own
-    unit, not the model (``None``: counted afresh from ``done``, over the whole model).
+    every parameter's shape from before partitioning (a parameter shared with an earlier unit is
+    an empty tensor by now); no optimizer can hold the old object yet, since the model has not been
+    set up.
+
+    Returns:
+        Whether a value was built from tensors outside construction (they may differ between
+        ranks: the caller takes rank 0's values for this unit).
 
     Raises:
-        ValueError: a module with meta parameters has no initialisation route (:func:`_initialize`).
+        NotReproducible: a recorded value cannot be rebuilt (names the parameter and why).
+        ValueError: a module with unrecorded meta parameters has no initialisation route.
     """
-    parents = parents if parents is not None else {}
-    own = {id(p) for _, p in spec.params}
     replaced: dict[int, nn.Parameter] = {}
-    materialized: set[int] = set()
-    to_load: set[int] = set()
-    for module in (spec.modules[i] for i in creation_order(spec.modules)):
+    unset: set[int] = set()
+    outside = False
+    for name, p in spec.params:
+        if not p.is_meta:
+            continue
+        if id(p) in preloaded:
+            value = torch.zeros(p.shape, dtype=p.dtype)
+        elif replayer.can_rebuild(p):
+            value = replayer.value_of(p, name)
+            outside = outside or replayer.read_outside
+        else:
+            # NaN shows which parameters the init route left unset.
+            value = torch.full(p.shape, float("nan"), dtype=p.dtype) if p.is_floating_point() else torch.zeros(p.shape, dtype=p.dtype)
+            unset.add(id(p))
+        real = nn.Parameter(value, p.requires_grad)
+        for owner, attr in slots[id(p)]:
+            owner._parameters[attr] = real
+        replaced[id(p)] = real
+        shapes[id(real)] = p.shape
+    fresh = {id(replaced[i]) for i in unset}
+    for module in spec.modules:
         params = {n: p for n, p in module._parameters.items() if p is not None}
-        fresh: set[int] = set()
-        for p in params.values():
-            if p.is_meta and id(p) in own:
-                # NaN shows which parameters an init route left unset; those about to be loaded are
-                # zeros (frozen ones may be quantized before the load comes).
-                unset = p.is_floating_point() and id(p) not in preloaded
-                real = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype) if unset
-                                    else torch.zeros(p.shape, dtype=p.dtype), p.requires_grad)
-                for owner, name in slots[id(p)]:
-                    owner._parameters[name] = real
-                replaced[id(p)] = real
-                own.add(id(real))
-                fresh.add(id(real))
-                shapes[id(real)] = p.shape
-                if id(p) in preloaded:
-                    to_load.add(id(real))
-        materialized |= fresh
-        if not params or all(id(p) in built_real for p in params.values()):
-            continue  # built with real values: they stay
-        if fresh and fresh <= to_load:
-            continue  # loaded next
-        if replay is not None:
-            replay.until(module.__dict__.get("_zinf_created", -1))
-        kept = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in fresh}
+        if not any(id(p) in fresh for p in params.values()):
+            continue
+        kept = {n: p for n, p in params.items() if id(p) not in fresh}
         for n, p in kept.items():
             module._parameters[n] = nn.Parameter(torch.zeros(shapes.get(id(p), p.shape), dtype=p.dtype), p.requires_grad)
         try:
@@ -498,44 +399,8 @@ def materialize(
                 _initialize(module, names[module], parents)
         finally:
             module._parameters.update(kept)
-    # A transformers model's init also acts on modules without parameters of their own (GPT-2
-    # rescales the c_proj weights of each attention and MLP by 1/sqrt(2 n_layer)): after their
-    # children, as its post_init applies it, once the last of the parameters below has been
-    # materialised, which may be in this unit or (with a unit per module) in earlier ones, whose
-    # parameters are then partitioned already and stand in as scratch tensors.
-    if library_inits is None:  # counted now, over the whole model, with this unit's parameters in place
-        top = spec.module
-        while top in parents:
-            top = parents[top]
-        library_inits = LibraryInits(list(top.modules()), parents, done or set())
-        touched, loading = library_inits.materialized({id(p): p for p in replaced.values()}, to_load)
-    else:
-        touched, loading = library_inits.materialized(replaced, to_load)
-    done = done if done is not None else set()
-    done |= materialized
-    candidates: dict[nn.Module, None] = {}
-    for module in spec.modules:
-        node: Optional[nn.Module] = module
-        while node is not None:
-            candidates.setdefault(node, None)
-            node = parents.get(node)
-    for module in sorted(candidates, key=lambda m: -names.get(m, "").count(".") - bool(names.get(m))):
-        # Once, when this unit materialised the last of the parameters below it, none to be loaded.
-        if module not in touched or module in loading or library_inits.pending[module] != 0:
-            continue
-        library = _library_model(module, parents)
-        assert library is not None  # LibraryInits counts only modules inside a library model
-        scratch = [(owner, name, p) for owner in module.modules() for name, p in owner._parameters.items()
-                   if p is not None and id(p) not in materialized]
-        for owner, name, p in scratch:
-            owner._parameters[name] = nn.Parameter(torch.zeros(shapes.get(id(p), p.shape), dtype=p.dtype), False)
-        try:
-            with torch.no_grad():
-                library._init_weights(module)
-        finally:
-            for owner, name, p in scratch:
-                owner._parameters[name] = p
     spec.params = [(n, replaced.get(id(p), p)) for n, p in spec.params]
+    return outside
 
 
 def parameter_slots(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -1,7 +1,7 @@
 """The optimizer step: the user's optimizers re-pointed at this rank's fp32 master shards, the
 work before and after each of their steps, and gradient clipping over the ranks.
 
-:meth:`OptimizerSteps.shard_optimizer` re-points an optimizer (:func:`~lightning_zinf.engine.optim.shard_optimizer`)
+:meth:`OptimizerSteps.shard_optimizer` re-points an optimizer (:meth:`ShardedOptimizers.adopt <lightning_zinf.engine.sharded.ShardedOptimizers.adopt>`)
 and hooks its steps: before one, the collectives in flight are settled, the ranks' agreement is
 verified and an offloaded optimizer steps sub-group by sub-group; after one
 (:meth:`OptimizerSteps.after_step`), the stepped masters are cast into the compute shards and the
