@@ -73,9 +73,11 @@ class RankAgreement:
         self.on_departure: Optional[Callable[[Optional[str]], Any]] = None
         self._issued: list[int] = []  # codes of the collectives since the last verify()
         self._forced = 0  # inside checked(): user code, so its gathers are checked too
+        self._lockstep = 0  # inside lockstep(): engine work every rank does in step
         self.negotiation = Negotiation(comm, self.describe)
         self.negotiation.record = self._count
         self.negotiation.on_leave = self._left
+        self.negotiation.elsewhere = self._elsewhere
 
     def begin_pass(self, kind: Hashable, check: bool, training: Optional[int] = None) -> Optional[bool]:
         """A pass of ``kind`` starts: the ranks meet at the start of a pass (a soft waypoint,
@@ -150,6 +152,13 @@ class RankAgreement:
         with self._waiting(f"the meeting of the ranks at {WAYPOINTS[waypoint]}"):
             return self.negotiation.waypoint(waypoint)
 
+    def _elsewhere(self, what: str) -> None:
+        """Another rank is in another control call than this rank's ``what``: every rank saw it, so
+        gather each one's place (only now) and raise naming them."""
+        entries = self.comm.all_gather_object(("negotiation", what, what))
+        _raise_if_elsewhere(entries)
+        raise RuntimeError("Ranks diverged: " + ", ".join(f"rank {r} was at {e[1]}" for r, e in enumerate(entries)))
+
     def _left(self, what: Optional[str]) -> None:
         """The negotiation left the script (``what``: where), or told the others (``None``)."""
         if self.on_departure is not None:
@@ -188,7 +197,21 @@ class RankAgreement:
         agree on it with the other ranks and record it."""
         self._issue(-1 - group_index)
 
+    @contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Within the block, collectives are recorded but neither negotiated nor checked against a
+        script: engine work every rank does at the same point by construction (the persistent
+        units' gathers after an optimizer step, whose pre-hook the ranks met at, and at setup)."""
+        self._lockstep += 1
+        try:
+            yield
+        finally:
+            self._lockstep -= 1
+
     def _issue(self, code: int) -> bool:
+        if self._lockstep:
+            self._count(code)
+            return False
         if self._forced:
             self._agree_on(code)
             divergent = False

@@ -258,7 +258,8 @@ class ZeroEngine:
         refuse_unsharded_steps(self, [p for g in self.groups for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
         mark_partitioned(module, True)
-        self.states.gather_exact([u for u in self.units if u.persistent])
+        with self.agreement.lockstep():  # every rank builds the engine at the same point
+            self.states.gather_exact([u for u in self.units if u.persistent])
 
     # --- what the parts keep, as the engine's own ---------------------------------------------------
     @property

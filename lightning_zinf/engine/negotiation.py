@@ -74,6 +74,8 @@ class Negotiation:
             :meth:`UnitStates.serve <lightning_zinf.engine.units.UnitStates.serve>`).
         record: Called with the code of every collective this rank takes part in as a server (the
             agreement counts it as issued).
+        elsewhere: Called with what this rank is doing when another rank is in another control
+            call (a check of user code, a pass start's): raises on every rank, naming each one's.
         negotiating: The pass is negotiated (every collective agreed in a round), not a trace pass.
         departed: In this pass some rank left the script, or the ranks asked for different
             collectives (the kind's trace is recorded anew).
@@ -87,6 +89,7 @@ class Negotiation:
         self.serve: Callable[[int, bool], None] = lambda code, exact: None
         self.record: Callable[[int], None] = lambda code: None
         self.on_leave: Callable[[Optional[str]], None] = lambda what: None
+        self.elsewhere: Callable[[str], None] = lambda what: None
         self.negotiating = True
         self.departed = False
         self.divergent = False
@@ -158,7 +161,7 @@ class Negotiation:
             self._trusted, self.negotiating = False, True
         if not self.negotiating:
             if self._follows(_scripted(waypoint)):
-                if not self.comm.any_rank([False])[0]:
+                if not self._flag(False, waypoint):
                     return True
                 self._negotiate_from_here()
             else:
@@ -183,9 +186,16 @@ class Negotiation:
             self.serve(code, False)  # as the others issue it, by the script
             self.record(code)
         self._position += 1
-        self.comm.any_rank([True])
+        self._flag(True, None)
         self.on_leave(None)
         self._negotiate_from_here()
+
+    def _flag(self, departed: bool, waypoint: Optional[int]) -> bool:
+        """The flag every rank checks at a waypoint of the script: whether some rank left it."""
+        anyone = self.comm.any_flag(departed)
+        if anyone is None:
+            self.elsewhere(f"the check at {WAYPOINTS[waypoint]}" if waypoint else "the check after leaving the script")
+        return bool(anyone)
 
     def _negotiate_from_here(self) -> None:
         self.negotiating, self.departed = True, True
@@ -200,6 +210,9 @@ class Negotiation:
         that releases it (``_AT``); every other request chosen meanwhile is served."""
         while True:
             entries = self.comm.all_gather_ints([kind, code])
+            if any(e is None for e in entries):
+                self.elsewhere(f"a negotiation round before its {self.describe(code)}" if kind == _REQUEST
+                               else f"the meeting of the ranks at {WAYPOINTS.get(code, code)}")
             requests = [c for k, c in entries if k == _REQUEST]
             if requests:
                 chosen = requests[0]

@@ -173,4 +173,5 @@ class OptimizerSteps:
         # compute from here on: order it after them, without waiting on the host.
         self.transfers.wait_on_device(self.transfers.record())
         changed = {id(g) for g in stepped}
-        self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
+        with self.agreement.lockstep():  # every rank met at the step's pre-hook
+            self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
