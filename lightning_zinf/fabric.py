@@ -464,18 +464,32 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
         super().clip_gradients_value(module, optimizer, clip_val)
 
     # --- collectives ------------------------------------------------------------------------------
+    # Each first meets the other ranks at every engine: ranks that ran different modules serve
+    # each other until all are here, so the collective pairs with the same one on every rank.
     @override
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
                    reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        self._before_collective()
         return all_reduce(tensor, group, reduce_op)
 
     @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self._before_collective()
+        return super().all_gather(tensor, group, sync_grads)
+
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._before_collective()
         barrier(self._watch)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._before_collective()
         return broadcast(obj, src)
+
+    def _before_collective(self) -> None:
+        for engine in self._engines:
+            engine.meet("collective")
 
     # --- checkpoints ------------------------------------------------------------------------------
     @override

@@ -464,9 +464,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         activations in CPU memory under ``OffloadConfig(activations=True)``)."""
         self.engine.begin_pass("train")
         if not self.options.offload.activations:
-            return super().training_step(*args, **kwargs)
+            return self._step_end(super().training_step(*args, **kwargs))
         with self.engine.offload_activations():
-            return super().training_step(*args, **kwargs)
+            return self._step_end(super().training_step(*args, **kwargs))
+
+    def _step_end(self, output: Any) -> Any:
+        """After the LightningModule's step: ranks that ran different modules in it meet."""
+        self.engine.meet("step end")
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -474,14 +479,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         across its forward passes within ``PrefetchConfig.inference_budget``)."""
         self.engine.begin_pass("validate")
         with self.engine.keep_gathered(self.options.prefetch.inference_budget):
-            return super().validation_step(*args, **kwargs)
+            return self._step_end(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a test trace pass, then run the LightningModule's step (as validation)."""
         self.engine.begin_pass("test")
         with self.engine.keep_gathered(self.options.prefetch.inference_budget):
-            return super().test_step(*args, **kwargs)
+            return self._step_end(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -489,7 +494,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         it gathers each unit once while the units fit ``PrefetchConfig.inference_budget``."""
         self.engine.begin_pass("predict")
         with self.engine.keep_gathered(self.options.prefetch.inference_budget):
-            return super().predict_step(*args, **kwargs)
+            return self._step_end(super().predict_step(*args, **kwargs))
 
     @contextmanager
     @override
@@ -500,19 +505,33 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             yield
 
     # --- collectives ------------------------------------------------------------------------------
+    # Each first meets the other ranks at the engine (Lightning's logging, early stopping and
+    # checkpoint callbacks call them; ranks that ran different modules then serve each other first).
     @override
     def barrier(self, name: Optional[str] = None) -> None:
+        self._before_collective()
         barrier(self._watch)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._before_collective()
         return broadcast(obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Optional[Any] = None, reduce_op: Optional[ReduceOp | str] = "mean"
     ) -> Tensor | Any:
+        self._before_collective()
         return all_reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        self._before_collective()
+        return super().all_gather(tensor, group, sync_grads)
+
+    def _before_collective(self) -> None:
+        if self._engine is not None:
+            self._engine.meet("collective")
 
     # --- checkpoints ------------------------------------------------------------------------------
     @property

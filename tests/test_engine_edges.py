@@ -258,48 +258,6 @@ def test_write_back_keeps_unedited_fp32_masters() -> None:
         assert torch.all(model.fc3.bias == 0.5)
 
 
-class RankBranch(nn.Module):
-    """Takes a different branch on each rank between two layers of the same size."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.p = nn.Linear(8, 8)
-        self.q = nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        return self.p(h) if x.sum() > 0 else self.q(h)
-
-
-def _diverge(rank: int, world: int) -> str:
-    torch.manual_seed(0)
-    model = RankBranch()
-    engine = ZeroEngine(model, prefetch=NO_PERSIST)
-    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    x = torch.ones(2, 8) * (1 if rank == 0 else -1)
-    try:
-        model(x).sum().backward()
-        opt.step()
-    except RuntimeError as error:
-        return str(error)
-    return "stepped"
-
-
-def test_ranks_that_diverge_stop_before_the_collective() -> None:
-    """A branch that differs between ranks over units of the same size, in the first pass (no
-    trace yet): every rank names both gathers before either is issued. The message is the
-    pre-collective check's (each rank's next collective), not the one the agreement check before
-    the optimizer step would give after both gathers had run."""
-    from tests.harness import run_distributed
-
-    messages = run_distributed(_diverge, 2)
-    for message in messages:
-        assert message.startswith("Ranks diverged: at collective #"), message
-        assert "rank 0 was about to issue a gather of unit 'p'" in message, message
-        assert "rank 1 was about to issue a gather of unit 'q'" in message, message
-
-
 class PartlyUsed(nn.Module):
     """Unit ``a`` holds a parameter its forward never uses: plain torch leaves its ``.grad`` None
     and AdamW skips it (no weight decay); ZeRO must not step it with a zero gradient either."""

@@ -67,28 +67,19 @@ def _alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("scenario, stage", [("rank_only_first", "training"), ("rank_only_validation", "validation"),
-                                             ("rank_only_predict", "predict")])
-def test_a_module_run_on_one_rank_is_named_on_every_rank(scenario: str, stage: str, tmp_path: Path) -> None:
-    """The first pass of a kind has no agreed trace: each collective is checked first, so both
-    ranks raise the strategy's error naming both collectives, and neither reaches gloo's abort."""
+@pytest.mark.parametrize("scenario", ["rank_only_first", "rank_only_later", "rank_only_validation",
+                                      "rank_only_predict", "fabric_rank0_forward"])
+def test_a_module_run_on_one_rank_no_longer_stops_the_run(scenario: str, tmp_path: Path) -> None:
+    """Rank 0 alone runs a module: from the first step, from step 2 (after the ranks agreed on a
+    trace), in validation, in ``trainer.predict``, and LitGPT's fine-tuning pattern (a forward on
+    rank 0 alone, ``generate_example``, then ``fabric.barrier()``). The other ranks serve its gathers
+    (:mod:`lightning_zinf.engine.negotiation`) and every rank finishes: these runs used to end
+    with "Ranks diverged", or with the watch reporting a deadlock (rank 0 in the forward's
+    agreement check, rank 1 in the barrier). tests/test_divergence.py checks the results against DDP."""
     results, wall = _run_ranks(scenario, tmp_path)
     for code, err in results:
-        assert code == 1, err[-2000:]
-        assert "Ranks diverged" in err and "gather of unit 'extra'" in err and "gather of unit 'b'" in err, err[-3000:]
-        assert "terminate called" not in err and "Connection" not in err.split("Ranks diverged")[-1]
-    assert wall < 60
-
-
-def test_a_module_that_one_rank_starts_running_later_is_named_on_every_rank(tmp_path: Path) -> None:
-    """From step 2 rank 0 alone runs ``extra``: it leaves the agreed trace, says so, and waits for
-    the others to agree; rank 1 does not come (it waits in the trace's collective). Both end with
-    the divergence, about ``stale`` (10 s) plus the grace period later, not at the 20 s timeout."""
-    results, wall = _run_ranks("rank_only_later", tmp_path)
-    for code, err in results:
-        assert code == 1
-        assert "Ranks diverged: rank 0 left the order of collectives" in err, err[-3000:]
-        assert "gather of unit 'extra'" in err
+        assert code == 0, err[-3000:]
+        assert "Ranks diverged" not in err and "deadlocked" not in err
     assert wall < 60
 
 
@@ -120,21 +111,6 @@ def test_an_exception_in_a_fabric_loop_ends_every_rank_with_its_message(tmp_path
         assert "ValueError: boom in rank 1's Fabric loop" in err, err[-3000:]
     assert "what the error above follows from: rank 1: ValueError" in results[0][1]
     assert wall < 45
-
-
-def test_a_forward_on_rank_0_alone_while_rank_1_waits_in_a_barrier_is_named(tmp_path: Path) -> None:
-    """LitGPT's fine-tuning scripts run ``generate_example`` on rank 0 alone and then
-    ``fabric.barrier()``: under ZeRO-3 rank 0 waits for rank 1 in the forward's agreement check
-    while rank 1 waits in the barrier, forever. The watch sees both ranks blocked in different
-    calls and ends both within seconds, naming each call, before the 20 s collective timeout would
-    (which would only say that a collective timed out)."""
-    results, wall = _run_ranks("fabric_rank0_forward", tmp_path)
-    for code, err in results:
-        assert code == 1, err[-3000:]
-        assert "Ranks deadlocked" in err and "a barrier (trainer.strategy.barrier / fabric.barrier)" in err, err[-3000:]
-        assert "the agreement check at the start of a forward pass" in err and "generate_example" in err
-        assert "timed out" not in err.lower()
-    assert wall < 40  # start-up included
 
 
 def test_a_corrupt_shard_file_is_named_on_every_rank(tmp_path: Path) -> None:

@@ -298,4 +298,4 @@ def test_a_state_dict_on_one_rank_is_named_on_every_rank() -> None:
     divergence report, the two checks' payloads mixed up)."""
     for message in run_distributed(_one_rank_reads, 2):
         assert "rank 0 was at about to issue a gather of unit 'fc1'" in message, message
-        assert "rank 1 was at the agreement check at the start of a forward pass" in message, message
+        assert "rank 1 was at the meeting of the ranks at the start of a pass" in message, message

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -614,15 +614,54 @@ class Collectives:
         if self.world_size > 1:
             dist.barrier(group=self.control_group)
 
-    def all_equal(self, value: int) -> bool:
-        """Whether every rank passed the same ``value`` (a signed 64-bit integer): one all-reduce
-        (MAX) of ``[value, -value]`` on the control group, equal everywhere exactly when max == min.
-        Blocks the host for one round trip between the ranks, never on the device."""
+    # The control plane's checks (agreement, negotiation, trace validation) all send one message
+    # shape, a row per rank: whatever call each rank is in, two ranks' calls pair, and the row's tag
+    # says which call each made (a rank at a pass start and one about to gather then see that,
+    # instead of gloo pairing collectives of other sizes).
+    EQUAL, EQUAL_EACH, ROUND, FLAG = 1, 2, 3, 4
+    _ROW = 4  # tag and three values
+
+    def exchange(self, tag: int, values: Sequence[int]) -> list[tuple[int, ...]]:
+        """Every rank's ``(tag, *values)`` (at most three signed 64-bit values, zero-padded),
+        indexed by rank: one all-reduce (a sum of one row per rank) of a host tensor on the control
+        group. Blocks the host for one round trip between the ranks, never on the device."""
+        if len(values) > self._ROW - 1:
+            raise ValueError(f"exchange: at most {self._ROW - 1} values, got {len(values)}")
+        row = [tag, *values] + [0] * (self._ROW - 1 - len(values))
         if self.world_size == 1:
-            return True
-        pair = torch.tensor([value, -value], dtype=torch.int64)
-        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=self.control_group)
-        return int(pair[0]) == -int(pair[1])
+            return [tuple(row)]
+        rows = torch.zeros(self.world_size, self._ROW, dtype=torch.int64)
+        rows[self.rank] = torch.tensor(row, dtype=torch.int64)
+        dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.control_group)
+        return [tuple(r) for r in rows.tolist()]
+
+    def all_equal(self, value: int) -> bool:
+        """Whether every rank passed the same ``value`` (a signed 64-bit integer) in this call: one
+        :meth:`exchange`. ``False`` also when another rank is in another control call."""
+        return len(set(self.exchange(self.EQUAL, [value]))) == 1
+
+    def all_equal_each(self, values: list[int]) -> list[bool]:
+        """Element ``i`` is whether every rank passed the same ``values[i]`` (at most three): one
+        :meth:`exchange`; all ``False`` when another rank is in another control call."""
+        rows = self.exchange(self.EQUAL_EACH, values)
+        if len({r[0] for r in rows}) > 1:
+            return [False] * len(values)
+        return [len({r[1 + i] for r in rows}) == 1 for i in range(len(values))]
+
+    def all_gather_ints(self, values: list[int]) -> list[tuple[int, ...]]:
+        """Every rank's ``values`` (at most three; a negotiation round,
+        :mod:`lightning_zinf.engine.negotiation`), indexed by rank, or ``None`` for a rank in
+        another control call: one :meth:`exchange`."""
+        rows = self.exchange(self.ROUND, values)
+        return [r[1:1 + len(values)] if r[0] == self.ROUND else None for r in rows]  # type: ignore[misc]
+
+    def any_flag(self, flag: bool) -> Optional[bool]:
+        """Whether ``flag`` is true on some rank (one :meth:`exchange`), or ``None`` when another
+        rank is in another control call."""
+        rows = self.exchange(self.FLAG, [int(flag)])
+        if any(r[0] != self.FLAG for r in rows):
+            return None
+        return any(r[1] for r in rows)
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Element ``i`` is whether ``flags[i]`` is true on some rank: one all-reduce (MAX) of a

@@ -4,14 +4,15 @@ A gather's and a reduce-scatter's shape come from the unit or group they move, s
 took different branches over units of the same size reach the backend with collectives that match
 in size and mean nothing (a wrong update), and units of other sizes make gloo abort the process and
 NCCL hang. This part records each collective a rank issues (its code: a unit's index for a gather,
-``-1 - group index`` for a reduce-scatter) and checks it two ways:
+``-1 - group index`` for a reduce-scatter) and makes the ranks agree on them:
 
+- within passes, through the :class:`~lightning_zinf.engine.negotiation.Negotiation`: ranks that
+  run different modules agree on each collective before it and serve each other, and a pass that
+  replays an agreed trace only checks its script;
+- in user code (:meth:`RankAgreement.checked`: ``gathered()``, state dicts), each gather is checked
+  with every rank before it is issued (one all-reduce of a hash), and ranks that differ stop;
 - after the fact, at every pass boundary and before every optimizer step
-  (:meth:`RankAgreement.verify`: one all-reduce of a CRC of the sequence since the last check);
-- before the collective, whenever the trace (:class:`~lightning_zinf.engine.trace.Tracer`) does not
-  certify the order, i.e. in a pass that left the recorded order or in user code
-  (:meth:`RankAgreement.note_gather` / :meth:`RankAgreement.note_reduce`: one all-reduce of a hash of
-  what the rank is about to issue).
+  (:meth:`RankAgreement.verify`: one all-reduce of a CRC of the sequence since the last check).
 
 On a mismatch the sequences (or the next collective of each rank) are gathered as objects, only
 then, and every rank raises the same error naming each rank's collective (this project's own
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 import zlib
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Protocol, Sequence
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.negotiation import GENERATION, PASS, WAYPOINTS, Negotiation
 from lightning_zinf.engine.trace import Tracer
 
 __all__ = ["RankAgreement", "NamedUnit"]
@@ -71,11 +73,101 @@ class RankAgreement:
         self.on_departure: Optional[Callable[[Optional[str]], Any]] = None
         self._issued: list[int] = []  # codes of the collectives since the last verify()
         self._forced = 0  # inside checked(): user code, so its gathers are checked too
-        self._departure_agreed = False  # this pass left its trace and every rank agreed on the branch
+        self._lockstep = 0  # inside lockstep(): engine work every rank does in step
+        self.negotiation = Negotiation(comm, self.describe)
+        self.negotiation.record = self._count
+        self.negotiation.on_leave = self._left
+        self.negotiation.elsewhere = self._elsewhere
 
-    def begin_pass(self) -> None:
-        """A new pass starts: a departure from its trace is announced again."""
-        self._departure_agreed = False
+    def begin_pass(self, kind: Hashable, check: bool, training: Optional[int] = None) -> Optional[bool]:
+        """A pass of ``kind`` starts: the ranks meet at the start of a pass (a soft waypoint,
+        :meth:`~lightning_zinf.engine.negotiation.Negotiation.waypoint`), then, if they are there
+        together, agree in one all-reduce that every rank issued the same collectives since the
+        last check (:meth:`verify`) and on the previous pass's trace recording, and in another
+        whether this pass replays an agreed trace of the same kind on every rank (checked against
+        its script) or is negotiated. ``check=False`` (the passes of a generation phase, which every
+        rank runs in step): no meeting; the previous pass's recording is validated as a trace (a
+        collective) and a pass replaying an agreed trace is trusted, not checked.
+
+        Args:
+            kind: The pass's kind.
+            check: Meet and check (see above).
+            training: For a pass that may run backward, the digest of the parameters'
+                ``requires_grad`` flags and optimizer param groups
+                (:meth:`Freezing.prepare <lightning_zinf.engine.freezing.Freezing.prepare>`), agreed in
+                the same all-reduce as the mode; ``None`` for other passes.
+
+        Returns:
+            ``None``, unless every rank is at a training pass together: then whether their
+            ``training`` digests agree (for :meth:`Freezing.apply <lightning_zinf.engine.freezing.Freezing.apply>`).
+
+        Raises:
+            RuntimeError: the ranks' collectives since the last check differ, or the ranks wait at
+                other waypoints than a pass start.
+        """
+        negotiation = self.negotiation
+        if not check:  # in step by construction: validated (a collective) and, once agreed, trusted
+            self.tracer.begin_pass(kind)
+            negotiation.begin_pass(kind, False, trusted=self.tracer.certified)
+            return None
+        together = self.waypoint(PASS)
+        if negotiation.departed:  # the pass that ends left its script, or diverged: recorded anew
+            self.tracer.rerecord_kind(negotiation.kind)
+            negotiation.forget(negotiation.kind)
+        pending = self.tracer.pending()
+        if together:
+            # Every rank is here: check the collectives since the last check and validate the recording.
+            issued, self._issued = self._issued, []
+            digest = zlib.crc32(",".join(map(str, issued)).encode())
+            with self._waiting(f"the agreement check at the start of a forward pass ({kind!r})"):
+                same_issued, same_pending = self.comm.all_equal_each([digest, -1 if pending is None else pending])
+            if not same_issued:
+                self._explain_mismatch(issued, "the start of a forward pass")
+            self.tracer.finish(same_pending and pending is not None)
+        else:
+            self.tracer.finish(None)
+        self.tracer.begin_pass(kind, finished=True)
+        replaying: Optional[bool] = None
+        decision: Optional[bool] = None
+        if together:  # one collective on every rank, certified or not, training or not
+            mine = zlib.crc32(repr(kind).encode()) if self.tracer.certified else -1
+            same_kind, all_training, same_flags = self.comm.all_equal_each(
+                [mine, int(training is not None), training or 0])
+            replaying = same_kind and mine != -1
+            if all_training and training is not None:
+                decision = same_flags
+        negotiation.begin_pass(kind, replaying)
+        return decision
+
+    def waypoint(self, waypoint: int) -> bool:
+        """This rank reached ``waypoint`` (:mod:`~lightning_zinf.engine.negotiation`'s codes): meet
+        the other ranks there, serving what they ask for meanwhile.
+
+        Returns:
+            Whether every rank is there together (always, for a hard waypoint).
+
+        Raises:
+            RuntimeError: the ranks wait at different hard waypoints.
+        """
+        with self._waiting(f"the meeting of the ranks at {WAYPOINTS[waypoint]}"):
+            return self.negotiation.waypoint(waypoint)
+
+    def _elsewhere(self, what: str) -> None:
+        """Another rank is in another control call than this rank's ``what``: every rank saw it, so
+        gather each one's place (only now) and raise naming them."""
+        entries = self.comm.all_gather_object(("negotiation", what, what))
+        _raise_if_elsewhere(entries)
+        raise RuntimeError("Ranks diverged: " + ", ".join(f"rank {r} was at {e[1]}" for r, e in enumerate(entries)))
+
+    def _left(self, what: Optional[str]) -> None:
+        """The negotiation left the script (``what``: where), or told the others (``None``)."""
+        if self.on_departure is not None:
+            self.on_departure(what)
+
+    def _count(self, code: int) -> None:
+        """Record a collective this rank took part in (issued for itself or served)."""
+        self.collectives_issued += 1
+        self._issued.append(code)
 
     @contextmanager
     def checked(self) -> Iterator[None]:
@@ -87,27 +179,48 @@ class RankAgreement:
         finally:
             self._forced -= 1
 
-    def note_gather(self, unit: NamedUnit) -> None:
-        """Before this rank gathers ``unit``: check (unless certified) and record it.
+    def note_gather(self, unit: NamedUnit) -> bool:
+        """Before this rank gathers ``unit``: agree on it with the other ranks and record it.
+
+        Returns:
+            Whether the gather must be exact (other ranks asked for something else in the same
+            round and serve it: their partitions may differ from this rank's).
 
         Raises:
-            RuntimeError: see :meth:`_agree_on`.
+            RuntimeError: in user code (:meth:`checked`), the ranks are about to gather different
+                units (:meth:`_agree_on`).
         """
-        self._issue(unit.index)
+        return self._issue(unit.index)
 
     def note_reduce(self, group_index: int) -> None:
         """Before this rank reduce-scatters the gradients of the engine's flat group ``group_index``:
-        check (unless certified) and record it.
-
-        Raises:
-            RuntimeError: see :meth:`_agree_on`.
-        """
+        agree on it with the other ranks and record it."""
         self._issue(-1 - group_index)
 
-    def _issue(self, code: int) -> None:
-        self._agree_on(code)
-        self.collectives_issued += 1
-        self._issued.append(code)
+    @contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Within the block, collectives are recorded but neither negotiated nor checked against a
+        script: engine work every rank does at the same point by construction (the persistent
+        units' gathers after an optimizer step, whose pre-hook the ranks met at, and at setup)."""
+        self._lockstep += 1
+        try:
+            yield
+        finally:
+            self._lockstep -= 1
+
+    def _issue(self, code: int) -> bool:
+        if self._lockstep:
+            self._count(code)
+            return False
+        if self._forced:
+            self._agree_on(code)
+            divergent = False
+        else:
+            with self._waiting(f"a negotiation round before its {self.describe(code)}"):
+                self.negotiation.collective(code)
+            divergent = self.negotiation.divergent
+        self._count(code)
+        return divergent
 
     def verify(self, where: str = "an agreement check of the engine") -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
@@ -128,9 +241,12 @@ class RankAgreement:
         digest = zlib.crc32(",".join(map(str, issued)).encode())
         with self._waiting(where):
             agreed = self.comm.all_equal(digest)
-        if agreed:
-            return
-        # Every rank saw the mismatch: gather the sequences (only now) to say where they part.
+        if not agreed:
+            self._explain_mismatch(issued, where)
+
+    def _explain_mismatch(self, issued: list[int], where: str) -> None:
+        """Every rank saw the ranks' collectives differ: gather the sequences (only now) and raise,
+        saying where they part."""
         entries = self.comm.all_gather_object(("sequence", where, issued[:4096]))
         _raise_if_elsewhere(entries)
         sequences = [entry[2] for entry in entries]
@@ -144,29 +260,20 @@ class RankAgreement:
         )
 
     def check_entry(self, what: str) -> None:
-        """Before a call every rank must make at the same point (entering a generation phase):
-        check that every rank made it, as a departure from the agreed order is checked (a notice
-        to the watch, then one all-reduce), so a rank that did not (it went on to a gather of the
-        agreed trace) ends every rank with the divergence instead of a hang until the timeout.
+        """Before a call every rank must make at the same point (entering a generation phase): a
+        hard waypoint (:meth:`waypoint`), so a rank that did not make it (it went on to a gather, or
+        to the end of its step) ends every rank with the divergence named instead of a hang.
 
         Raises:
-            RuntimeError: the other ranks made another call (every rank raises, naming each one's
-                place), or did not come within the watch's ``stale`` seconds.
+            RuntimeError: the other ranks are at another hard waypoint (every rank raises, naming
+                each one's place).
         """
-        if self.comm.world_size == 1:
-            return
-        if self.on_departure is not None:
-            self.on_departure(what)
-        with self._waiting(f"the agreement check at {what}"):
-            agreed = self.comm.all_equal(zlib.crc32(f"entry:{what}".encode()))
-        if self.on_departure is not None:
-            self.on_departure(None)
-        if agreed:
-            return
-        entries = self.comm.all_gather_object(("entry", what, what))
-        _raise_if_elsewhere(entries)
-        raise RuntimeError("Ranks diverged: " + ", ".join(f"rank {r} was at {e[1]}" for r, e in enumerate(entries))
-                           + ". Every rank must make the same calls on a partitioned model, in the same order.")
+        self.waypoint(GENERATION)
+
+    def serve_with(self, serve: Callable[[int, bool], None]) -> None:
+        """Take part in the collectives other ranks ask for with ``serve(code, exact)``
+        (:meth:`UnitStates.serve <lightning_zinf.engine.units.UnitStates.serve>`)."""
+        self.negotiation.serve = serve
 
     def describe(self, code: int) -> str:
         """A collective by its code: a unit's index (a gather), or ``-1 - group index`` (a reduce-scatter)."""
@@ -195,31 +302,12 @@ class RankAgreement:
                 naming each rank's); or, after this rank left the agreed trace, the others did not
                 come to the check within the timeout (they follow the trace).
         """
-        if self.comm.world_size == 1 or (self.tracer.certified and not self._forced):
+        if self.comm.world_size == 1:
             return
         what = self.describe(code)
-        departed = self.tracer.departed and not self._departure_agreed
-        if departed and self.on_departure is not None:
-            self.on_departure(f"collective #{self.collectives_issued}: {what}")
-        try:
-            with self._waiting(f"the agreement check before its {what}"):
-                agreed = self.comm.all_equal(zlib.crc32(f"{code}:{self._numel_of(code)}".encode()))
-        except Exception as error:
-            if not departed:
-                raise
-            expected = self.tracer.expected
-            raise RuntimeError(
-                f"Ranks diverged: rank {self.comm.rank} left the order of collectives every rank agreed on: its "
-                f"collective #{self.collectives_issued} is a {what}, where the agreed order has "
-                f"{'the end of the pass' if expected is None else self.describe(expected)}; the other ranks did "
-                "not take the same branch (they waited in that collective). Every rank must run the same modules "
-                "in the same order (decide data-dependent branches on rank 0 and broadcast the decision)."
-            ) from error
+        with self._waiting(f"the agreement check before its {what}"):
+            agreed = self.comm.all_equal(zlib.crc32(f"{code}:{self._numel_of(code)}".encode()))
         if agreed:
-            if departed:
-                self._departure_agreed = True  # every rank took the branch: no more notices this pass
-                if self.on_departure is not None:
-                    self.on_departure(None)
             return
         entries = self.comm.all_gather_object(("next", f"about to issue a {what}", what))
         _raise_if_elsewhere(entries)

@@ -58,6 +58,7 @@ from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.freezing import Freezing
+from lightning_zinf.engine.negotiation import STEP_END, USER_COLLECTIVE
 from lightning_zinf.engine.optim import refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
 from lightning_zinf.engine.schedule import Schedule
@@ -86,10 +87,9 @@ class ZeroEngine:
     uses their ``.data`` is an empty tensor: only this rank's shard of each unit is resident. Use
     :meth:`gathered` to read or edit full values outside forward/backward.
 
-    A model whose parameters are on the meta device (built under
-    :func:`~lightning_zinf.engine.partition.meta_parameters`) is initialised unit by unit with each
-    module's ``reset_parameters()``, from rank 0's random state, so no rank ever holds it whole. A
-    model with real parameters is partitioned as it is, from rank 0's values (like DDP's broadcast).
+    A model built under :func:`~lightning_zinf.engine.partition.meta_parameters` gets, unit by unit,
+    the values eager construction gives it on rank 0, so no rank ever holds it whole; one with real
+    parameters is partitioned from rank 0's values (like DDP's broadcast).
 
     Args:
         module: The model. Its buffers are moved to ``device`` and stay replicated on every rank.
@@ -140,21 +140,15 @@ class ZeroEngine:
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
         optimizers: The optimizers :meth:`shard_optimizer` re-pointed, in order.
-        plain_layouts: For each of ``optimizers``, per param group, per parameter the user gave it
-            (``add_param_group`` included): ``(flat group index, position in the group)``, or
-            ``None`` for a frozen tensor of another model (the optimizer's plain, unsharded state
-            dict numbers them in this order).
-        sharded: The :class:`~lightning_zinf.engine.sharded.ShardedOptimizers` behind ``optimizers``:
-            what stands for each parameter in them, ``add_param_group``, and
-            :meth:`~lightning_zinf.engine.sharded.ShardedOptimizers.presenting` for code that expects
-            the model's parameters in their param groups.
-        freezing: The :class:`~lightning_zinf.engine.freezing.Freezing` part: ``requires_grad`` may
-            change between passes (freezing and unfreezing during training).
+        plain_layouts: Per optimizer, per param group, per parameter given: ``(flat group index,
+            position)``, or ``None`` for another model's tensor (the plain state dict's numbering).
+        sharded: The :class:`~lightning_zinf.engine.sharded.ShardedOptimizers` behind ``optimizers``.
+        freezing: The :class:`~lightning_zinf.engine.freezing.Freezing`: ``requires_grad`` changes.
         state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
 
     Raises:
-        ValueError: the model has no parameters; a module built on the meta device has no
+        ValueError: the model has no parameters; a module made on the meta device has no
             ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
             malformed, or an ``activation_checkpointing`` entry matches no module;
             ``zero_pp.ranks_per_node`` or (with hpZ) ``zero_pp.hpz_partition_size`` does not divide
@@ -247,7 +241,8 @@ class ZeroEngine:
         self.schedule = Schedule(module, self.units, {m: [self.units[i] for i in ids] for m, ids in uses.items()},
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
-                                 read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None)
+                                 read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
+                                 meet=self.agreement.waypoint)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,
@@ -263,7 +258,8 @@ class ZeroEngine:
         refuse_unsharded_steps(self, [p for g in self.groups for p in g.params])
         module._zinf_engine = self  # type: ignore[assignment]
         mark_partitioned(module, True)
-        self.states.gather_exact([u for u in self.units if u.persistent])
+        with self.agreement.lockstep():  # every rank builds the engine at the same point
+            self.states.gather_exact([u for u in self.units if u.persistent])
 
     # --- what the parts keep, as the engine's own ---------------------------------------------------
     @property
@@ -278,9 +274,8 @@ class ZeroEngine:
 
     @property
     def waiting_in(self) -> Optional[str]:
-        """The agreement check this rank is blocked in, waiting for the other ranks (a description),
-        or None; the strategies' watch publishes it, so that two ranks waiting in different calls
-        are reported as a deadlock (:mod:`lightning_zinf.comm.watch`)."""
+        """The agreement check this rank waits for the other ranks in (a description), or None; the
+        watch reports two ranks waiting in different calls as a deadlock (:mod:`lightning_zinf.comm.watch`)."""
         return self.agreement.waiting_in
 
     @property
@@ -334,14 +329,12 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        if check:
-            self.verify_ranks_agree(f"the agreement check at the start of a forward pass ({kind!r}) of the partitioned model")
-        # After the check: every rank is at this boundary. Not in a generation phase (PEFT's
-        # disable_adapter() freezes the adapters for a while), nor for a pass without backward.
-        if not self.generation.active and torch.is_grad_enabled():
-            self.freezing.sync()
-        self.tracer.begin_pass(kind)
-        self.agreement.begin_pass()
+        # PEFT's disable_adapter() freezes the adapters for a while in a generation phase; a pass
+        # without backward leaves the flags to the next training pass.
+        training = not self.generation.active and torch.is_grad_enabled()
+        decision = self.agreement.begin_pass(kind, check, self.freezing.prepare() if training else None)
+        if decision is not None:  # every rank is at a training pass, together
+            self.freezing.apply(decision)
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using (at a pass
@@ -349,6 +342,14 @@ class ZeroEngine:
         if boundary:
             self.schedule.reset()
         self.states.settle(boundary)
+
+    def meet(self, where: str) -> None:
+        """Meet the other ranks at ``where``: ``"step end"`` (a LightningModule's step returned) or
+        ``"collective"`` (before one the training code makes through the strategy: logging with
+        ``sync_dist``, a barrier); ranks that ran different modules serve each other until all are
+        there (:mod:`~lightning_zinf.engine.negotiation`). Every rank must call it at the same
+        points; one waiting elsewhere makes every rank raise ``RuntimeError`` naming each one's."""
+        self.agreement.waypoint({"step end": STEP_END, "collective": USER_COLLECTIVE}[where])
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Gather ``param``'s unit whenever ``module`` runs, for a parameter that ``module``'s forward

@@ -318,6 +318,18 @@ class FlatGroup:
         shard = shard.to(target.dtype)
         return self.comm.all_gather(target, shard, async_op=True), (shard,)
 
+    def gather_scratch(self, quantized: bool, from_secondary: bool) -> tuple[Handle, tuple[Tensor, ...]]:
+        """Take part in a gather of this group for compute without touching its own buffers (it is
+        in use on this rank while another rank asks for it): the collective :meth:`start_gather`
+        would issue, into a scratch buffer. The shard must be in memory (NVMe: acquired by the
+        caller). Returns the handle and what must live until it is waited for."""
+        scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
+        if self.secondary is not None and from_secondary:
+            return self.comm.all_gather_secondary(scratch, self.secondary, async_op=True), (scratch,)
+        shard = self.shard if self.compute_shard is None else self.compute_shard
+        handle, staged = self._gather_from_stored(scratch, shard, quantized)
+        return handle, (scratch, *staged)
+
     def keep_secondary(self) -> None:
         """hpZ (ZeRO++ §3.2): keep this rank's secondary partition, its ``1/P`` of the gathered
         buffer (P = ``hpz_partition_size``), for later gathers inside its partition group. Call
@@ -608,6 +620,16 @@ class FlatGroup:
         reduce = self.comm.reduce_scatter_mean if self.comm.qgz_bits is None else self.comm.reduce_scatter_mean_quantized
         return reduce(out, flat, async_op=True), [out, flat], got
 
+    def start_reduce_zeros(self, pool: BufferPool) -> tuple[Handle, list[Tensor], list[bool]]:
+        """Take part, with a zero gradient, in a reduce-scatter of this group that another rank
+        asked for (this rank did not use the group in this backward); the result is this rank's
+        slice of the other ranks' mean, to :meth:`accumulate` as :meth:`start_reduce`'s is. The
+        group's own gradients in progress, if any, are left alone."""
+        flat = pool.take(self.padded_numel, self.reduce_dtype, "reduce_pending").zero_()
+        out = pool.take(self.shard_numel, self.reduce_dtype, "reduce_pending")
+        reduce = self.comm.reduce_scatter_mean if self.comm.qgz_bits is None else self.comm.reduce_scatter_mean_quantized
+        return reduce(out, flat, async_op=True), [out, flat], [False] * len(self.params)
+
     def discard_grads(self, pool: BufferPool) -> None:
         """Drop a prepared flat gradient that received nothing, or gradients autograd stored
         itself, and forget partial readiness (after a backward that raised)."""
@@ -701,9 +723,13 @@ class FlatGroup:
 
     @property
     def fresh_accumulation(self) -> bool:
-        """The next :meth:`accumulate` starts over (after a step or ``zero_grad``)."""
+        """The next :meth:`accumulate` starts over (after a step or ``zero_grad``). Not within one
+        backward that accumulated already (several reduce-scatters of this group in one backward:
+        other ranks' requests this rank served), before its gradients are exposed."""
         if self.swapped_optimizer:  # zero_grad is reported through discard_accumulated
             return self._consumed
+        if self._accumulated:
+            return False
         return self._consumed or (bool(self.fragments) and all(f.grad is None for f in self.fragments))
 
     def expose_grads(self, received: list[bool]) -> None:

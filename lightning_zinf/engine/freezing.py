@@ -66,6 +66,7 @@ class Freezing:
         self.frozen_dtype = frozen_dtype
         self.nvme_optimizer = nvme_optimizer
         self._flags = self._read()
+        self._read_flags, self._layouts = self._flags, 0  # what prepare() read, for apply()
 
     def _read(self) -> list[bool]:
         return [p.requires_grad for g in self.groups for p in g.params]
@@ -87,12 +88,28 @@ class Freezing:
             ValueError: a param group added holds a tensor that is not the model's
                 (:meth:`~lightning_zinf.engine.sharded.ShardedOptimizers.re_point_added`).
         """
+        digest = self.prepare()
+        self.apply(self.comm.all_equal(digest))
+
+    def prepare(self) -> int:
+        """The local half of :meth:`sync`: re-point added param groups, read the flags, and return
+        the digest every rank must agree on (the caller compares it, possibly in a collective of
+        its own, and passes the outcome to :meth:`apply`)."""
         self.sharded.re_point_added()
-        flags = self._read()
-        if self.comm.world_size > 1:
-            layouts = self.sharded.layout_digest()
-            if not self.comm.all_equal(zlib.crc32(bytes(flags), layouts)):
-                self._raise_divergence(flags, layouts)
+        self._read_flags = self._read()
+        self._layouts = self.sharded.layout_digest()
+        return zlib.crc32(bytes(self._read_flags), self._layouts)
+
+    def apply(self, agreed: bool) -> None:
+        """The rest of :meth:`sync`, after :meth:`prepare`: raise if the ranks' digests differ
+        (``agreed`` false; collective), else apply what changed.
+
+        Raises:
+            RuntimeError: as :meth:`sync`.
+        """
+        flags = self._read_flags
+        if not agreed:
+            self._raise_divergence(flags, self._layouts)
         if flags == self._flags:
             return
         changed: list[tuple[FlatGroup, list[bool]]] = []

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lightning_zinf.comm import Collectives
 from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
 from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.negotiation import BACKWARD_END
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.units import RELEASED, Unit, UnitStates
 from lightning_zinf.offload.params import ParamOffload
@@ -76,6 +77,8 @@ class Schedule:
         read_ahead: How many upcoming units' NVMe shards are read ahead.
         begin_pass: Called with ``(training, grad enabled)`` at every forward of ``module`` itself,
             or None (the driver calls it).
+        meet: Meets the other ranks at a waypoint (the end of backward:
+            :meth:`RankAgreement.waypoint <lightning_zinf.engine.agreement.RankAgreement.waypoint>`).
 
     Attributes:
         handles: The hook handles installed (removed by :meth:`remove`).
@@ -84,7 +87,7 @@ class Schedule:
     def __init__(self, module: nn.Module, units: list[Unit], uses: dict[nn.Module, list[Unit]], *,
                  states: UnitStates, tracer: Tracer, comm: Collectives, pool: BufferPool, prefetch: PrefetchConfig,
                  mixed_precision: MixedPrecisionConfig, param_offload: Optional[ParamOffload], read_ahead: int,
-                 begin_pass: Optional[Callable[[Hashable], None]]) -> None:
+                 begin_pass: Optional[Callable[[Hashable], None]], meet: Callable[[int], bool]) -> None:
         self.units = units
         self.groups = [g for u in units for g in u.groups]
         self.states = states
@@ -96,6 +99,7 @@ class Schedule:
         self.param_offload = param_offload
         self.read_ahead = read_ahead
         self._begin_pass = begin_pass
+        self._meet = meet
         self._uses = uses
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
         self._backward_end_queued = False
@@ -332,6 +336,10 @@ class Schedule:
                 self.states.reduce(group)
             elif group.grads_prepared:
                 group.discard_grads(self.pool)
+        self.states.drain_reduces()
+        # Ranks that ran different modules meet here (serving each other's reduce-scatters), so the
+        # gradients every rank exposes are complete.
+        self._meet(BACKWARD_END)
         self.states.drain_reduces()
         self.states.finish_host_grads()
         self.pool.release_free()

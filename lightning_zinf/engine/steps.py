@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_zinf.comm import Collectives
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.flat import FlatGroup
+from lightning_zinf.engine.negotiation import OPTIMIZER_STEP
 from lightning_zinf.engine.optim import clip_grad_norm_
 from lightning_zinf.engine.sharded import ShardedOptimizers
 from lightning_zinf.engine.ranges import phased
@@ -112,6 +113,7 @@ class OptimizerSteps:
     @phased("zinf.before_step")
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
+        self.agreement.waypoint(OPTIMIZER_STEP)  # ranks that ran different modules meet here
         self.agreement.verify("the agreement check before an optimizer step")
         if self.offload is not None:
             if self._shard_device != self.device:
@@ -171,4 +173,5 @@ class OptimizerSteps:
         # compute from here on: order it after them, without waiting on the host.
         self.transfers.wait_on_device(self.transfers.record())
         changed = {id(g) for g in stepped}
-        self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
+        with self.agreement.lockstep():  # every rank met at the step's pre-hook
+            self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])

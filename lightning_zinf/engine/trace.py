@@ -66,12 +66,41 @@ class Tracer:
         # still running passes would reach.
         self.rerecord = True
 
-    def begin_pass(self, kind: Hashable) -> None:
-        """Start a pass of ``kind``; finishes the previous pass (validating a fresh recording).
+    def pending(self) -> Optional[int]:
+        """A digest of the recording the pass in progress made, which the next pass start
+        validates (:meth:`finish`), or ``None`` if there is none to validate."""
+        trace = self._current
+        if trace is None or trace.state != _RECORD or not trace.recording:
+            return None
+        return zlib.crc32(",".join(map(str, trace.recording)).encode())
+
+    def finish(self, agreed: Optional[bool]) -> None:
+        """Finish the pass in progress without a collective: its recording becomes the kind's
+        trace if ``agreed`` (every rank recorded the same, which the caller checked with
+        :meth:`pending`'s digests), else prefetch stays off for that kind; ``None`` (the ranks
+        were not together to compare): the recording is dropped and the next pass records again."""
+        trace = self._current
+        if trace is not None and trace.state == _RECORD and trace.recording:
+            if agreed is None:
+                trace.recording = []
+            else:
+                self._adopt(trace, agreed)
+        self._current = None
+
+    def rerecord_kind(self, kind: Hashable) -> None:
+        """Record ``kind``'s trace anew from its next pass (a pass of it left its script)."""
+        trace = self._traces.get(kind)
+        if trace is not None and trace.state == _REPLAY:
+            trace.state, trace.recording = _RECORD, []
+
+    def begin_pass(self, kind: Hashable, finished: bool = False) -> None:
+        """Start a pass of ``kind``; finishes the previous pass (validating a fresh recording: a
+        collective) unless the caller did already (``finished``, :meth:`finish`).
 
         Every rank must call this at the same points (it may run a collective).
         """
-        self._finish()
+        if not finished:
+            self._finish()
         trace = self._traces.setdefault(kind, _Trace())
         if trace.state == _RECORD:
             trace.recording = []
@@ -90,16 +119,18 @@ class Tracer:
         if trace is None or trace.state != _RECORD or not trace.recording:
             return
         digest = zlib.crc32(",".join(map(str, trace.recording)).encode())
-        agreed = self.comm.all_equal(digest)
+        self._adopt(trace, self.comm.all_equal(digest))
+        self._current = None
+
+    def _adopt(self, trace: _Trace, agreed: bool) -> None:
         if not agreed:
-            log.warning(
-                "lightning_zinf: ranks gathered units in different orders during one pass; prefetch "
-                "is off for this kind of pass (gathering on demand). Every rank must run the same "
-                "modules in the same order."
+            log.info(
+                "lightning_zinf: ranks gathered units in different orders during one pass; prefetch is off for this "
+                "kind of pass, whose collectives are agreed one by one (ranks that run different modules serve each "
+                "other: lightning_zinf.engine.negotiation)."
             )
         trace.order, trace.recording = trace.recording, []
         trace.state = _REPLAY if agreed else _OFF  # replayed without prefetch when not enabled
-        self._current = None
 
     def request(self, unit: int) -> list[int]:
         """Note a gather request for ``unit``.

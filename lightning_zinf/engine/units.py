@@ -19,8 +19,9 @@ accumulated into the rank's gradient shard when the next one starts or at the en
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,18 @@ _MAX_LANDING = 2
 #: buffer of its size. The persistent units (of at most ``persistence_threshold`` = 100k
 #: elements each by default) fit in one collective unless there are hundreds of them.
 COALESCE_BYTES = 32 << 20
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, held weakly (the agreement must not keep the unit states, and through them the
+    model's shards, alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return bound(*args) if bound is not None else None
+
+    return call
 
 
 class Unit:
@@ -143,7 +156,9 @@ class UnitStates:
         self.peak_gathered_bytes = 0
         self.gathered_ahead = 0
         self.keep_budget = 0
-        self._group_index = {id(g): i for i, g in enumerate(g for u in units for g in u.groups)}
+        agreement.serve_with(_weakly(self.serve))
+        self._groups = [g for u in units for g in u.groups]
+        self._group_index = {id(g): i for i, g in enumerate(self._groups)}
         self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
         self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
@@ -162,8 +177,7 @@ class UnitStates:
         Raises:
             RuntimeError: the ranks are about to gather different units (:class:`RankAgreement`).
         """
-        exact = exact or read
-        before = self._open(unit, exact, read)
+        before, exact = self._open(unit, exact or read, read)
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
         with self._copies_done_on_error():
             unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
@@ -182,10 +196,14 @@ class UnitStates:
                 self.transfers.host_wait_h2d()
             raise
 
-    def _open(self, unit: Unit, exact: bool, read: bool) -> int:
-        """The start of a gather of ``unit``: agreed with the other ranks, shards swapped in from
-        NVMe, qwZ decided. Returns the unit's gathered bytes before it (for :meth:`_opened`)."""
-        self.agreement.note_gather(unit)
+    def _open(self, unit: Unit, exact: bool, read: bool, agree: bool = True) -> tuple[int, bool]:
+        """The start of a gather of ``unit``: agreed with the other ranks (unless ``agree`` is off:
+        a gather served for another rank, agreed already), shards swapped in from NVMe, qwZ
+        decided. A gather other ranks did not ask for too is exact (their partitions, a qwZ row or
+        an hpZ secondary partition, may differ from this rank's). Returns the unit's gathered bytes
+        before it (for :meth:`_opened`) and whether the gather is exact."""
+        if agree:
+            exact = self.agreement.note_gather(unit) or exact
         if self.param_offload is not None:
             # A group gathered from its hpZ secondary partition or from the qwZ row a generation
             # phase keeps, or stored quantized, needs no shard from NVMe: this is where a shard is
@@ -196,7 +214,7 @@ class UnitStates:
             for group in unit.acquired:
                 self.param_offload.acquire(group, read)
         unit.quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
-        return unit.gathered_nbytes
+        return unit.gathered_nbytes, exact
 
     def _opened(self, unit: Unit, before: int) -> None:
         """The end of issuing ``unit``'s gather (its handles set): in flight, and accounted."""
@@ -227,7 +245,7 @@ class UnitStates:
         opened: list[tuple[Unit, int]] = []
         try:
             for unit in units:
-                opened.append((unit, self._open(unit, exact=True, read=False)))
+                opened.append((unit, self._open(unit, exact=True, read=False)[0]))
                 unit.handles = []
                 for group in unit.groups:
                     source = group.exact_source()
@@ -293,6 +311,53 @@ class UnitStates:
                     group.release()
                 unit.state = RELEASED
                 self._live.pop(unit.index, None)
+
+    # --- serving other ranks (lightning_zinf.engine.negotiation) ----------------------------------------
+    def serve(self, code: int, exact: bool) -> None:
+        """Take part in a collective another rank asked for and this rank did not (its code: a
+        unit's index, or ``-1 - group index``), so that rank gets it with every rank's share: a
+        gather (``exact``: from the shards, no qwZ or hpZ secondary partition) whose result is
+        dropped, or a reduce-scatter to which this rank contributes zeros and whose slice it
+        accumulates, as DDP's mean gives a rank that did not use the parameter. Agreed already: it
+        is not agreed again, only recorded by the caller."""
+        if code < 0:
+            self._serve_reduce(self._groups[-1 - code])
+        else:
+            self._serve_gather(self.units[code], exact)
+
+    def _serve_gather(self, unit: Unit, exact: bool) -> None:
+        if unit.state == RELEASED:  # a gather as any other, released at once
+            before, exact = self._open(unit, exact, read=False, agree=False)
+            with self._copies_done_on_error():
+                unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact) for g in unit.groups]
+            self._opened(unit, before)
+            self.wait_gather(unit)
+            self.maybe_release(unit)
+            return
+        # In use here (a forward or backward in progress holds it): the same collectives into
+        # scratch buffers, the unit's own buffers left as they are.
+        quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
+        acquired = []
+        if self.param_offload is not None:
+            acquired = [g for g in unit.groups if (exact or (g.secondary is None and g.qwz_row is None)) and g.codes is None]
+            for group in acquired:
+                self.param_offload.acquire(group, False)
+        try:
+            for group in unit.groups:
+                handle, _ = group.gather_scratch(quantized, from_secondary=not exact)
+                handle.wait()
+        finally:
+            if acquired:
+                self.transfers.host_wait_h2d()
+                for group in acquired:
+                    self.param_offload.drop(group, False)
+
+    def _serve_reduce(self, group: FlatGroup) -> None:
+        self.drain_reduces()  # one reduce-scatter in flight at most, as in reduce()
+        handle, buffers, got = group.start_reduce_zeros(self.pool)
+        self._pending.append((handle, buffers, got, group))
+        if not self.overlap_reduce:
+            self.drain_reduces()
 
     def wait_gather(self, unit: Unit) -> None:
         """Wait for ``unit``'s gather if it is in flight (it is then gathered); hand its swapped-in

@@ -1,0 +1,439 @@
+"""Ranks that run different modules keep training, with DDP's result (issue 38, deliverable 5).
+
+Each case runs on 2 gloo ranks with no ``block_classes`` (a unit per module), and is compared with
+DDP's arithmetic computed in this process in plain PyTorch: each step, the gradient is the mean over
+ranks of the gradient of each rank's loss on its own data, through the modules that rank ran (a rank
+that did not use a parameter contributes zero, as DDP with ``find_unused_parameters`` does).
+The cases are those anchors' users report as hangs: a module called once on rank 0 and three times
+on rank 1 (DeepSpeed #7998), MoE experts that get no tokens on some ranks, a data-dependent early
+exit, and branches that diverge only in some steps, after the ranks agreed on a trace.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zinf import PrefetchConfig, ZeroEngine
+from tests.harness import run_distributed
+
+WORLD = 2
+STEPS = 6
+NO_PERSIST = PrefetchConfig(persistence_threshold=0)
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+
+class RepeatedHead(nn.Module):
+    """DeepSpeed #7998: the head runs once on rank 0 and three times on rank 1 (from step 2 on:
+    the first steps agree, so later passes replay an agreed trace and leave it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+        self.rank = 0
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        for _ in range(3 if self.rank == 1 and self.step >= 2 else 1):
+            h = torch.tanh(self.head(h))
+        return h
+
+
+class Interleaved(nn.Module):
+    """A head and a middle layer taking turns, three times on rank 0 and twice on rank 1: rank 1's
+    backward asks for the middle layer while it holds the head, which rank 0's forward asks for
+    then (rank 1 serves it without touching the head it uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8)
+        self.mid = nn.Linear(8, 8)
+        self.rank = 0
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        for turn in range(3 if self.rank % 2 == 0 else 2):
+            if turn:
+                h = torch.tanh(self.mid(h))
+            h = torch.tanh(self.head(h))
+        return h
+
+
+class Branches(nn.Module):
+    """A branch over units of the same size, by rank and step: the same on both ranks in the first
+    steps (a trace is agreed), then different (rank 0 takes ``p``, rank 1 ``q``), the same, different."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.p = nn.Linear(8, 8)
+        self.q = nn.Linear(8, 8)
+        self.rank = 0
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        diverge = self.step in (3, 5)
+        return self.p(h) if (self.rank == 0 or not diverge) else self.q(h)
+
+
+class MoE(nn.Module):
+    """Top-1 routing over four experts: on some ranks and steps an expert gets no tokens and is
+    not called at all (the MoE hang of DeepSpeed's users)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.rank = 0
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():
+                out = out.index_put((mask.nonzero().squeeze(1),), expert(h[mask]))
+        return out + h
+
+
+class EarlyExit(nn.Module):
+    """Layer skipping: the stack ends after a number of layers that is the same on every rank in
+    the first steps, then differs by rank and step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+        self.out = nn.Linear(8, 8)
+        self.rank = 0
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        limit = 3 if self.step < 3 else 2 + (self.rank + self.step) % 3
+        for i, layer in enumerate(self.layers):
+            h = torch.tanh(layer(h)) + h
+            if i + 1 >= limit:
+                break
+        return self.out(h)
+
+
+def _set(model: nn.Module, rank: int, step: int) -> None:
+    model.rank, model.step = rank, step
+
+
+def _zinf(rank: int, world: int, build: Callable[[], nn.Module], steps: int, prefetch: PrefetchConfig,
+          options: Optional[dict] = None) -> dict:
+    torch.manual_seed(0)
+    model = build()
+    engine = ZeroEngine(model, prefetch=prefetch, **(options or {}))
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = []
+    for step in range(steps):
+        _set(model, rank, step)
+        x, y = _batch(rank, step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with engine.gathered():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "negotiated": engine.agreement.negotiation.departed_passes}
+
+
+def _ddp_reference(build: Callable[[], nn.Module], steps: int) -> dict:
+    """DDP's arithmetic: each step, the mean over ranks of each rank's gradient, then one step."""
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses: list[list[float]] = [[] for _ in range(WORLD)]
+    for step in range(steps):
+        for rank in range(WORLD):
+            _set(model, rank, step)
+            x, y = _batch(rank, step)
+            loss = F.mse_loss(model(x), y)
+            (loss / WORLD).backward()
+            losses[rank].append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("build", [RepeatedHead, Interleaved, Branches, MoE, EarlyExit],
+                         ids=["head-once-vs-three-times", "interleaved", "branches", "moe-empty-experts", "early-exit"])
+def test_ranks_running_different_modules_train_as_ddp(build: Callable[[], nn.Module]) -> None:
+    """Every rank ends each step with DDP's losses and parameters (AdamW, so a wrong or missing
+    gradient anywhere shows), including steps that leave a trace all ranks had agreed on."""
+    ranks = run_distributed(_zinf, WORLD, build, STEPS, PrefetchConfig(persistence_threshold=0), timeout=240)
+    want = _ddp_reference(build, STEPS)
+    for rank, got in enumerate(ranks):
+        assert got["losses"] == pytest.approx(want["losses"][rank], rel=1e-5), rank
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+    assert ranks[0]["negotiated"] > 0  # the ranks did run different modules
+
+
+@pytest.mark.parametrize("world, options, tolerance, atol", [
+    (2, {"offload": {"param": "cpu", "optimizer": "cpu"}}, 1e-5, 1e-6),
+    (2, {"offload": {"param": "nvme", "optimizer": "cpu", "nvme_path": "NVME"}}, 1e-5, 1e-6),
+    (4, {"zero_pp": {"ranks_per_node": 2, "hpz": True}}, 1e-5, 1e-6),
+    # INT8 weights and INT4 gradients: AdamW turns a small gradient's quantization error into a
+    # step of up to lr (1e-2) the other way; four steps bound the weights' difference.
+    (2, {"zero_pp": {"qwz": True, "qgz": True}}, 3e-2, 8e-2),
+], ids=["cpu-offload", "nvme-parameters", "hpz-4-ranks", "qwz-qgz"])
+def test_ranks_running_different_modules_with_offload_and_zero_pp(world: int, options: dict, tolerance: float,
+                                                                   atol: float, tmp_path) -> None:
+    """The interleaved case (served gathers of units in use, zero reduce-scatters) with the shards
+    offloaded to the host or NVMe, hpZ's secondary partitions at 4 ranks on 2 "nodes" (gathers
+    that only some ranks ask for are exact, since the ranks' secondary partitions then differ), and
+    qwZ/qgZ's quantized collectives (within their error band): DDP's result at every rank count."""
+    from lightning_zinf import OffloadConfig, ZeroPPConfig
+
+    built = {}
+    for key, value in options.items():
+        value = {k: (str(tmp_path) if v == "NVME" else v) for k, v in value.items()}
+        built[key] = OffloadConfig(**value) if key == "offload" else ZeroPPConfig(**value)
+    ranks = run_distributed(_zinf, world, Interleaved, 4, PrefetchConfig(persistence_threshold=0), built, timeout=300)
+    want = _ddp_reference_world(Interleaved, 4, world)
+    for rank, got in enumerate(ranks):
+        assert got["losses"] == pytest.approx(want["losses"][rank], rel=tolerance), rank
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=tolerance, atol=atol, msg=f"rank {rank}: {name}")
+
+
+def _ddp_reference_world(build: Callable[[], nn.Module], steps: int, world: int) -> dict:
+    """:func:`_ddp_reference` at another world size (ranks above 1 take rank 1's branch)."""
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses: list[list[float]] = [[] for _ in range(world)]
+    for step in range(steps):
+        for rank in range(world):
+            _set(model, rank, step)
+            x, y = _batch(rank, step)
+            loss = F.mse_loss(model(x), y)
+            (loss / world).backward()
+            losses[rank].append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _step_on_rank0_only(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = Branches()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _batch(rank, 0)
+    try:
+        F.mse_loss(model(x), y).backward()
+        if rank == 0:
+            optimizer.step()
+        else:
+            F.mse_loss(model(x), y).backward()  # another micro-batch where rank 0 steps
+            optimizer.step()
+    except RuntimeError as error:
+        return str(error)
+    return "stepped"
+
+
+def test_ranks_at_different_steps_stop_with_each_ranks_place_named() -> None:
+    """What cannot be served: rank 0 steps the optimizer while rank 1 runs another backward (the
+    ranks would reach different steps). Every rank raises, naming where each rank is, instead of
+    hanging (DDP would hang in its gradient all-reduce)."""
+    messages = run_distributed(_step_on_rank0_only, WORLD, timeout=120)
+    for message in messages:
+        assert "Ranks diverged: rank 0 is at an optimizer step, rank 1 is at the end of backward" in message, message
+
+
+def _gpt2() -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # each rank draws its own dropout
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _prompt(rank: int) -> torch.Tensor:
+    return torch.randint(1, 64, (1, 5), generator=torch.Generator().manual_seed(rank))
+
+
+def _generate_then_train(rank: int, world: int) -> dict:
+    model = _gpt2()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    model.eval()
+    with torch.no_grad():  # each rank to its own length, without synced_gpus: no collective per token
+        tokens = model.generate(_prompt(rank), max_new_tokens=3 + 5 * rank, do_sample=False, synced_gpus=False)
+    model.train()
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    with engine.gathered():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"tokens": tokens, "loss": loss.item(), "params": params}
+
+
+def test_generate_to_different_lengths_without_synced_gpus_then_train() -> None:
+    """``generate()`` to 3 new tokens on rank 0 and 8 on rank 1, without ``synced_gpus`` (each
+    decode step is a pass of its own; the rank that finishes first goes on to its training step
+    and serves the other's decode steps from there), then a training step on what each generated:
+    each rank's tokens are the unpartitioned model's, and the step is DDP's (the mean of the two
+    ranks' gradients)."""
+    ranks = run_distributed(_generate_then_train, WORLD, timeout=240)
+    reference = _gpt2()
+    reference.eval()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for rank, got in enumerate(ranks):
+        with torch.no_grad():
+            want = reference.generate(_prompt(rank), max_new_tokens=3 + 5 * rank, do_sample=False)
+        assert torch.equal(got["tokens"], want), rank
+    reference.train()
+    for rank, got in enumerate(ranks):
+        loss = reference(input_ids=got["tokens"], labels=got["tokens"]).loss
+        assert got["loss"] == pytest.approx(loss.item(), rel=1e-5), rank
+        (loss / WORLD).backward()
+    optimizer.step()
+    for name, value in reference.named_parameters():
+        for rank, got in enumerate(ranks):
+            torch.testing.assert_close(got["params"][name], value.detach(), rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def _lightning_run(rank: int, world: int, strategy: str) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Lit(L.LightningModule):
+        """Rank 0 runs an extra module in each validation step (rendering samples, say), outside
+        the model's forward; every rank logs with ``sync_dist``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 8)
+            self.extra = nn.Linear(8, 8)
+            self.val_losses: list[float] = []
+            self.samples: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.tanh(self.body(x)))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.mse_loss(self(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            out = self(x)
+            if self.global_rank == 0:
+                self.samples.append(self.extra(out).sum())
+            self.log("val_loss", F.mse_loss(out, y), sync_dist=True)
+
+        def on_validation_epoch_end(self) -> None:
+            self.val_losses.append(self.trainer.callback_metrics["val_loss"].item())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def data(seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+        return DataLoader(TensorDataset(x[rank::world], y[rank::world]), batch_size=4)
+
+    lit = Lit()
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_epochs=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(lit, data(1), data(2))
+    context = trainer.strategy.gathered_parameters() if strategy == "zero_infinity" else torch.no_grad()
+    with context:
+        params = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    return {"val": lit.val_losses, "samples": [s.item() for s in lit.samples], "params": params}
+
+
+def test_a_validation_step_with_modules_on_rank_0_only_runs_as_under_ddp() -> None:
+    """Lightning's Trainer, two epochs with validation in which rank 0 alone runs an extra module
+    and every rank logs with ``sync_dist``: the logged validation losses, rank 0's extra outputs
+    and the trained weights are DDP's (the other rank serves rank 0's gathers while it waits at
+    the logging collective)."""
+    zinf = run_distributed(_lightning_run, WORLD, "zero_infinity", init_pg=False, timeout=300)
+    ddp = run_distributed(_lightning_run, WORLD, "ddp_find_unused_parameters_true", init_pg=False, timeout=300)
+    assert zinf[0]["val"] == pytest.approx(ddp[0]["val"], rel=1e-5)
+    assert len(zinf[0]["samples"]) == 4 and zinf[0]["samples"] == pytest.approx(ddp[0]["samples"], rel=1e-5)
+    for name, value in ddp[0]["params"].items():
+        for rank in zinf:
+            torch.testing.assert_close(rank["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class LateBranches(Branches):
+    """``Branches`` diverging in step 4 only."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.q(h) if self.rank == 1 and self.step == 4 else self.p(h)
+
+
+def _rounds_per_collective(rank: int, world: int) -> dict:
+    """Train ``LateBranches``: steps 0-3 agree (the trace is recorded, checked once, then
+    followed), step 4 diverges. Counts the control plane's rounds (all-gathers) and all-reduces
+    per step."""
+    torch.manual_seed(0)
+    model = LateBranches()
+    engine = ZeroEngine(model, prefetch=NO_PERSIST)
+    optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    comm = engine.comm
+    counts = {"rounds": 0, "all_reduces": 0}
+    gather_ints, all_equal_each, any_rank = comm.all_gather_ints, comm.all_equal_each, comm.any_rank
+
+    def counted(name: str, fn: Callable) -> Callable:
+        def call(*args):
+            counts[name] += 1
+            return fn(*args)
+        return call
+
+    comm.all_gather_ints = counted("rounds", gather_ints)
+    comm.all_equal_each, comm.any_rank = counted("all_reduces", all_equal_each), counted("all_reduces", any_rank)
+    steps = []
+    for step in range(6):
+        before = dict(counts, collectives=engine.collectives_issued)
+        _set(model, rank, step)
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append({k: (engine.collectives_issued if k == "collectives" else counts[k]) - v for k, v in before.items()})
+    return {"steps": steps}
+
+
+def test_a_step_on_the_trace_checks_nothing_per_collective_and_one_that_diverges_one_round_each() -> None:
+    """The cost, counted: a step that follows the agreed trace makes no round at all and a few
+    small all-reduces (its meeting points: the pass start, the end of backward, the optimizer
+    step), however many collectives it issues; the step that diverges makes at most one round per
+    collective plus one per meeting point."""
+    steps = run_distributed(_rounds_per_collective, WORLD, timeout=120)[0]["steps"]
+    on_trace = steps[3]  # step 0 records the trace, step 1 checks it once (writing the script)
+    assert on_trace["rounds"] == 0 and on_trace["collectives"] >= 6, steps
+    assert on_trace["all_reduces"] <= 6, steps
+    diverged = steps[4]
+    assert 0 < diverged["rounds"] <= diverged["collectives"] + 3, steps
