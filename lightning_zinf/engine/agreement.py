@@ -215,6 +215,8 @@ class RankAgreement:
         if self._forced:
             self._agree_on(code)
             divergent = False
+        elif self.negotiation.certified(code):  # a trace pass on its script: nothing to wait for
+            divergent = False
         else:
             with self._waiting(f"a negotiation round before its {self.describe(code)}"):
                 self.negotiation.collective(code)

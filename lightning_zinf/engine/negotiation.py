@@ -129,16 +129,20 @@ class Negotiation:
         self._scripts.pop(kind, None)
 
     # --- events -------------------------------------------------------------------------------------
-    def collective(self, code: int) -> None:
-        """Before this rank issues the collective ``code``: in a trace pass, check it against the
-        script (leaving it if it differs); in a negotiated pass, rounds until it is chosen, serving
-        the others' requests meanwhile. Sets :attr:`divergent`."""
+    def certified(self, code: int) -> bool:
+        """The fast path of :meth:`collective`, with nothing to wait for: whether the collective
+        ``code`` is certified (one rank, a trusted pass, or the script's next collective, passed).
+        Otherwise call :meth:`collective`. Clears :attr:`divergent`."""
         self.divergent = False
         if self.comm.world_size == 1 or self._trusted:
-            return
+            return True
+        return not self.negotiating and self._follows(code)
+
+    def collective(self, code: int) -> None:
+        """Before this rank issues the collective ``code``, :meth:`certified` being false: in a
+        trace pass, leave the script (it differs); in a negotiated pass, rounds until it is chosen,
+        serving the others' requests meanwhile. Sets :attr:`divergent`."""
         if not self.negotiating:
-            if self._follows(code):
-                return
             self._leave()
         self._rounds(_REQUEST, code)
         self._write(code)
