@@ -357,8 +357,6 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
             self._successors.record(module, before)
             if self.options.offload.activations:
                 _offload_activations_in_training_forwards(module, engine)
-            if self._watch is not None:
-                engine.on_departure = self._watch.note_departure
         if not any(engine is e for e in self._engines):
             self._engines.append(engine)
         waiting = self._pending.take_module(module)  # fabric.load_raw before this setup

@@ -19,12 +19,11 @@ __all__ = ["start_watch", "finish_run", "report_failure"]
 def start_watch(rank: int, world_size: int, timeout: timedelta,
                 engines: Callable[[], Sequence[ZeroEngine]]) -> Optional[RankWatch]:
     """Start this rank's :class:`~lightning_zinf.comm.watch.RankWatch` (nothing on one rank, or
-    without a rendezvous store in the environment). A rank is declared dead, and an unmatched
-    departure from the agreed trace a divergence, after half the collectives' ``timeout`` (at most
-    a minute), so both end the run before the backend would; two ranks blocked in different calls
-    (an engine's agreement check, the strategy's :func:`barrier`) are a deadlock after a few
-    seconds. ``engines()`` (the strategy's, once built) supply the progress quoted in messages and
-    the agreement check this rank waits in, and are told of departures. ``LIGHTNING_ZINF_WATCH=0`` turns it
+    without a rendezvous store in the environment). A rank is declared dead after half the
+    collectives' ``timeout`` (at most a minute), so the run ends before the backend would; two ranks
+    blocked in different calls (an engine's agreement check, the strategy's :func:`barrier`) are a
+    deadlock after a few seconds. ``engines()`` (the strategy's, once built) supply the progress
+    quoted in messages and the agreement check this rank waits in. ``LIGHTNING_ZINF_WATCH=0`` turns it
     off (then a failing rank leaves the others to the backend's timeout, and NCCL's own timeout
     diagnostics, such as its flight recorder, run as without this package)."""
     if (world_size < 2 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ

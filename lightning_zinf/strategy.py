@@ -398,8 +398,6 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             )
             self._successors.record(self.model, before)
         self.precision_plugin.engine = self._engine  # type: ignore[attr-defined]
-        if self._watch is not None:
-            self._engine.on_departure = self._watch.note_departure
         clips_by_value = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
         if trainer.state.fn == TrainerFn.FITTING and clips_by_value:
             refuse_clipping_by_value(self._engine)  # now, rather than after the first step's backward

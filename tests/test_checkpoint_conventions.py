@@ -20,7 +20,7 @@ from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor
 
 import lightning_zinf  # noqa: F401  (registers "zero_infinity")
-from lightning_zinf import CheckpointError, ZeroInfinityFabricStrategy, ZeroInfinityStrategy
+from lightning_zinf import CheckpointError, ZeroInfinityStrategy
 from lightning_zinf.consolidate import consolidate
 from tests import models
 from tests.harness import run_distributed

@@ -9,7 +9,6 @@ PyTorch, with the optimizer's param groups (their own learning rate and weight d
 from __future__ import annotations
 
 import lightning.pytorch as L
-import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric

@@ -23,10 +23,6 @@ independently of the process groups:
   either way it names rank 0 ("rank 0 (pid ...; it hosts the rendezvous store at ...) is gone")
   as the run's failure, within an interval, and ends after ``grace`` like for any failure. A
   lost store is never called again (each call on a closed client prints a C++ stack trace);
-- a rank that leaves the order of collectives every rank agreed on posts a notice
-  (:meth:`RankWatch.note_departure`) before it waits for the others to agree on the way; a notice
-  that no other rank matches within ``stale`` seconds means the others did not take that branch
-  (they are waiting in the agreed collective): the divergence is posted as the failure;
 - each watcher publishes, with its beat, the blocking call its rank waits in, if it is one the
   engine or the strategy names (an agreement check of the engine, the strategy's barrier): two
   ranks waiting in different ones for ``deadlock_after`` seconds can never both return (each
@@ -115,7 +111,6 @@ class RankWatch:
         self._zero_done = False  # rank 0 said it ended normally (its store may go away)
         self._own: Optional[str] = None  # the failure this rank's own error posted
         self._known: Optional[str] = None  # the first failure, once read
-        self._departures: dict[int, tuple[str, float]] = {}  # rank -> (its departure notice, when first seen)
         self._said_gone = False  # this rank printed (or reported) that the store's host is gone
         self._zero_dead_seen = False  # rank 0's pid was found dead
 
@@ -167,17 +162,6 @@ class RankWatch:
             return False
         self._known = stored
         return stored == text
-
-    def note_departure(self, what: Optional[str]) -> None:
-        """This rank left the agreed order of collectives and is about to issue ``what`` (checked
-        with the other ranks next); ``None``: the others agreed, the notice is withdrawn."""
-        try:
-            if what is None:
-                self.store.delete_key(f"departed/{self.rank}")
-            else:
-                self.store.set(f"departed/{self.rank}", what)
-        except Exception:
-            pass
 
     def first_failure(self) -> Optional[str]:
         """The first failure any rank posted, or None; once seen, remembered (the store may go
@@ -286,12 +270,10 @@ class RankWatch:
                 # This process was suspended (SIGSTOP, a paused VM): the others' beats look old
                 # because we did not look; judge them afresh.
                 self._seen.clear()
-                self._departures.clear()
             last = time.monotonic()
             try:
                 self._beat()
-                failure = (self.first_failure() or self._find_dead() or self._find_divergence()
-                           or self._find_deadlock())
+                failure = self.first_failure() or self._find_dead() or self._find_deadlock()
                 self._zero_done = self.store.check(["done/0"])
                 lost_since = None
             except Exception:  # the store is unreachable: its host (rank 0) is gone, or overloaded
@@ -351,29 +333,6 @@ class RankWatch:
             elif now - last[1] > self.stale and not self.store.check([f"done/{rank}"]):
                 self.post_failure(f"rank {rank} died or froze: no sign of life for {now - last[1]:.0f} s "
                                   f"(killed, crashed, or its host is gone; noticed by rank {self.rank})")
-                return self.first_failure()
-        return None
-
-    def _find_divergence(self) -> Optional[str]:
-        now = time.monotonic()
-        mine = self.store.check([f"departed/{self.rank}"])
-        for rank in range(self.world_size):
-            if rank == self.rank or not self.store.check([f"departed/{rank}"]):
-                self._departures.pop(rank, None)
-                continue
-            what = self.store.get(f"departed/{rank}").decode()
-            if mine:
-                continue  # we left the trace there too: the check between us decides
-            seen, since = self._departures.get(rank, (None, now))
-            if seen != what:  # a new notice (it names the collective): its own clock
-                self._departures[rank] = (what, now)
-            elif now - since > self.stale:
-                self.post_failure(
-                    f"Ranks diverged: rank {rank} left the order of collectives every rank agreed on (its "
-                    f"{what}), and rank {self.rank} did not (it is at {self.progress() or 'its start'}). Every rank "
-                    "must run the same modules in the same order (decide data-dependent branches on rank 0 and "
-                    "broadcast the decision)."
-                )
                 return self.first_failure()
         return None
 

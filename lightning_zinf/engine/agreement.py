@@ -17,8 +17,8 @@ NCCL hang. This part records each collective a rank issues (its code: a unit's i
 On a mismatch the sequences (or the next collective of each rank) are gathered as objects, only
 then, and every rank raises the same error naming each rank's collective (this project's own
 check: DeepSpeed and FSDP2 leave mismatched collectives to the backend). Detection of a dead or
-silent rank is the watch's (:mod:`lightning_zinf.comm.watch`), which reads :attr:`waiting_in`,
-:meth:`progress` and is told of departures through :attr:`on_departure`.
+silent rank is the watch's (:mod:`lightning_zinf.comm.watch`), which reads :attr:`waiting_in` and
+:meth:`progress`.
 """
 
 from __future__ import annotations
@@ -58,10 +58,7 @@ class RankAgreement:
         collectives_issued: Gathers and reduce-scatters issued over the run.
         waiting_in: The agreement check this rank is blocked in, waiting for the other ranks (a
             description), or None.
-        on_departure: Called with a description of the next collective when this rank leaves the
-            agreed trace (before it checks with the other ranks), and with ``None`` once they
-            agreed; the strategies point it at their :class:`~lightning_zinf.comm.watch.RankWatch`.
-    """
+"""
 
     def __init__(self, comm: Collectives, tracer: Tracer, units: Sequence[NamedUnit], groups: list[FlatGroup]) -> None:
         self.comm = comm
@@ -70,13 +67,11 @@ class RankAgreement:
         self.groups = groups
         self.collectives_issued = 0
         self.waiting_in: Optional[str] = None
-        self.on_departure: Optional[Callable[[Optional[str]], Any]] = None
         self._issued: list[int] = []  # codes of the collectives since the last verify()
         self._forced = 0  # inside checked(): user code, so its gathers are checked too
         self._lockstep = 0  # inside lockstep(): engine work every rank does in step
         self.negotiation = Negotiation(comm, self.describe)
         self.negotiation.record = self._count
-        self.negotiation.on_leave = self._left
         self.negotiation.elsewhere = self._elsewhere
 
     def begin_pass(self, kind: Hashable, check: bool, training: Optional[int] = None) -> Optional[bool]:
@@ -158,11 +153,6 @@ class RankAgreement:
         entries = self.comm.all_gather_object(("negotiation", what, what))
         _raise_if_elsewhere(entries)
         raise RuntimeError("Ranks diverged: " + ", ".join(f"rank {r} was at {e[1]}" for r, e in enumerate(entries)))
-
-    def _left(self, what: Optional[str]) -> None:
-        """The negotiation left the script (``what``: where), or told the others (``None``)."""
-        if self.on_departure is not None:
-            self.on_departure(what)
 
     def _count(self, code: int) -> None:
         """Record a collective this rank took part in (issued for itself or served)."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 from datetime import timedelta
-from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
+from typing import Collection, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -277,17 +277,6 @@ class ZeroEngine:
         """The agreement check this rank waits for the other ranks in (a description), or None; the
         watch reports two ranks waiting in different calls as a deadlock (:mod:`lightning_zinf.comm.watch`)."""
         return self.agreement.waiting_in
-
-    @property
-    def on_departure(self) -> Optional[Callable[[Optional[str]], Any]]:
-        """Called with a description of the next collective when this rank leaves the agreed trace
-        (before it checks with the other ranks), and with ``None`` once they agreed; the strategies
-        point it at their :class:`~lightning_zinf.comm.watch.RankWatch`."""
-        return self.agreement.on_departure
-
-    @on_departure.setter
-    def on_departure(self, callback: Optional[Callable[[Optional[str]], Any]]) -> None:
-        self.agreement.on_departure = callback
 
     @property
     def peak_gathered_bytes(self) -> int:

@@ -88,7 +88,6 @@ class Negotiation:
         self.describe = describe
         self.serve: Callable[[int, bool], None] = lambda code, exact: None
         self.record: Callable[[int], None] = lambda code: None
-        self.on_leave: Callable[[Optional[str]], None] = lambda what: None
         self.elsewhere: Callable[[str], None] = lambda what: None
         self.negotiating = True
         self.departed = False
@@ -183,7 +182,6 @@ class Negotiation:
     def _leave(self) -> None:
         """This rank left the script: serve what the others issue by it up to their next waypoint
         (the end of the script: the next pass's start), tell them there, and negotiate on."""
-        self.on_leave(f"collective #{self._position} of the agreed order of this pass")
         while self._position < len(self._script) and not _is_waypoint(self._script[self._position]):
             code = self._script[self._position]
             self._position += 1
@@ -191,7 +189,6 @@ class Negotiation:
             self.record(code)
         self._position += 1
         self._flag(True, None)
-        self.on_leave(None)
         self._negotiate_from_here()
 
     def _flag(self, departed: bool, waypoint: Optional[int]) -> bool:
