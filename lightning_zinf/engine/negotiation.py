@@ -34,7 +34,6 @@ DDP.
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable, Hashable, Optional
 
 from lightning_zinf.comm import Collectives
@@ -239,8 +238,3 @@ class Negotiation:
                 "training or validation step, each backward and optimizer step, and each collective of the training "
                 "code (through the strategy), in the same order."
             )
-
-
-def script_digest(script: list[int]) -> int:
-    """A digest of a script (for tests and messages)."""
-    return zlib.crc32(",".join(map(str, script)).encode())
