@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -131,6 +132,43 @@ def test_values_and_random_stream_are_eagers() -> None:
     for name, value in want.items():
         assert torch.equal(got[name], value), name
     assert torch.equal(got["son.param_grandpa"], torch.full((5,), 4.0))  # DeepSpeed's expected value
+
+
+class DataAssignments(nn.Module):
+    """``.data`` given tensors made in ``__init__`` (a literal, ``torch.eye``, numpy), parameters
+    mixed with ordinary tensors out of place, and a real tensor written from a parameter: the
+    patterns a new user's model tried (construction once failed on them with torch's device or
+    tensor-type errors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filled = nn.Parameter(torch.ones(4))
+        self.filled.data = torch.full((4,), 1.5)
+        self.shifted = nn.Parameter(torch.randn(4))
+        self.shifted.data = self.shifted.data + torch.arange(4.0)
+        self.masked = nn.Parameter(torch.randn(4))
+        self.masked.data = torch.where(torch.tensor([True, False, True, False]), self.masked.data, 0.0)
+        self.eye = nn.Parameter(torch.empty(8, 8))
+        self.eye.data = torch.eye(8)
+        self.from_numpy = nn.Parameter(torch.zeros(3))
+        self.from_numpy.data = torch.from_numpy(np.arange(3, dtype=np.float32))
+        self.register_buffer("doubled", torch.zeros(4))
+        self.doubled.copy_(self.shifted.data * 2)  # a real buffer written from a recorded parameter
+        self.from_buffer = nn.Parameter(self.doubled.clone())
+
+
+def test_data_assignments_and_mixed_operands_are_eagers() -> None:
+    torch.manual_seed(2)
+    eager = DataAssignments()
+    torch.manual_seed(2)
+    with meta_parameters():
+        model = DataAssignments()
+    assert torch.equal(model.doubled, eager.doubled)
+    engine = ZeroEngine(model)
+    with engine.gathered():
+        got = _values(model)
+    for name, value in _values(eager).items():
+        assert torch.equal(got[name], value), name
 
 
 def test_initialisation_after_construction_before_setup_is_kept() -> None:

@@ -202,6 +202,10 @@ class ConstructionRecorder:
             # recorded tensor is not one, so the init runs its calls and they are recorded.
             if _is_meta_property(func) and args and self._root_of(args[0]) is not None and _asked_by_torch_init():
                 return False
+            if _is_data_setter(func) and len(args) == 2 and self._sets_real_data_on_meta(args[0], args[1]):
+                # `p.data = tensor` on a recorded parameter: it stays on the meta device and stands
+                # for that tensor's storage from now on (recorded, or copied if made elsewhere).
+                args = (args[0], self.to_meta(args[1]))
             self._busy = True
             try:
                 with torch._C.DisableTorchFunctionSubclass():
@@ -214,6 +218,12 @@ class ConstructionRecorder:
             return self._record(func, args, kwargs)
         finally:
             self._busy = False
+
+    def _sets_real_data_on_meta(self, target: Any, value: Any) -> bool:
+        if not (isinstance(target, Tensor) and isinstance(value, Tensor)):
+            return False
+        with self.paused():
+            return target.is_meta and not value.is_meta and self._root_of(target) is not None
 
     def _truly_meta(self, t: Tensor) -> bool:
         with self.paused():
@@ -275,10 +285,11 @@ class ConstructionRecorder:
                 g.set_state(self._shadow.get(id(g), state))
         before = [g.get_state() for g in generators]
         checked = True
-        if any(t.is_meta for _, t in tensors) and _name(func) not in _NO_DRAW:
+        run_args, run_kwargs, meta_run = self._operands(func, leaves, spec, tensors, kwargs)
+        if meta_run and _name(func) not in _NO_DRAW:
             checked = self._advance_as_eager(func, leaves, spec, tensors, list(zip(generators, before)))
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+            out = func(*run_args, **run_kwargs)
         after = [g.get_state() for g in generators]
         if shadowed:
             for g, state, moved in zip(generators, real, after):
@@ -310,6 +321,36 @@ class ConstructionRecorder:
                 self._bind(o, _Root(call, j, device, tuple(o.size()), tuple(o.stride()), o.storage_offset(),
                                     o.untyped_storage().nbytes() // o.element_size()))
         return self._wrapped(out)
+
+    def _operands(self, func: Callable[..., Any], leaves: list[Any], spec: Any, tensors: list[tuple[int, Tensor]],
+                  kwargs: dict) -> tuple[tuple, dict, bool]:
+        """The arguments to run a call with, and whether it runs on meta tensors. A call mixing
+        recorded meta tensors with real ones runs on the meta device (the real ones as meta
+        tensors of their shape: the result is recorded), unless it writes into a real tensor: then
+        on the meta tensors' values as eager construction has them, rebuilt now, so the real
+        tensor gets eager's values."""
+        metas = [i for i, t in tensors if t.is_meta and self._root_of(t) is not None]
+        reals = [i for i, t in tensors if not t.is_meta]
+        args, kwargs_ = tree_unflatten(leaves, spec)
+        if not metas or not reals:
+            return args, kwargs_, bool(metas) or any(t.is_meta for _, t in tensors)
+        replaced = list(leaves)
+        if any(_writes(func, i, leaves, kwargs) for i in reals):
+            replayer = Replayer()
+            try:
+                for i in metas:
+                    replaced[i] = replayer.current(self._reference(leaves[i]))  # type: ignore[arg-type]
+            finally:
+                replayer.close()
+            self._note(f"values read into a real tensor by {_name(func)}")
+            meta_run = False
+        else:
+            for i in reals:
+                t = leaves[i]
+                replaced[i] = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+            meta_run = True
+        args, kwargs_ = tree_unflatten(replaced, spec)
+        return args, kwargs_, meta_run
 
     def _reference(self, t: Tensor) -> Union[_Ref, _Held, Tensor]:
         root = self._root_of(t)
@@ -679,6 +720,10 @@ def _describe(leaf: Any) -> str:
     if leaf is None or isinstance(leaf, (bool, int, float, complex, str, torch.dtype, torch.device, slice, type(...))):
         return repr(leaf)
     return type(leaf).__name__
+
+
+def _is_data_setter(func: Callable[..., Any]) -> bool:
+    return _name(func) == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data"
 
 
 def _is_meta_property(func: Callable[..., Any]) -> bool:
