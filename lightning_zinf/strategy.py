@@ -476,23 +476,49 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """Start a validation trace pass, then run the LightningModule's step (units kept gathered
         across its forward passes within ``PrefetchConfig.inference_budget``)."""
         self.engine.begin_pass("validate")
-        with self.engine.keep_gathered(self.options.prefetch.inference_budget):
-            return self._step_end(super().validation_step(*args, **kwargs))
+        with self.engine.keep_gathered(self.options.prefetch.inference_budget, verify=False):
+            output = super().validation_step(*args, **kwargs)
+        return self._step_end(output)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a test trace pass, then run the LightningModule's step (as validation)."""
         self.engine.begin_pass("test")
-        with self.engine.keep_gathered(self.options.prefetch.inference_budget):
-            return self._step_end(super().test_step(*args, **kwargs))
+        with self.engine.keep_gathered(self.options.prefetch.inference_budget, verify=False):
+            output = super().test_step(*args, **kwargs)
+        return self._step_end(output)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a predict trace pass, then run the LightningModule's step: a ``generate()`` in
         it gathers each unit once while the units fit ``PrefetchConfig.inference_budget``."""
         self.engine.begin_pass("predict")
-        with self.engine.keep_gathered(self.options.prefetch.inference_budget):
-            return self._step_end(super().predict_step(*args, **kwargs))
+        with self.engine.keep_gathered(self.options.prefetch.inference_budget, verify=False):
+            output = super().predict_step(*args, **kwargs)
+        return self._step_end(output)
+
+    # The end of each loop: ranks whose steps did not split evenly (Lightning does not pad a predict
+    # loop's batches) meet here, the ones done serving the others' remaining steps, as DDP's ranks
+    # would simply go on.
+    @override
+    def on_train_end(self) -> None:
+        self._loop_end()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._loop_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._loop_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._loop_end()
+
+    def _loop_end(self) -> None:
+        if self._engine is not None:
+            self._engine.meet("loop end")
 
     @contextmanager
     @override

@@ -58,7 +58,7 @@ from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.freezing import Freezing
-from lightning_zinf.engine.negotiation import STEP_END, USER_COLLECTIVE
+from lightning_zinf.engine.negotiation import LOOP_END, STEP_END, USER_COLLECTIVE
 from lightning_zinf.engine.optim import refuse_unsharded_steps
 from lightning_zinf.engine.partition import plan_units
 from lightning_zinf.engine.schedule import Schedule
@@ -333,12 +333,12 @@ class ZeroEngine:
         self.states.settle(boundary)
 
     def meet(self, where: str) -> None:
-        """Meet the other ranks at ``where``: ``"step end"`` (a LightningModule's step returned) or
-        ``"collective"`` (before one the training code makes through the strategy: logging with
-        ``sync_dist``, a barrier); ranks that ran different modules serve each other until all are
+        """Meet the other ranks at ``where``: ``"step end"`` (a LightningModule's step returned),
+        ``"loop end"`` (a fit, validation, test or predict loop ended) or ``"collective"`` (before
+        one the training code makes through the strategy: logging with ``sync_dist``, a barrier); ranks that ran different modules serve each other until all are
         there (:mod:`~lightning_zinf.engine.negotiation`). Every rank must call it at the same
         points; one waiting elsewhere makes every rank raise ``RuntimeError`` naming each one's."""
-        self.agreement.waypoint({"step end": STEP_END, "collective": USER_COLLECTIVE}[where])
+        self.agreement.waypoint({"step end": STEP_END, "collective": USER_COLLECTIVE, "loop end": LOOP_END}[where])
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:
         """Gather ``param``'s unit whenever ``module`` runs, for a parameter that ``module``'s forward
@@ -444,11 +444,11 @@ class ZeroEngine:
         self.access.end_unit_access(units)
 
     # --- generation inside training ---------------------------------------------------------------
-    def keep_gathered(self, budget: int) -> contextlib.AbstractContextManager[None]:
+    def keep_gathered(self, budget: int, verify: bool = True) -> contextlib.AbstractContextManager[None]:
         """Within the block, units that finish their forward stay gathered within ``budget`` bytes,
         so later forward passes (decode steps) do not gather them again; released on exit
         (:meth:`Generation.keep_gathered <lightning_zinf.engine.generation.Generation.keep_gathered>`)."""
-        return self.generation.keep_gathered(budget)
+        return self.generation.keep_gathered(budget, verify)
 
     def generation_phase(self, budget: int) -> contextlib.AbstractContextManager[None]:
         """A generation phase inside a training step (RLHF's rollouts, reward and reference forwards),

@@ -25,8 +25,10 @@ well. Here every rank keeps training, with DDP's result:
 
 The start of a pass is a *soft* waypoint: ranks may run different numbers of passes (each decode
 step of ``generate()`` under a per-forward pass), so a rank there goes on while the others wait at
-another waypoint. The others are hard: every rank must reach the same one, or every rank raises
-naming each rank's. Collectives the training code makes itself must go through the strategy's
+another waypoint. So is the end of a step, for a rank whose others have ended the loop or wait in a
+collective of the training code (a predict loop whose batches do not split evenly over the ranks:
+Lightning does not pad it). The others are hard: every rank must reach the same one, or every rank
+raises naming each rank's. Collectives the training code makes itself must go through the strategy's
 ``reduce``/``all_gather``/``barrier``/``broadcast`` (Lightning's logging does), which are
 waypoints; a ``torch.distributed`` call of its own on some ranks only is still a hang, as under
 DDP.
@@ -38,14 +40,19 @@ from typing import Callable, Hashable, Optional
 
 from lightning_zinf.comm import Collectives
 
-__all__ = ["Negotiation", "PASS", "STEP_END", "BACKWARD_END", "OPTIMIZER_STEP", "USER_COLLECTIVE", "WAYPOINTS"]
+__all__ = ["Negotiation", "PASS", "STEP_END", "BACKWARD_END", "OPTIMIZER_STEP", "USER_COLLECTIVE", "GENERATION",
+           "LOOP_END", "WAYPOINTS"]
 
 #: Waypoints, by code: where ranks wait for each other.
-PASS, STEP_END, BACKWARD_END, OPTIMIZER_STEP, USER_COLLECTIVE, GENERATION = 1, 2, 3, 4, 5, 6
+PASS, STEP_END, BACKWARD_END, OPTIMIZER_STEP, USER_COLLECTIVE, GENERATION, LOOP_END = 1, 2, 3, 4, 5, 6, 7
 WAYPOINTS = {PASS: "the start of a pass", STEP_END: "the end of a step", BACKWARD_END: "the end of backward",
              OPTIMIZER_STEP: "an optimizer step", USER_COLLECTIVE: "a collective of the training code",
-             GENERATION: "a generation phase's entry or exit"}
+             GENERATION: "a generation phase's entry or exit", LOOP_END: "the end of a loop"}
 _SOFT = {PASS}
+# A rank at the end of a step while the others have ended the loop or wait in a collective of the
+# training code has more steps (a predict loop's batches do not split evenly): it goes on.
+_BEHIND = {STEP_END}
+_AHEAD = {LOOP_END, USER_COLLECTIVE}
 
 _REQUEST, _AT = 1, 2
 # Waypoints in a script, coded below every collective's code (gathers >= 0, reduce-scatters -1 - group).
@@ -232,6 +239,10 @@ class Negotiation:
                 return False  # the others wait at another waypoint: go on alone
             if any(w in _SOFT for w in waypoints):
                 continue  # a rank passing a soft waypoint comes back with a request or another waypoint
+            if set(waypoints) <= _BEHIND | _AHEAD:
+                if code in _BEHIND:
+                    return False  # this rank has more steps than the others: they serve them
+                continue
             raise RuntimeError(
                 "Ranks diverged: " + ", ".join(f"rank {r} is at {WAYPOINTS.get(w, w)}" for r, w in enumerate(waypoints))
                 + ". Ranks may run different modules, but every rank must reach the same steps: the end of each "
