@@ -393,14 +393,15 @@ def _bf16_gathers(rank: int, world: int, offload: dict, ckpt: str) -> dict:
 
 
 @pytest.mark.parametrize("param, optimizer", [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme"),
-                                             ("cpu", "none"), ("cpu", "cpu"), ("cpu", "nvme")])
+                                             ("cpu", "none"), ("cpu", "cpu"), ("cpu", "nvme"), ("none", "cpu")])
 def test_bf16_gathers_read_16_bit_copies(tmp_path: Path, param: str, optimizer: str) -> None:
     """fp32 parameters offloaded under ``param_dtype=bf16``: gathers read the shards' 16-bit compute
     copies; on NVMe a forward reads half the fp32 shards' bytes (ZeRO-Infinity's 2 bytes per
     parameter). The run (edit, load_state_dict, sharded checkpoint round trip) matches no offload
     bit for bit: a copy not refreshed after any of them would change a loss. Reads stay exact fp32.
     On the ``cpu`` tier with the optimizer there too, the fp32 shard is the master (the host keeps
-    4 + 2 bytes per parameter, not 4 + 4 + 2)."""
+    4 + 2 bytes per parameter, not 4 + 4 + 2). With only the optimizer on the ``cpu`` tier
+    (ZeRO-Offload), the device keeps the 2-byte copies and the host the fp32 shards as masters."""
     want = run_distributed(_bf16_gathers, 2, {}, str(tmp_path / "want"))
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -415,8 +416,12 @@ def test_bf16_gathers_read_16_bit_copies(tmp_path: Path, param: str, optimizer: 
             # Every group is gathered once in a forward; each record is padded to whole 4096-byte blocks.
             groups = len(models.GPT(d=64).state_dict())
             assert g["shard_bytes"] / 2 <= min(g["forward_reads"]) <= g["shard_bytes"] / 2 + 4096 * groups, g
-        elif optimizer == "cpu":
-            assert g["memory"]["shards_cpu"] == g["shard_bytes"] * 6 // 4, g["memory"]
+        elif param == "none":
+            assert g["memory"]["shards_device"] == g["shard_bytes"] // 2, g["memory"]
+            assert g["memory"]["shards_cpu"] == g["shard_bytes"], g["memory"]
+        if optimizer == "cpu" and param != "nvme":
+            if param == "cpu":
+                assert g["memory"]["shards_cpu"] == g["shard_bytes"] * 6 // 4, g["memory"]
             # The two moments and the step counts: no separate master.
             assert 2 * g["shard_bytes"] <= g["memory"]["optimizer"] < 2 * g["shard_bytes"] + 4096, g["memory"]
     assert list(nvme.iterdir()) == []

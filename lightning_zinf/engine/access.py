@@ -72,6 +72,8 @@ class StateAccess:
         self._settle()
         self.transfers.host_wait_h2d()  # the host may write host-tier shards a gather still reads
         groups = self.groups if groups is None else groups
+        for group in groups:
+            group.settle_host_shard()  # a step's values still on their way from a device master
         with contextlib.ExitStack() as stack:
             for group in groups:
                 stack.enter_context(group.shard_resident(write_back))  # frozen groups stored quantized

@@ -119,10 +119,12 @@ class MemoryAccounting:
                 seen.add(storage.data_ptr())
                 out[category] += storage.nbytes()  # 0 while swapped out
 
-        shards = "shards_cpu" if self.shards_offloaded else "shards_device"
         for group in self.groups:
-            for t in (group.shard, group.compute_shard, group.codes, group.scales):
+            # A device copy's shard is the master on the host (ZeRO-Offload's layout); the copy is the device's.
+            shards = "shards_cpu" if self.shards_offloaded or group.keeps_device_copy else "shards_device"
+            for t in (group.shard, group.codes, group.scales):
                 add(shards, t)
+            add("shards_device" if group.keeps_device_copy else shards, group.compute_shard)
             add("optimizer", group.master)
             add("grad_shards", group.grad_shard)
         for optimizer in self.optimizers:

@@ -55,6 +55,9 @@ class UnitBuilder:
             except groups stored quantized), or None.
         host_copies: Parameter offload to the ``cpu`` tier: groups keep their 16-bit compute copies
             in host memory (:class:`FlatGroup`'s ``host_copy``).
+        device_copies: Optimizer offload to the ``cpu`` tier without parameter offload: trainable
+            groups keep their fp32 shard on the host as the master and a 16-bit compute copy on the
+            device (:class:`FlatGroup`'s ``device_copy``).
         preloaded: Qualified names of parameters the caller loads right after construction: built on
             the meta device, they get memory but no initialisation.
     """
@@ -62,7 +65,7 @@ class UnitBuilder:
     def __init__(self, module: nn.Module, comm: Collectives, *, device: torch.device, shard_device: torch.device,
                  mixed_precision: MixedPrecisionConfig, zero_pp: ZeroPPConfig, persistence_threshold: int,
                  ledger: MemoryLedger, transfers: Transfers, param_offload: Optional[ParamOffload],
-                 host_copies: bool = False, preloaded: Collection[str] = ()) -> None:
+                 host_copies: bool = False, device_copies: bool = False, preloaded: Collection[str] = ()) -> None:
         self.module = module
         self.comm = comm
         self.device = device
@@ -74,6 +77,7 @@ class UnitBuilder:
         self.transfers = transfers
         self.param_offload = param_offload
         self.host_copies = host_copies
+        self.device_copies = device_copies
         self.preloaded = preloaded
         self._created_groups = 0
 
@@ -137,7 +141,7 @@ class UnitBuilder:
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
-                          transfers=self.transfers, pin_shard=self.param_offload is None, host_copy=self.host_copies)
+                          transfers=self.transfers, pin_shard=self.param_offload is None, host_copy=self.host_copies, device_copy=self.device_copies)
         if stored_quantized(self.zero_pp, group.trainable):
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
         elif self.param_offload is not None:

@@ -213,7 +213,9 @@ class ZeroEngine:
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
                                  persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
-                                 host_copies=offload.param == "cpu", preloaded=preloaded).build(specs)
+                                 host_copies=offload.param == "cpu",
+                                 device_copies=offload.param == "none" and offload.optimizer == "cpu",
+                                 preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
         for buffer_owner in module.modules():

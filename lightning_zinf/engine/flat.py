@@ -78,6 +78,12 @@ class FlatGroup:
         host_copy: Keep :attr:`compute_shard` in host memory, page-locked when copies overlap, where
             :func:`keeps_compute_copy` says so (the ``cpu`` parameter tier): gathers then copy 16-bit
             bytes to the device, and the fp32 shard can be the optimizer's master.
+        device_copy: The optimizer is offloaded to host memory and the parameters are not (ZeRO-Offload,
+            Ren et al. ATC'21 §4.1: 16-bit parameters on the device, fp32 masters on the host): a
+            trainable group where :func:`keeps_compute_copy` says so keeps its shard in host memory,
+            where it is the optimizer's fp32 master (stepped in place), and only :attr:`compute_shard`
+            on the device, which gathers for compute read; a step sends the 16-bit values to the
+            device. Exact reads (gathers for reading, state dicts, checkpoints) read the host shard.
 
     Attributes:
         trainable: Some parameter of the group requires a gradient (as of the last pass boundary:
@@ -123,6 +129,7 @@ class FlatGroup:
         transfers: Optional[Transfers] = None,
         pin_shard: bool = True,
         host_copy: bool = False,
+        device_copy: bool = False,
     ) -> None:
         self.names = names
         self.params = params
@@ -150,8 +157,12 @@ class FlatGroup:
         start, stop = self.shard_start, min(self.shard_start + self.shard_numel, self.numel)
         shard_device = shard_device or device
         self._host_copy = host_copy and keeps_compute_copy(self.dtype, self.compute_dtype)
+        self._pin_shard = pin_shard
+        self._device_copy = device_copy and self.trainable and keeps_compute_copy(self.dtype, self.compute_dtype)
+        if self._device_copy:
+            shard_device = torch.device("cpu")  # the master's tier; copies to the device are staged
         # Page-locked only what the copies to the device read: the host copy, where there is one.
-        if shard_device != device and pin_shard and not self._host_copy:
+        if shard_device != device and pin_shard and not (self._host_copy or self._device_copy):
             self.shard = self.transfers.host_zeros(self.shard_numel, self.dtype)
         else:
             self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=shard_device)
@@ -170,6 +181,10 @@ class FlatGroup:
         self.compute_shard: Optional[Tensor] = None  # or set by the NVMe parameter offload
         if self._host_copy:
             self.compute_shard = self.transfers.host_empty(self.shard_numel, self.compute_dtype).copy_(self.shard)
+        elif self._device_copy:
+            self.compute_shard = source.new_zeros(self.shard_numel, dtype=self.compute_dtype, device=device)
+            if stop > start:
+                self.compute_shard[: stop - start].copy_(source[start:stop])
         self.secondary: Optional[Tensor] = None
         self.keeps_qwz_row = False  # inside a generation phase: keep the row qwZ sends (qwz_row)
         self.qwz_row: Optional[Tensor] = None
@@ -193,7 +208,8 @@ class FlatGroup:
         # Gradient slices on their way to a host-side gradient shard: the last copy's event, and the
         # copies to add once it has completed (accumulation onto earlier micro-batches).
         self._to_host: Optional[torch.Event] = None
-        self._host_adds: list[Tensor] = []
+        self._from_device: Optional[torch.Event] = None  # the last copy of a device master into a host-tier shard
+        self._host_adds: list[tuple[Tensor, bool]] = []  # (landing buffer, replaces the shard's values)
         self._consumed = True
         self.release()
 
@@ -260,6 +276,7 @@ class FlatGroup:
         with ``quantized`` (qwZ).
         With ``read``: the exact values, from the shards, in the parameters' dtype.
         """
+        self._after_writes_from_device()
         target = self._activate(read)
         fresh = target.untyped_storage().nbytes() == 0  # else a gathered unit refills its buffer as it is
         from_secondary = self.secondary is not None and from_secondary and not read
@@ -323,6 +340,7 @@ class FlatGroup:
         in use on this rank while another rank asks for it): the collective :meth:`start_gather`
         would issue, into a scratch buffer. The shard must be in memory (NVMe: acquired by the
         caller). Returns the handle and what must live until it is waited for."""
+        self.settle_host_shard()
         scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         if self.secondary is not None and from_secondary:
             return self.comm.all_gather_secondary(scratch, self.secondary, async_op=True), (scratch,)
@@ -426,6 +444,7 @@ class FlatGroup:
         made the same edit. Call inside ``ZeroEngine.state_resident(write_back=True)``, which then
         drops the hpZ secondary partition (it may hold the old values).
         """
+        self.settle_host_shard()
         new = self.active[self.shard_start : self.shard_start + self.shard_numel].to(self.shard.device)
         if self.master is not None and self.master is not self.shard:
             # Only edited elements: copying the whole shard would round unedited fp32 masters. A
@@ -438,11 +457,48 @@ class FlatGroup:
 
     def shard_changed(self) -> None:
         """The shard was rewritten (a step, a load, an edit): drop the kept qwZ row, refresh the
-        host compute copy (``host_copy``). The NVMe offload refreshes its records itself. The host must not write
-        memory a copy to the device may still read: call after :meth:`Transfers.host_wait_h2d`."""
+        compute copy: in host memory (``host_copy``), or on the device (``device_copy``: cast on the
+        host and sent in ``compute_dtype`` on the copy stream, after the compute that may still read
+        the old copy; compute from here on waits for it, the host does not). The NVMe offload
+        refreshes its records itself. The host must not write memory a copy to the device may still
+        read: call after :meth:`Transfers.host_wait_h2d`."""
+        self.settle_host_shard()
         self.drop_qwz_row()
         if self._host_copy:
             self.compute_shard.copy_(self.shard)
+        elif self._device_copy:
+            self.transfers.wait_on_device(self.transfers.copy_to_device(self.compute_shard, self.shard))
+
+    def _send_master_to_host(self) -> None:
+        """After a step of a master on the device: its values sent into the host-tier shard, and
+        cast on the device into the host compute copy, on the device-to-host copy stream after the
+        step's compute; the host does not wait (copies to the device wait for them on the device,
+        host readers in :meth:`settle_host_shard`)."""
+        self.drop_qwz_row()
+        # Cast on the device: a copy to the host that also converts is staged through pageable memory.
+        self._from_device = self.transfers.copy_to_host(self.shard, self.master.to(self.shard.dtype))
+        if self._host_copy:  # rounded as the host would round it: fp32 to 16 bits is the same cast
+            self._from_device = self.transfers.copy_to_host(self.compute_shard, self.master.to(self.compute_dtype))
+
+    def _after_writes_from_device(self) -> None:
+        # Copies to the device queued from here on read the host-tier shard (or its copy) only
+        # once the master's values have landed there; device-side, the host does not wait.
+        if self._from_device is not None and self.transfers.h2d is not None:
+            self.transfers.h2d.wait_event(self._from_device)
+
+    def settle_host_shard(self) -> None:
+        """Block the host until the master's last values have landed in the host-tier shard (after
+        a step of a master on the device: :meth:`after_step`): before the host reads or writes
+        the shard (checkpoints, state dicts, loads, edits)."""
+        if self._from_device is not None:
+            self.transfers.wait_on_host(self._from_device)
+            self._from_device = None
+
+    @property
+    def keeps_device_copy(self) -> bool:
+        """The shard lives in host memory as the offloaded optimizer's master while gathers read a
+        compute copy on the device (``device_copy``)."""
+        return self._device_copy
 
     # --- optimizer state --------------------------------------------------------------------------
     def make_master(self, state_device: Optional[torch.device] = None, separate: bool = False,
@@ -462,11 +518,15 @@ class FlatGroup:
             self.state_device = state_device or self.device
             self.host_state = state_device is not None and state_device.type == "cpu"  # the optimizer offloaded
             # A host copy feeds the gathers: the fp32 shard beside it can be stepped in place.
-            in_place = (self.state_device == self.device and not separate) or (self._host_copy and not swapped)
+            in_place = (self.state_device == self.device and not separate) or ((self._host_copy or self._device_copy) and not swapped)
             if self.dtype == torch.float32 and in_place and self.shard.device == self.state_device:
                 self.master = self.shard
             else:
                 self.master = self.shard.to(self.state_device, torch.float32, copy=True)
+                if self._pin_shard and self.shard.device != self.device and self.state_device == self.device:
+                    # A host-tier shard that each step's values are sent into: page-locked, so
+                    # that copy does not block the host (after_step).
+                    self.shard = self.transfers.host_copy(self.shard)
         if not self.fragments:  # once: several optimizers may each hold some of them
             self.fragments = [self.master[lo:hi] for lo, hi in self.owned_ranges()]
 
@@ -495,9 +555,12 @@ class FlatGroup:
         after ``zero_grad``). The hpZ secondary partition, now stale, is dropped."""
         self.drop_secondary()
         if self.master is not None and not self.host_state:  # an offloaded optimizer copies as it steps
-            if self.master is not self.shard:
-                self.shard.copy_(self.master)
-            self.shard_changed()
+            if self.shard.device != self.master.device and self._pin_shard:
+                self._send_master_to_host()
+            else:
+                if self.master is not self.shard:
+                    self.shard.copy_(self.master)
+                self.shard_changed()
         self._consumed = True
 
     def free_consumed_grads(self) -> None:
@@ -669,15 +732,15 @@ class FlatGroup:
         if to_host:
             # To a host-side gradient shard: on the copy stream, read on the host only after
             # finish_host_grads (the end of backward), so backward is never blocked by a copy.
-            # Cast on the device so the copy lands straight in the fp32 shard (under a bf16 reduce
-            # dtype that moves twice the bytes a host-side cast would, but needs no landing buffer).
-            reduced = reduced.float()
-            if fresh:
+            # Sent in the reduce dtype (ZeRO-Offload's gradient bytes: 2 per parameter under a
+            # 16-bit reduce dtype), into a page-locked landing buffer cast or added on the host
+            # then; an fp32 slice starting an accumulation lands straight in the shard.
+            if fresh and reduced.dtype == torch.float32:
                 self._to_host = self.transfers.copy_to_host(self.grad_shard, reduced)
             else:
-                landing = self.transfers.host_empty(self.shard_numel, torch.float32)
+                landing = self.transfers.host_empty(self.shard_numel, reduced.dtype)
                 self._to_host = self.transfers.copy_to_host(landing, reduced)
-                self._host_adds.append(landing)
+                self._host_adds.append((landing, fresh))
         elif fresh:
             if not adopt:
                 self.grad_shard.copy_(reduced)  # from the reduce dtype into fp32
@@ -712,8 +775,11 @@ class FlatGroup:
             return
         self.transfers.wait_on_host(self._to_host)
         self._to_host = None
-        for landing in self._host_adds:
-            self.grad_shard.add_(landing)
+        for landing, replaces in self._host_adds:
+            if replaces:  # the first slice since the gradients were consumed
+                self.grad_shard.copy_(landing)
+            else:
+                self.grad_shard.add_(landing)
         self._host_adds = []
         self._record_norms()
 
