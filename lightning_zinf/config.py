@@ -138,6 +138,13 @@ class OffloadConfig:
             the same cap (:class:`~lightning_zinf.offload.staging.StagingPool`).
         overlap: Read the next sub-group ahead and write the previous one behind while the current
             one steps. ``False`` runs every transfer to completion first (to measure what overlap buys).
+        overlap_step: With the optimizer offloaded, ``optimizer.step()`` only starts the step: it
+            runs in the background, group by group in the order the next forward gathers them,
+            and the forward of a unit waits only for its own groups' step (checkpoints, state
+            dicts and the next step wait for all of it). The weights and optimizer states are
+            bit-identical to a synchronous step's: the same arithmetic on the same tensors, with
+            the options the param groups had at the call. ``False``: the step completes inside
+            ``optimizer.step()``. (:mod:`lightning_zinf.offload.stepping`.)
 
     Raises:
         ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
@@ -150,6 +157,7 @@ class OffloadConfig:
     sub_group_size: int = 25_000_000
     read_ahead: int = 2
     overlap: bool = True
+    overlap_step: bool = True
     activations: bool = False
     aio: AioConfig = AioConfig()
     staging_bytes: Optional[int] = None
@@ -179,7 +187,7 @@ class OffloadConfig:
             self.sub_group_size,
             "an integer > 0 (a number of elements)",
         )
-        for name in ("overlap", "activations"):
+        for name in ("overlap", "overlap_step", "activations"):
             _require(isinstance(getattr(self, name), bool), "OffloadConfig", name, getattr(self, name), "True or False")
         _require(self.pin_memory is None or isinstance(self.pin_memory, bool), "OffloadConfig", "pin_memory",
                  self.pin_memory, "None (automatic), True or False")

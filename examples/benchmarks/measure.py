@@ -29,11 +29,15 @@ class StepClock:
     """Collects per-step wall times (``time.perf_counter``, seconds), losses and I/O counters.
 
     ``extra_counters``, if set, returns more cumulative counters (name -> number) to snapshot with
-    ``/proc/self/io``'s.
+    ``/proc/self/io``'s. :meth:`mark` splits a step into phases: ``phases_s`` holds, per step, the
+    seconds from the step's start (or the previous mark) to each named mark, and ``"rest"`` from the
+    last mark to the end.
     """
 
     def __init__(self) -> None:
         self.step_times_s: list[float] = []
+        self.phases_s: list[dict[str, float]] = []
+        self._last = 0.0
         self.losses: list[float] = []
         self.io: list[dict[str, int]] = []
         self.extra_counters: Callable[[], dict[str, int]] | None = None
@@ -42,10 +46,20 @@ class StepClock:
     def start(self) -> None:
         if not self.io:
             self.io.append(self._counters())
-        self._t0 = time.perf_counter()
+        self._t0 = self._last = time.perf_counter()
+        self.phases_s.append({})
+
+    def mark(self, phase: str) -> None:
+        """The step's phase ``phase`` ends now (e.g. ``"forward"`` before backward starts)."""
+        now = time.perf_counter()
+        self.phases_s[-1][phase] = now - self._last
+        self._last = now
 
     def stop(self, loss: float) -> None:
-        self.step_times_s.append(time.perf_counter() - self._t0)
+        now = time.perf_counter()
+        self.step_times_s.append(now - self._t0)
+        if self.phases_s[-1]:
+            self.phases_s[-1]["rest"] = now - self._last
         self.losses.append(loss)
         self.io.append(self._counters())
 
@@ -85,6 +99,7 @@ def write_rank_result(result_dir: str, rank: int, clock: StepClock) -> None:
     result = {
         "rank": rank,
         "step_times_s": clock.step_times_s,
+        "phases_s": clock.phases_s,
         "losses": clock.losses,
         "peak_rss_mib": peak_rss_mib(),
         "io": clock.io,

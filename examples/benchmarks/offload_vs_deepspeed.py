@@ -26,6 +26,8 @@ Each contender runs as its own ``torchrun --nproc_per_node 2`` job (throughput.p
 swap files in its own new folder under --nvme-root, removed afterwards. Measured per contender:
   - s/step, tokens/s: as in throughput.py (rank 0, mean over the steps after the first 2);
   - peak RSS: ru_maxrss of each rank, MiB;
+  - exposed step (zinf_nvme): rank 0's mean seconds from the end of backward to the end of the
+    step (on_after_backward to on_train_batch_end): the optimizer step not hidden by compute;
   - bytes read / written per step: from /proc/self/io (read_bytes, write_bytes) of each rank,
     which counts what the process (all its threads, O_DIRECT and kernel AIO included) made the
     block layer read or write; the same measure for both contenders. Summed over the ranks, mean
@@ -73,7 +75,14 @@ def total_mib(counter: str):
     return cell
 
 
+def exposed_step(res: dict) -> str:
+    """A table cell: rank 0's mean seconds per step after backward (the optimizer step not hidden
+    behind forward and backward, and Lightning's per-batch work), where recorded."""
+    return f"{res['mean_rest_s']:.2f}" if "mean_rest_s" in res else "-"
+
+
 COLUMNS = [
+    ("exposed step s", exposed_step),
     ("read MiB/step", total_mib("read_bytes")),
     ("written MiB/step", total_mib("write_bytes")),
     ("swapper read", total_mib("swapper_read_bytes")),

@@ -21,6 +21,9 @@ fp32 gradient shards and AdamW state stay fp32 on NVMe).
 
 A step is timed from ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward and the
 optimizer step, plus Lightning's per-batch overhead, which every Lightning contender pays alike.
+Its phases are recorded too: ``forward`` (to ``on_before_backward``), ``backward`` (to
+``on_after_backward``) and ``rest`` (the optimizer step and the per-batch overhead: the step time
+not hidden behind forward and backward).
 """
 
 import argparse
@@ -84,6 +87,12 @@ class StepTimer(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.clock.start()
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.clock.mark("forward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self.clock.mark("backward")  # "rest": the optimizer step and Lightning's per-batch work
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.clock.stop(outputs["loss"].item())

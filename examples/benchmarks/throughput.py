@@ -148,7 +148,16 @@ def summarize(ranks: list[dict]) -> dict:
         "peak_rss_mib": [rank["peak_rss_mib"] for rank in ranks],
         "bytes_per_step": bytes_per_step(ranks),
         "losses": ranks[0]["losses"],
+        **mean_phases(ranks[0].get("phases_s", [])[WARMUP_STEPS:]),
     }
+
+
+def mean_phases(phases: list[dict[str, float]]) -> dict:
+    """Rank 0's mean seconds per timed step in each recorded phase (``mean_forward_s``,
+    ``mean_backward_s``, ``mean_rest_s``: see run_lightning.py), where the contender records them."""
+    if not phases or not all(phases):
+        return {}
+    return {f"mean_{name}_s": sum(p[name] for p in phases) / len(phases) for name in phases[0]}
 
 
 def bytes_per_step(ranks: list[dict]) -> dict[str, list[float]]:

@@ -225,6 +225,8 @@ class ZeroEngine:
         self.offload: Optional[OptimizerOffload] = None
         if offload.optimizer != "none":
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
+            if self.param_offload is not None:
+                self.param_offload.rewrites = self.offload.rewrites
         self.sharded = ShardedOptimizers(self.groups, offload=self.offload, param_offload=self.param_offload,
                                          separate_masters=shards_offloaded,
                                          adding_refused=_NVME_ADDING if offload.optimizer == "nvme" else None)
@@ -249,7 +251,7 @@ class ZeroEngine:
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,
                                     offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
-                                    sharded=self.sharded, settle=self._settle)
+                                    sharded=self.sharded, settle=self._settle, tracer=self.tracer)
         self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
                                  frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
         self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
@@ -461,7 +463,8 @@ class ZeroEngine:
     def release_all(self) -> None:
         """Wait for outstanding collectives and swaps, and release every non-persistent unit."""
         self._settle()
-        for side in (self.param_offload, self.offload):
+        # The optimizer's side first: a step still in flight writes parameter shards and copies.
+        for side in (self.offload, self.param_offload):
             if side is not None:
                 side.settle_all()
 

@@ -812,9 +812,7 @@ class FlatGroup:
         for j, (fragment, has) in enumerate(zip(self.fragments, received)):
             fragment.grad = self._grad_fragments[j] if has and self._grad_fragments else None
 
-    def attach_grads(self, owned: set[int]) -> None:
-        """(``swapped_optimizer``) Give the fragments in ``owned`` (ids) that have a gradient their view
-        of the gradient shard, which must be in memory."""
-        for j, fragment in enumerate(self.fragments):
-            if id(fragment) in owned and self.exposed[j]:
-                fragment.grad = self._grad_fragments[j]
+    def gradient_view(self, j: int) -> Tensor:
+        """Parameter ``j``'s slice of the fp32 gradient shard (what its fragment's ``.grad`` is when
+        exposed); with ``swapped_optimizer`` valid while the shard is in memory."""
+        return self._grad_fragments[j]

@@ -22,6 +22,7 @@ from lightning_zinf.engine.negotiation import OPTIMIZER_STEP
 from lightning_zinf.engine.optim import clip_grad_norm_
 from lightning_zinf.engine.sharded import ShardedOptimizers
 from lightning_zinf.engine.ranges import phased
+from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import Transfers
 from lightning_zinf.engine.units import Unit, UnitStates
 from lightning_zinf.offload.optimizer import OptimizerOffload
@@ -54,13 +55,14 @@ class OptimizerSteps:
             plain layouts, ``add_param_group``).
         settle: Finishes every collective and swap in flight (the engine's; ``boundary=True`` at a
             step boundary).
+        tracer: The prefetch trace (the order an offloaded step in the background steps groups in).
     """
 
     def __init__(self, units: list[Unit], *, comm: Collectives, states: UnitStates, agreement: RankAgreement,
                  transfers: Transfers, device: torch.device, shard_device: torch.device,
                  param_offload: Optional[ParamOffload], offload: Optional[OptimizerOffload],
                  swapper: Optional[NvmeSwapper], nvme_path: Optional[str], sharded: ShardedOptimizers,
-                 settle: Callable[..., None]) -> None:
+                 settle: Callable[..., None], tracer: Tracer) -> None:
         self.units = units
         self.comm = comm
         self.states = states
@@ -75,6 +77,7 @@ class OptimizerSteps:
         self.sharded = sharded
         self.optimizers = sharded.optimizers
         self._settle = settle
+        self.tracer = tracer
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -100,11 +103,34 @@ class OptimizerSteps:
         self.sharded.adopt(optimizer)
         if self.offload is not None and self.offload.nvme:
             self.offload.wrap_zero_grad(optimizer)
+        if self.offload is not None:
+            self._wait_before_state_access(optimizer)
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
         # The groups it steps: those holding a master fragment it was given (an unfreeze or
         # add_param_group may add some).
         optimizer.register_step_post_hook(lambda opt, *_: self.after_step(self.sharded.stepped(opt)))
         return optimizer
+
+    def _wait_before_state_access(self, optimizer: torch.optim.Optimizer) -> None:
+        """An offloaded step may still run in the background (``overlap_step``): the optimizer's
+        ``state_dict``, ``load_state_dict`` and ``add_param_group`` first wait for it."""
+        for name in ("state_dict", "load_state_dict", "add_param_group"):
+            method = getattr(optimizer, name)
+
+            def waiting(*args, _method=method, **kwargs):
+                self.offload.wait_all()
+                return _method(*args, **kwargs)
+
+            setattr(optimizer, name, waiting)
+
+    def _step_order(self) -> list[list[int]]:
+        """Group indices unit by unit, in the order the next forward needs them: persistent units
+        first (gathered again right after the step), then the units of the pass that just ran
+        in the order it first gathered them, then the others."""
+        index = {id(g): i for i, g in enumerate(self.groups)}
+        traced = [self.units[u] for u in self.tracer.unit_order() if u < len(self.units)]
+        ordered = [u for u in self.units if u.persistent] + traced + list(self.units)
+        return [[index[id(g)] for g in unit.groups] for unit in dict.fromkeys(ordered)]
 
     def _swap_file_bytes(self) -> int:
         """Bytes of this rank's swap files now (records written, in memory or not)."""
@@ -118,9 +144,9 @@ class OptimizerSteps:
         if self.offload is not None:
             if self._shard_device != self.device:
                 self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read
-            # Sub-group by sub-group, each one's updated shards copied out while the next steps;
-            # the optimizer's own step then has nothing left.
-            self.offload.step(optimizer)
+            # Sub-group by sub-group, each one's updated shards copied out while the next steps,
+            # in the background with overlap_step; the optimizer's own step then has nothing left.
+            self.offload.step(optimizer, self._step_order())
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them (those of
@@ -134,6 +160,8 @@ class OptimizerSteps:
         norms recorded as they were accumulated, and the scaling is applied as each sub-group is
         swapped in for the step.
         """
+        if self.offload is not None:
+            self.offload.wait_all()  # a step still in flight steps the fragments read below
         if self.offload is not None and self.offload.nvme:
             self._settle()
             norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm()).sqrt()  # on the host

@@ -157,6 +157,15 @@ class Tracer:
         self._cursor += 1
         return trace.order[self._cursor :] if self.enabled else []
 
+    def unit_order(self) -> list[int]:
+        """The units of the pass in progress (or last begun and not finished), in the order it
+        first gathered or, by its agreed trace, gathers them: the order the next pass of its kind
+        needs them in. Empty without one."""
+        trace = self._current
+        if trace is None:
+            return []
+        return list(dict.fromkeys(trace.order if trace.state == _REPLAY else trace.recording))
+
     @property
     def certified(self) -> bool:
         """The pass is replaying an agreed trace and has not left it: its collectives are the same

@@ -202,6 +202,10 @@ class UnitStates:
         decided. A gather other ranks did not ask for too is exact (their partitions, a qwZ row or
         an hpZ secondary partition, may differ from this rank's). Returns the unit's gathered bytes
         before it (for :meth:`_opened`) and whether the gather is exact."""
+        if self.offload is not None:
+            # An optimizer step in the background: this unit's part done, before any collective
+            # of the gather (a step that raised raises here, on every rank where it failed).
+            self.offload.wait_stepped([self._group_index[id(g)] for g in unit.groups])
         if agree:
             exact = self.agreement.note_gather(unit) or exact
         if self.param_offload is not None:
@@ -337,6 +341,8 @@ class UnitStates:
         # In use here (a forward or backward in progress holds it): the same collectives into
         # scratch buffers, the unit's own buffers left as they are.
         quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
+        if self.offload is not None:
+            self.offload.wait_stepped([self._group_index[id(g)] for g in unit.groups])
         acquired = []
         if self.param_offload is not None:
             acquired = [g for g in unit.groups if (exact or (g.secondary is None and g.qwz_row is None)) and g.codes is None]

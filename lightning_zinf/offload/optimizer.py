@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator, Optional
 
@@ -33,6 +34,7 @@ from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import local_grad_sq_norm
 from lightning_zinf.offload.params import ParamOffload
+from lightning_zinf.offload.stepping import StepPipeline
 from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
 
 __all__ = ["OptimizerOffload"]
@@ -74,6 +76,13 @@ class OptimizerOffload:
         self._shared: set[int] = set()  # groups whose master is their parameter shard's record
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
+        self._pipeline: Optional[StepPipeline] = None  # the step in flight (overlap_step)
+        self._index = {id(g): i for i, g in enumerate(groups)}
+        self._driving = False  # inside the pipeline's own work (its swaps do not call relieve)
+        self._warned_room = False
+        if space is not None:
+            space.relieve = self._relieve
+        self._worker: Optional[ThreadPoolExecutor] = None
 
     @property
     def trainable(self) -> list[int]:
@@ -92,6 +101,7 @@ class OptimizerOffload:
                 NVMe); one group at a time, so that no more than one shard is in memory at once.
             indices: Only these groups (by index), trainable or not (default: the trainable ones).
         """
+        self.wait_all()
         cpu = torch.device("cpu")
         for i in self.trainable if indices is None else indices:
             group = self.groups[i]
@@ -153,7 +163,9 @@ class OptimizerOffload:
     # --- gradients during backward ----------------------------------------------------------------
     def before_accumulate(self, index: int) -> None:
         """Make group ``index``'s gradient shard resident for :meth:`FlatGroup.accumulate`: read it
-        back when accumulating onto earlier micro-batches, only allocate it when starting over."""
+        back when accumulating onto earlier micro-batches, only allocate it when starting over.
+        Waits for the group's step in flight, if any (the step reads the gradient shard)."""
+        self.wait_stepped([index])
         if not self.nvme:
             return
         group = self.groups[index]
@@ -182,67 +194,177 @@ class OptimizerOffload:
         (:func:`~lightning_zinf.engine.optim.local_grad_sq_norm`) that
         :func:`~lightning_zinf.engine.optim.clip_grad_norm_` uses for resident gradients, so
         clipping gives bit-identical results with and without offload."""
+        self.wait_all()
         norms = [n for i in self.trainable for has, n in zip(self.groups[i].exposed, self.groups[i].grad_norms) if has]
         return local_grad_sq_norm(norms)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, order: Optional[list[list[int]]] = None) -> None:
         """Step ``optimizer`` sub-group by sub-group (``sub_group_size`` elements at most), and
         copy each sub-group's updated masters into the compute shards as soon as it is stepped: on
-        an accelerator those copies run on the copy stream while the next sub-group steps
-        (ZeRO-Infinity §6.2). Stepped fragments lose their ``.grad`` (the gradient shard is
-        consumed), so the optimizer's own (hooked) step that follows finds none and does nothing.
+        an accelerator those copies run on the copy stream (ZeRO-Infinity §6.2). Stepped fragments
+        lose their ``.grad`` (the gradient shard is consumed), so the optimizer's own (hooked)
+        step that follows finds none and does nothing.
 
-        ``nvme``: each sub-group is swapped in for its step and out after it; its fragments get
-        their ``.grad`` only while it is in memory. Outside the step ``.grad`` stays ``None``:
-        code between backward and step cannot read offloaded gradients (nor unscale them, hence
-        no fp16 loss scaling with NVMe optimizer offload). ``cpu``: the gradients are exposed after
-        backward as without offload (clipping and loss scaling read them there).
+        With ``overlap_step`` (the default) this only starts the step: it runs in the background
+        (:class:`~lightning_zinf.offload.stepping.StepPipeline`), in the order ``order`` gives,
+        and :meth:`wait_stepped` (each gather), :meth:`wait_all` (state access, the next step)
+        wait for what they need of it. Without, it completes before returning. A step still in
+        flight from an earlier call is completed first.
 
-        The user's optimizer does the arithmetic: its step function runs on the resident fragments
-        only (its param groups restricted for the call), so its hyper-parameters, LR schedule and
-        state layout are unchanged.
+        ``nvme``: each sub-group is swapped in for its step and out after it; its gradients reach
+        the optimizer only then. Outside the step ``.grad`` stays ``None``: code between backward
+        and step cannot read offloaded gradients (nor unscale them, hence no fp16 loss scaling with
+        NVMe optimizer offload). ``cpu``: the gradients are exposed after backward as without
+        offload (clipping and loss scaling read them there).
+
+        The user's optimizer does the arithmetic: its step function runs on the fragments of one
+        sub-group at a time, with the options its param groups have at this call, so its
+        hyper-parameters, LR schedule and state layout are unchanged.
+
+        Args:
+            optimizer: The sharded optimizer.
+            order: Group indices, unit by unit, in the order the next forward needs them (groups
+                missing from it come last); ``None``: the engine's order. With ``overlap_step``
+                a sub-group never spans two units, so a unit waits for its own groups only.
+
+        Raises:
+            BaseException: what the optimizer's step function raised (here without
+                ``overlap_step``, else at the wait that needs the failed sub-group).
         """
+        self.wait_all()
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
 
         def has_grad(group: FlatGroup) -> list[bool]:
             return group.exposed if self.nvme else [f.grad is not None for f in group.fragments]
 
-        todo = [
+        todo = {
             i for i in self.trainable
             if any(id(f) in owned and has for f, has in zip(self.groups[i].fragments, has_grad(self.groups[i])))
-        ]
-        subgroups = self._subgroups(todo)
-        raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
-        for k, members in enumerate(subgroups):
-            self._bring_in(members)  # what the read ahead left out, if anything
-            for i in members:
-                self._settle_group(i)
-                if self.nvme:
-                    self.groups[i].attach_grads(owned)
-            if self.config.overlap and k + 1 < len(subgroups):
-                self._bring_in(subgroups[k + 1], ahead=True)
-            fragments = {
-                id(f): f for i in members for f in self.groups[i].fragments if id(f) in owned and f.grad is not None
-            }
-            if self.clip_coef is not None:
-                for f in fragments.values():
-                    f.grad.mul_(self.clip_coef)
-            _step_restricted(optimizer, raw_step, fragments)
-            for f in fragments.values():
-                f.grad = None  # the gradient shard leaves memory next
-            for i in members:
-                group = self.groups[i]
-                group.exposed = [has and id(f) not in owned for f, has in zip(group.fragments, group.exposed)]
-            for i in members:
-                self._send_out(optimizer, i)
-            if self.config.overlap and k > 0:
-                # The previous sub-group's writes had this whole sub-group's step to complete:
-                # settling them now keeps about three sub-groups in memory, not all of them.
-                for i in subgroups[k - 1]:
-                    self._settle_group(i)
-            if not self.config.overlap:
-                self.settle_all()
-        self.settle_all()
+        }
+        units = [[i for i in unit if i in todo] for unit in (order or [])]
+        listed = {i for unit in units for i in unit}
+        units += [[i] for i in sorted(todo - listed)]
+        units = [unit for unit in units if unit]
+        overlapped = self.config.overlap_step and self._room_to_overlap(self._subgroups(units, split_units=True))
+        subgroups = self._subgroups(units, split_units=overlapped)
+        ahead = len(subgroups) if not self.nvme else int(self.config.overlap)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-step")
+        self._pipeline = StepPipeline(self, optimizer, subgroups, owned, self._worker, read_ahead=ahead,
+                                      write_behind=2 if self.config.overlap else 0)
+        self.pump()
+        if not overlapped:
+            self.wait_all()
+
+    def _room_to_overlap(self, subgroups: list[list[int]]) -> bool:
+        """(``nvme``) Whether the staging cap leaves room for a step beside the forward: four of
+        its largest sub-groups (one being read, one stepped, two being written; the forward's
+        shards read ahead beside them), each counted at 16 bytes per element (an fp32 master,
+        gradient and two moments) or its records' size if larger. Below that the step is
+        synchronous, as it must be to fit at all under a cap sized for it alone."""
+        if not self.nvme or self.space.pool.cap is None or self.space.pool.cap >= 1 << 62:
+            return True
+        largest = max((max(16 * sum(self.groups[i].shard_numel for i in members),
+                           sum(r.nbytes for i in members for r in self._records(i))) for members in subgroups), default=0)
+        if 4 * largest > self.space.pool.cap:
+            if not self._warned_room:
+                log.info("lightning_zinf: NVMe staging_bytes=%d holds fewer than four optimizer sub-groups of %d bytes: "
+                         "the offloaded step runs synchronously (raise staging_bytes to overlap it).", self.space.pool.cap, largest)
+                self._warned_room = True
+            return False
+        return True
+
+    # --- the step in flight -----------------------------------------------------------------------
+    def pump(self) -> None:
+        """Advance the step in flight without blocking (the engine calls this at each gather)."""
+        if self._pipeline is not None:
+            self._run(self._pipeline.pump)
+
+    def rewrites(self, group: FlatGroup) -> bool:
+        """Whether the step in flight has yet to rewrite ``group``'s shard."""
+        pipeline = self._pipeline
+        return pipeline is not None and pipeline.pending(self._index.get(id(group), -1))
+
+    def wait_stepped(self, indices: list[int]) -> None:
+        """Block until the groups ``indices`` (and those stepped before them) are stepped and sent
+        out, if a step is in flight. Raises what the step raised."""
+        pipeline = self._pipeline
+        if pipeline is None:
+            return
+        self._run(pipeline.pump)
+        for i in indices:
+            if self._pipeline is not None and pipeline.pending(i):
+                self._run(lambda: pipeline.wait(i))
+
+    def wait_all(self) -> None:
+        """Block until the step in flight, if any, is complete. Raises what it raised."""
+        if self._pipeline is not None:
+            self._run(self._pipeline.wait_all)
+
+    def _run(self, advance: Callable[[], None]) -> None:
+        self._driving = True
+        try:
+            advance()
+        except BaseException:
+            self._pipeline = None  # the step ended with its error: raised once, here
+            raise
+        finally:
+            self._driving = False
+        if self._pipeline is not None and self._pipeline.finished:
+            self._pipeline = None
+
+    def _relieve(self) -> bool:
+        """(The staging pool is at its cap for a swap of the training loop.) Complete the step in
+        flight and its writes, so that its records leave memory; True if there was one."""
+        if self._pipeline is None or self._driving:
+            return False
+        self.wait_all()
+        for i in self.trainable:
+            self._settle_group(i)
+        return True
+
+    def claim(self, members: list[int], ahead: bool) -> None:
+        """(``nvme``) Start reading sub-group ``members``' records for the step; kept in memory
+        until :meth:`send_out` (not given back by the parameter offload's settling)."""
+        for i in members:
+            for record in self._records(i):
+                record.claimed = True
+            for record in self._records(i):
+                record.swap_in(ahead=ahead)
+
+    def keep_resident(self, members: list[int]) -> None:
+        """(``nvme``) Keep those of ``members``' records that are still in memory (a gradient shard
+        whose write behind is in flight) there for the step, instead of reading them back later."""
+        for i in members:
+            for record in self._records(i):
+                if record.resident:
+                    record.claimed = True
+                    record.keep_ahead()
+
+    def reads_complete(self, members: list[int]) -> bool:
+        """(``nvme``) Whether the reads of ``members``' records have completed (no wait)."""
+        return all(record.read_complete for i in members for record in self._records(i))
+
+    def make_resident(self, members: list[int]) -> None:
+        """(``nvme``) ``members``' records in memory now: read again if a read ahead was given up
+        under staging pressure, and every read completed."""
+        self._bring_in(members)
+        for i in members:
+            self._settle_group(i)
+
+    def settle(self, members: list[int]) -> None:
+        """Complete the transfers of ``members``' records (their writes behind)."""
+        for i in members:
+            self._settle_group(i)
+
+    def release_unstepped(self, members: list[int]) -> None:
+        """(After a failed step) give ``members``' records back unwritten: their files still hold
+        the state before the step; the gradients are dropped."""
+        for i in members:
+            for record in self._records(i):
+                record.settle()
+                record.swap_out(write=False)
+                record.claimed = False
 
     def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """(``nvme``) Make ``optimizer.zero_grad`` discard the gradients accumulated for its
@@ -260,17 +382,20 @@ class OptimizerOffload:
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
-    def _subgroups(self, indices: list[int]) -> list[list[int]]:
+    def _subgroups(self, units: list[list[int]], split_units: bool) -> list[list[int]]:
+        """Consecutive groups packed into sub-groups of at most ``sub_group_size`` elements (a
+        larger group alone); with ``split_units``, never two units' groups in one."""
         out: list[list[int]] = []
         size = 0
-        for i in indices:
-            n = self.groups[i].shard_numel
-            if out and size + n <= self.config.sub_group_size:
-                out[-1].append(i)
-                size += n
-            else:
-                out.append([i])
-                size = n
+        for unit in units:
+            for k, i in enumerate(unit):
+                n = self.groups[i].shard_numel
+                if out and size + n <= self.config.sub_group_size and (k > 0 or not split_units):
+                    out[-1].append(i)
+                    size += n
+                else:
+                    out.append([i])
+                    size = n
         return out
 
     def _record(self, key: str, group: FlatGroup, which: str) -> SwapRecord:
@@ -293,15 +418,18 @@ class OptimizerOffload:
         for record in self._records(i):
             record.settle()
 
-    def _send_out(self, optimizer: torch.optim.Optimizer, i: int) -> None:
+    def send_out(self, optimizer: torch.optim.Optimizer, i: int) -> None:
+        """After group ``i``'s step: its new values where the next forward reads them (the compute
+        shard on the device, a host or NVMe compute copy, its shard's record), and with ``nvme``
+        its master and states written out (behind) and its consumed gradient dropped."""
         group = self.groups[i]
         if i not in self._shared:  # a shared record: the stepped master is the shard already
             if self.params is not None:
                 self.params.will_overwrite(group)
             # The compute-dtype shard the next forward gathers (on the device: through the copy
-            # stream, overlapping the next sub-group's step; the engine orders compute after it).
+            # stream, overlapping the next sub-group's step; compute waits for it on the device).
             if group.master is not group.shard:  # stepped in place beside a host copy
-                group.transfers.copy_to_device(group.shard, group.master)
+                group.transfers.wait_on_device(group.transfers.copy_to_device(group.shard, group.master))
             group.shard_changed()
         if self.params is not None:
             self.params.changed(group)
@@ -313,9 +441,13 @@ class OptimizerOffload:
             state.swap_out()
         if i in self._grads:
             self._grads[i].swap_out(write=False)  # consumed by the step
+        for record in self._records(i):
+            record.claimed = False
 
     def settle_all(self) -> None:
-        """Complete every transfer in flight (before a checkpoint, at the end of a step)."""
+        """Complete the step in flight and every transfer in flight (before a checkpoint, at the
+        end of training)."""
+        self.wait_all()
         for i in self.trainable:
             self._settle_group(i)
 
@@ -328,6 +460,7 @@ class OptimizerOffload:
         afterwards swapped out again, and rewritten only if ``write_back`` (they were loaded into;
         the optimizers' state tensors may then be new objects, which are picked up).
         """
+        self.wait_all()
         if not self.nvme:
             yield
             return
@@ -448,15 +581,3 @@ def _per_element_states(optimizer: torch.optim.Optimizer) -> Optional[list[list[
         return None
     return [[(name, value.dtype) for name, value in twin.state.get(p, {}).items()
              if isinstance(value, Tensor) and value.shape == p.shape] for p in probes]
-
-
-def _step_restricted(optimizer: torch.optim.Optimizer, raw_step, fragments: dict[int, Tensor]) -> None:
-    """Run the optimizer's own step function (without its hooks) on ``fragments`` only."""
-    saved = [group["params"] for group in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in fragments]
-        raw_step(optimizer)
-    finally:
-        for group, params in zip(optimizer.param_groups, saved):
-            group["params"] = params

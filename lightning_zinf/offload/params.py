@@ -21,7 +21,7 @@ the optimizer on NVMe it is the master itself (one record for both).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -44,6 +44,9 @@ class ParamOffload:
         self.space = space
         self._shards: dict[int, SwapRecord] = {}
         self._copies: dict[int, SwapRecord] = {}  # compute copies, by group
+        # Whether an optimizer step in flight will rewrite a group's shard (offload.stepping): a
+        # read ahead of it would read values about to be replaced.
+        self.rewrites: Callable[[FlatGroup], bool] = lambda group: False
 
     @staticmethod
     def planned_bytes(shards: Iterable[tuple[torch.dtype, torch.dtype, int]]) -> int:
@@ -83,9 +86,11 @@ class ParamOffload:
         return copy if copy is not None else self._shards[id(group)]
 
     def read_ahead(self, groups: Iterable[FlatGroup]) -> None:
-        """Start reading what these groups' gathers for compute read (they are gathered soon)."""
+        """Start reading what these groups' gathers for compute read (they are gathered soon),
+        unless an optimizer step in flight rewrites it first (:attr:`rewrites`)."""
         for group in groups:
-            self._source(group, read=False).swap_in(ahead=True)
+            if not self.rewrites(group):
+                self._source(group, read=False).swap_in(ahead=True)
 
     def acquire(self, group: FlatGroup, read: bool = False) -> None:
         """What the gather reads in memory now (before it starts): the shard for a gather for
@@ -129,8 +134,11 @@ class ParamOffload:
 
     def settle_all(self) -> None:
         """Complete every transfer in flight, and free shards and copies read ahead for gathers
-        that did not happen (the trace changed); their files are current."""
+        that did not happen (the trace changed); their files are current. A shard that is also an
+        optimizer step's master record held by a step in flight is left to that step."""
         for record in [*self._shards.values(), *self._copies.values()]:
+            if record.claimed:
+                continue
             record.settle()
             if record.resident:
                 record.swap_out(write=False)

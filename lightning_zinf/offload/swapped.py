@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -70,6 +70,10 @@ class SwapSpace:
         self._writing: collections.deque[SwapRecord] = collections.deque()
         self._ahead: list[SwapRecord] = []
         self._uncapped = 0
+        # Called when the cap is reached and nothing else gives a buffer back: completes an
+        # optimizer step in flight (offload.stepping), whose records then leave memory; True if
+        # it did anything.
+        self.relieve: Optional[Callable[[], bool]] = None
 
     def take(self, nbytes: int, key: str, optional: bool = False) -> Optional[Tensor]:
         """A staging buffer of at least ``nbytes`` bytes for record ``key``; ``optional`` (a read
@@ -96,6 +100,8 @@ class SwapSpace:
                 continue
             if optional:
                 return None
+            if self.relieve is not None and self.relieve():
+                continue
             raise SwapError(
                 f"NVMe staging memory exhausted: swapping in {key!r} needs {nbytes} bytes while "
                 f"{self.pool.in_use} of the cap of {self.pool.cap} bytes are in use by records "
@@ -152,11 +158,19 @@ class SwapRecord:
         self._write = None
         self._read = None
         self.ahead = False  # swapped in ahead of need and not used since
+        # Held for an optimizer step in flight (offload.stepping): another thread may be reading or
+        # writing its memory, so settling the parameter offload must leave it alone.
+        self.claimed = False
 
     @property
     def resident(self) -> bool:
         """A staging buffer holds the record (possibly still being read or written)."""
         return self._buffer is not None
+
+    @property
+    def read_complete(self) -> bool:
+        """No read of the record is in flight, or it has completed (:meth:`settle` then does not wait)."""
+        return self._read is None or self._read.done()
 
     @property
     def writing(self) -> bool:
@@ -255,6 +269,17 @@ class SwapRecord:
             self.space.read_ahead(self)
         if read:
             self._read = self.space.swapper.read(self.key, self._buffer[: self.nbytes])
+
+    def keep_ahead(self) -> None:
+        """Keep a record that is in memory (or being written) there, as if read ahead of need: its
+        write, if any, is completed, and it is given up first under staging pressure."""
+        if self._buffer is None:
+            return
+        if self._write is not None:
+            self._write.wait()
+            self._write = None
+        self.ahead = True
+        self.space.read_ahead(self)
 
     def give_up(self) -> None:
         """Undo a swap in made ahead of need (staging memory is needed elsewhere); the file is current."""
