@@ -10,7 +10,8 @@ while rank 1 sleeps outside any collective), ``rank_only_first`` / ``rank_only_l
 alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
 (the same in validation / in ``trainer.predict``),
 ``generation_rank0_only`` (from step 2 rank 0 alone enters ``strategy.generation()``),
-``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
+``step_raise`` (with the optimizer offloaded to the CPU, its update raises on rank 1 in the step
+in the background), ``corrupt`` (resume from ``OUT/ckpt`` after rank 1's shard file was damaged), ``save`` (train and
 save ``OUT/ckpt``), ``fabric_raise`` (a Fabric loop whose rank 1 raises), ``fabric_rank0_forward`` (a
 Fabric loop whose rank 0 alone runs the model while rank 1 waits in ``fabric.barrier()``).
 """
@@ -79,8 +80,23 @@ class Lit(L.LightningModule):
     def predict_step(self, batch, batch_idx):
         return self(batch[0], SCENARIO == "rank_only_predict" and self.global_rank == 0)
 
+    def on_train_batch_start(self, batch, batch_idx):
+        if SCENARIO == "step_raise":
+            self.trainer.optimizers[0].boom = self.global_rank == 1 and self.global_step == 2
+
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return _FailingSGD(self.parameters(), lr=0.1)
+
+
+class _FailingSGD(torch.optim.SGD):
+    """SGD whose update raises while ``boom`` is set and it has gradients to apply."""
+
+    boom = False
+
+    def step(self, closure=None):
+        if self.boom and any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            raise ValueError("boom in rank 1's optimizer step")
+        return super().step(closure)
 
 
 def fabric_main() -> None:
@@ -114,7 +130,8 @@ def main() -> None:
     (OUT / f"pid{os.environ.get('LOCAL_RANK', '0')}").write_text(str(os.getpid()))
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
     trainer = L.Trainer(
-        strategy=ZeroInfinityStrategy(timeout=timedelta(seconds=20), prefetch={"persistence_threshold": 0}),
+        strategy=ZeroInfinityStrategy(timeout=timedelta(seconds=20), prefetch={"persistence_threshold": 0},
+                                      offload={"optimizer": "cpu"} if SCENARIO == "step_raise" else None),
         accelerator="cpu", devices=2, max_steps=4 if SCENARIO != "save" else 2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2 if SCENARIO == "rank_only_validation" else 0, val_check_interval=2,

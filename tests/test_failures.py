@@ -103,6 +103,19 @@ def test_an_exception_on_one_rank_ends_every_rank_with_its_message(tmp_path: Pat
     assert wall < 45
 
 
+def test_an_exception_in_the_offloaded_step_in_the_background_ends_every_rank_with_its_message(tmp_path: Path) -> None:
+    """The optimizer's update raises on rank 1 alone, in the step running in the background
+    (``overlap_step``): rank 1 raises it at its next wait (the next forward's first gather), and
+    rank 0, blocked in that gather's collective, is ended with the message."""
+    results, wall = _run_ranks("step_raise", tmp_path)
+    for code, err in results:
+        assert code == 1
+        assert "ValueError: boom in rank 1's optimizer step" in err, err[-3000:]
+    assert "in wait_stepped" in results[1][1], results[1][1][-3000:]  # raised at the wait, not in step()
+    assert "lightning_zinf: the run failed first: rank 1: ValueError: boom" in results[0][1]
+    assert wall < 45
+
+
 def test_an_exception_in_a_fabric_loop_ends_every_rank_with_its_message(tmp_path: Path) -> None:
     """No Trainer to call ``on_exception``: the uncaught exception itself is reported."""
     results, wall = _run_ranks("fabric_raise", tmp_path)

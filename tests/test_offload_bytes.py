@@ -66,31 +66,39 @@ def _zero_offload_group(reduce_dtype: torch.dtype) -> FlatGroup:
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 def test_a_zero_offload_step_moves_2_bytes_down_and_the_gradient_up_per_parameter(reduce_dtype) -> None:
     """Per parameter and step: the gradient's bytes in ``reduce_dtype`` up (4 or 2) and 2 bytes of
-    updated bf16 values down; the device holds the 2-byte copy only, the host the fp32 master,
-    stepped as torch's AdamW steps the same values. Fails on the code before: the device kept an
-    fp32 shard the step sent 4 bytes per parameter into, and a bf16 gradient went up cast to fp32."""
+    updated bf16 values down, which compute waits for on the device (after the compute queued
+    before, which may read the old copy); the device holds the 2-byte copy only, the host the fp32
+    master, stepped as torch's AdamW steps the same values over two steps (the second gradient
+    replaces the first one, consumed). Fails on the code before: the device kept an fp32 shard the
+    step sent 4 bytes per parameter into, and a bf16 gradient went up cast to fp32."""
     group = _zero_offload_group(reduce_dtype)
-    start = group.shard.clone()
+    streams = group.transfers.streams
+    reference = nn.Parameter(group.shard.clone())
     offload = OptimizerOffload([group], OffloadConfig(optimizer="cpu"))
     offload.place_masters(lambda g: nullcontext())
     assert group.master is group.shard and group.shard.device.type == "cpu"  # one fp32 copy: the master
     assert group.compute_shard.device == META and group.compute_shard.dtype == torch.bfloat16
     optimizer = torch.optim.AdamW(group.fragments, lr=1e-2)
-    grads = torch.randn(group.shard_numel).to(reduce_dtype)
+    expected = torch.optim.AdamW([reference], lr=1e-2)
     numel = group.shard_numel
-    with LinkObserver(grads) as link:
-        reduced = torch.empty(numel, dtype=reduce_dtype, device=META)
-        group.accumulate(reduced, [True, True])
-        group.finish_host_grads()
-        group.expose_grads([True, True])
-        offload.step(optimizer)
-        offload.wait_all()  # the step runs in the background (overlap_step)
-    assert link.up == numel * reduce_dtype.itemsize
-    assert link.down == numel * 2
-    reference = nn.Parameter(start.clone())
-    reference.grad = grads.float()
-    torch.optim.AdamW([reference], lr=1e-2).step()
-    assert torch.equal(group.master, reference.detach())
+    for step in range(2):
+        grads = torch.randn(numel).to(reduce_dtype)
+        with LinkObserver(grads) as link:
+            reduced = torch.empty(numel, dtype=reduce_dtype, device=META)
+            group.accumulate(reduced, [True, True])
+            group.finish_host_grads()
+            group.expose_grads([True, True])
+            queued = streams.compute_work()  # compute that may still read the old copy
+            offload.step(optimizer)
+            offload.wait_all()  # the step runs in the background (overlap_step)
+        assert link.up == numel * reduce_dtype.itemsize
+        assert link.down == numel * 2
+        stream, clock = streams.blocks[-1]
+        assert stream == "copy0" and clock["compute"] == queued  # the copy waited for that compute
+        assert streams.compute.clock["copy0"] == clock["copy0"]  # and compute waits for the copy
+        reference.grad = grads.float()
+        expected.step()
+        assert torch.equal(group.master, reference.detach()), step
 
 
 def test_a_device_master_reaches_its_host_tier_shard_without_blocking_the_host() -> None:

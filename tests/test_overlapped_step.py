@@ -155,3 +155,34 @@ def test_an_exception_in_the_step_in_the_background_is_raised_at_the_next_wait_o
         got = run_distributed(_fail_at_step_2, 2, {"param": tier, "optimizer": tier, "nvme_path": str(nvme),
                                                    "overlap_step": overlap_step})
         assert got == [[*where, "boom: the optimizer's step failed"]] * 2, got
+
+
+def _full_state_after_each_step(rank: int, world: int, nvme: str, overlap_step: bool) -> list:
+    from lightning_zinf.checkpoint.full import trainable_state_dict
+
+    torch.manual_seed(0)
+    model = models.GPT(d=64).to(torch.bfloat16)  # bf16 shards: the master is a record of its own
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme,
+                                              overlap_step=overlap_step, sub_group_size=3_000))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    states = []
+    for step in range(3):
+        x, y = models.make_batch("gpt", step, BATCH)
+        models.loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        states.append(trainable_state_dict(engine, rank0_only=False))  # right after the step
+    engine.release_all()
+    return states
+
+
+def test_a_full_state_dict_right_after_the_step_waits_for_it(tmp_path: Path) -> None:
+    """A full state dict of the trainable parameters taken right after ``optimizer.step()`` (what
+    ModelCheckpoint and ``fabric.save`` do with ``state_dict_type="full"``) holds the stepped
+    values, as after a synchronous step: its read waits for the step in flight before any shard
+    is swapped in (it failed with an empty shard when the wait came later)."""
+    got, want = (run_distributed(_full_state_after_each_step, 1, str(tmp_path / str(flag)), flag)[0]
+                 for flag in (True, False) if (tmp_path / str(flag)).mkdir() is None)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)

@@ -69,6 +69,7 @@ class StateAccess:
         otherwise); ``write_back``: they were modified (a load, an edit), so write them out
         afterwards, and drop their hpZ secondary partitions (which hold the old values). For
         checkpoints and edits: one group at a time keeps memory to one group's state."""
+        self._wait_for_step()
         self._settle()
         self.transfers.host_wait_h2d()  # the host may write host-tier shards a gather still reads
         groups = self.groups if groups is None else groups
@@ -91,6 +92,12 @@ class StateAccess:
                         group.shard_changed()
                         group.drop_secondary()
 
+    def _wait_for_step(self) -> None:
+        # An offloaded step still running in the background (overlap_step) rewrites shards, masters
+        # and states: complete it before anything reads or writes them.
+        if self.offload is not None:
+            self.offload.wait_all()
+
     @contextmanager
     def gathered(self, write_back: bool = False) -> Iterator[None]:
         """Gather every unit for the duration of the block (like FSDP's ``summon_full_params``),
@@ -101,6 +108,7 @@ class StateAccess:
             write_back: Copy edits made to the full parameters inside the block back into the shards
                 on exit. Every rank must make the same edits.
         """
+        self._wait_for_step()
         self._settle()
         units = list(self.units)
         for unit in units:
@@ -125,6 +133,7 @@ class StateAccess:
     def begin_unit_access(self) -> None:
         """Finish every collective and swap in flight before code reads or writes parameters unit
         by unit (:meth:`hold_exact`); call once per traversal, not per unit."""
+        self._wait_for_step()
         self._settle()
 
     def hold_exact(self, unit: Unit) -> None:

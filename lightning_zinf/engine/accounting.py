@@ -128,8 +128,9 @@ class MemoryAccounting:
             add("optimizer", group.master)
             add("grad_shards", group.grad_shard)
         for optimizer in self.optimizers:
-            for state in optimizer.state.values():
-                for value in state.values():
+            # Snapshots: a step in the background (offload.stepping) may be adding states now.
+            for state in list(optimizer.state.values()):
+                for value in list(state.values()):
                     if isinstance(value, Tensor):
                         add("optimizer", value)
         if self.param_offload is not None:

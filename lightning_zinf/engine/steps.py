@@ -150,7 +150,10 @@ class OptimizerSteps:
 
     def master_fragments(self) -> list[Tensor]:
         """This rank's fp32 master fragments (1-D), as the sharded optimizer holds them (those of
-        groups frozen again included: they have no gradient)."""
+        groups frozen again included: they have no gradient); an offloaded step in flight is
+        completed first."""
+        if self.offload is not None:
+            self.offload.wait_all()
         return [f for g in self.groups for f in g.fragments]
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:

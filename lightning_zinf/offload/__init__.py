@@ -10,8 +10,9 @@ What the engine calls: :class:`~lightning_zinf.offload.params.ParamOffload` swap
 shards in before a gather (``acquire``, called by the unit state machine's ``start_gather``) and
 reads the next ones ahead; :class:`~lightning_zinf.offload.optimizer.OptimizerOffload` keeps fp32
 masters, gradient shards and optimizer states on the CPU or NVMe and steps them sub-group by
-sub-group; :class:`~lightning_zinf.offload.activations.ActivationOffload` keeps saved activations
-in host memory.
+sub-group, in the background while the next forward runs
+(:class:`~lightning_zinf.offload.stepping.StepPipeline`);
+:class:`~lightning_zinf.offload.activations.ActivationOffload` keeps saved activations in host memory.
 """
 
 from lightning_zinf.offload.swapper import AioConfig, IoHandle, NvmeSwapper, SwapError, aligned_empty

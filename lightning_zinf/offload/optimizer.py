@@ -33,6 +33,7 @@ from torch import Tensor
 from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import local_grad_sq_norm
+from lightning_zinf.engine.transfer import is_accelerator
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.offload.stepping import StepPipeline
 from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
@@ -249,7 +250,7 @@ class OptimizerOffload:
         subgroups = self._subgroups(units, split_units=overlapped)
         ahead = len(subgroups) if not self.nvme else int(self.config.overlap)
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-step")
+            self._worker = _worker(self.groups[0].device if self.groups else torch.device("cpu"))
         self._pipeline = StepPipeline(self, optimizer, subgroups, owned, self._worker, read_ahead=ahead,
                                       write_behind=2 if self.config.overlap else 0)
         self.pump()
@@ -306,6 +307,8 @@ class OptimizerOffload:
         try:
             advance()
         except BaseException:
+            if self._pipeline is not None:
+                self._pipeline.abort()  # nothing left running or claimed
             self._pipeline = None  # the step ended with its error: raised once, here
             raise
         finally:
@@ -550,6 +553,16 @@ class OptimizerOffload:
                 else:
                     nvme += record.nbytes
         return {"cpu": cpu, "nvme": nvme}
+
+
+def _worker(device: torch.device) -> ThreadPoolExecutor:
+    """The thread that runs the offloaded step's arithmetic. Its current accelerator device is the
+    engine's: a new thread starts on device 0, and an optimizer's step may touch the current
+    stream (torch's graph-capture check), which would create a context on another rank's device."""
+    if is_accelerator(device) and device.index is not None:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-step",
+                                  initializer=torch.accelerator.set_device_index, initargs=(device.index,))
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="zinf-step")
 
 
 def _fp32_regions(which: str, group: FlatGroup) -> list[tuple[str, torch.dtype, int]]:

@@ -31,7 +31,7 @@ learn it from the failure channel, :mod:`lightning_zinf.comm.watch`).
 from __future__ import annotations
 
 import collections
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -228,7 +228,7 @@ class StepPipeline:
             self.futures[k].result()
         except BaseException as error:
             self.error = error
-            self._abandon(k)
+            self.abort()
             raise
         for i in self.subgroups[k]:
             self.offload.send_out(self.optimizer, i)
@@ -238,22 +238,33 @@ class StepPipeline:
             self.offload.settle(self.subgroups[k - self.write_behind])
         self.stage[k] = _DONE
 
-    def _abandon(self, failed: int) -> None:
-        """After a failed sub-group: what was handed to the worker is waited for, what was stepped
-        is sent out, and every record read for the step is given back unwritten; the step ends."""
+    def abort(self) -> None:
+        """End the step after an error (the optimizer's, a swap's, an interrupted wait): every
+        sub-group handed to the worker is waited for (its memory may not be reused under it); those
+        it stepped are sent out as usual where that works, the others' records given back
+        unwritten (their files keep the state before the step; the gradients are dropped).
+        Idempotent."""
+        submitted = [f for k, f in enumerate(self.futures) if f is not None and self.stage[k] != _DONE]
+        while True:  # not even an interrupt may leave the worker stepping memory that is given back
+            try:
+                wait(submitted)
+                break
+            except BaseException:  # noqa: S112  (KeyboardInterrupt: wait again, then it propagates)
+                continue
         for k in range(len(self.subgroups)):
-            if k != failed and self.stage[k] == _STEPPING:
-                try:
-                    self.futures[k].result()
+            if self.stage[k] == _DONE:
+                continue
+            future = self.futures[k]
+            stepped = future is not None and future.exception() is None
+            self.stage[k] = _DONE
+            try:
+                if stepped:
                     for i in self.subgroups[k]:
                         self.offload.send_out(self.optimizer, i)
-                    self.stage[k] = _DONE
                     continue
-                except BaseException:  # the first error is the one raised
-                    pass
-            if self.stage[k] != _DONE:
-                self.offload.release_unstepped(self.subgroups[k])
-                self.stage[k] = _DONE
+            except BaseException:  # the first error is the one raised
+                pass
+            self.offload.release_unstepped(self.subgroups[k])
         self._done = len(self.subgroups)
 
 
