@@ -251,7 +251,37 @@ class FlatGroup:
         shard = self.shard if self.compute_shard is None else self.compute_shard
         return shard if shard.device == self.device else None
 
-    def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False) -> Handle:
+    def stage_source(self) -> tuple[Tensor, ...]:
+        """What a gather for compute of this group copies from host memory to the device: its
+        frozen codes and scales, or its :attr:`compute_shard` copy (else the shard); empty when
+        that gather reads device memory only (a device-resident shard, an hpZ secondary
+        partition, a qwZ row kept by a generation phase) or copies do not overlap (a CPU device)."""
+        if self.secondary is not None or self.qwz_row is not None or not self.transfers.overlapped:
+            return ()
+        stored = (self.codes, self.scales) if self.codes is not None else (
+            self.shard if self.compute_shard is None else self.compute_shard,)
+        return stored if stored[0].device != self.device else ()
+
+    def stage(self) -> tuple[Tensor, ...]:
+        """Start copying :meth:`stage_source` to the device on the copy stream, ahead of the
+        gather that reads it (ZeRO-Infinity's overlap-centric prefetch, SC'21 §6.2: the link
+        works for units further ahead than the gather buffers): pass the result to
+        :meth:`start_gather` as ``staged``. The copies are the copy stream's memory and wait for
+        no compute; nothing else reads them before that gather, queued behind them on the same
+        stream. Valid while the host tensors are unchanged: drop them before a step, load or edit.
+
+        Returns:
+            The device copies (1/W of the unit each, in the dtype they have on the host), or
+            ``()`` when there is nothing to copy.
+        """
+        source = self.stage_source()
+        if not source:
+            return ()
+        with self.transfers.on_copy_stream():
+            return tuple(self.transfers.to_device(t) for t in source)
+
+    def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False,
+                     staged: tuple[Tensor, ...] = ()) -> Handle:
         """Allocate the gather buffer and start all-gathering into it (asynchronously).
 
         For compute (default): into :attr:`full`, in ``compute_dtype``, from the hpZ secondary
@@ -259,6 +289,8 @@ class FlatGroup:
         ``compute_dtype`` first, or their :attr:`compute_shard` copies), as INT8 codes and scales
         with ``quantized`` (qwZ).
         With ``read``: the exact values, from the shards, in the parameters' dtype.
+        ``staged``: :meth:`stage`'s device copies of this group's host-side source, read instead
+        of copying it again (a gather for compute of a host-tier shard; ignored otherwise).
         """
         target = self._activate(read)
         fresh = target.untyped_storage().nbytes() == 0  # else a gathered unit refills its buffer as it is
@@ -285,7 +317,8 @@ class FlatGroup:
             if fresh:
                 self._allocate(target)
                 self._copy_owned.append(target)
-            handle, staged = self._gather_from_stored(target, shard, quantized and not read)
+            handle, staged = self._gather_from_stored(target, shard, quantized and not read,
+                                                      () if read or from_secondary else staged)
         if fresh:
             self.transfers.for_compute(target)
         return self.transfers.hold(handle, *staged)
@@ -302,13 +335,15 @@ class FlatGroup:
             self.transfers.done_with(nbytes)
         buffer.untyped_storage().resize_(0)
 
-    def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool) -> tuple[Handle, tuple[Tensor, ...]]:
+    def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool,
+                            staged: tuple[Tensor, ...] = ()) -> tuple[Handle, tuple[Tensor, ...]]:
+        # ``staged``: the device copies of what would be copied here (stage()), made earlier on this stream.
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
-            codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
+            codes, scales = staged or (self.transfers.to_device(self.codes), self.transfers.to_device(self.scales))
             return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
         if quantized and self.qwz_row is not None:  # kept by a generation phase: the shard is not read
             return self.comm.all_gather_quantized(target, shard, async_op=True, row=self.qwz_row), (self.qwz_row,)
-        shard = self.transfers.to_device(shard)
+        shard = staged[0] if staged else self.transfers.to_device(shard)
         if quantized:
             row = self.comm.quantized_row(shard)
             if self.keeps_qwz_row:

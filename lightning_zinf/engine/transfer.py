@@ -30,6 +30,10 @@ Memory safety, as the caching allocators see it (FSDP's copy-stream rules):
   their own in the caching allocator (as FSDP1's all-gather stream's);
 - a device tensor read by a copy stream is recorded on it (``record_stream``), so the allocator
   does not hand its memory out again before the copy is done;
+- a copy made ahead of the gather that reads it (:mod:`lightning_zinf.engine.copies`) is read only
+  by later work of the same copy stream (and the collective issued from it) until that gather is
+  waited for, when it is recorded on the compute stream as above; one dropped unread (a pass
+  ended) was used by the copy stream alone, so its memory is that stream's again at once;
 - a page-locked host tensor used by a non-blocking copy is kept by torch's caching host allocator
   until that copy's event completes, so a transient staging buffer may be dropped right away. That
   allocator rounds every block up to a power of two: page-locked host memory can be up to twice
