@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_zinf import OffloadConfig
+from lightning_zinf import OffloadConfig, ZeroEngine
 from lightning_zinf.comm.collectives import Collectives
 from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
 from lightning_zinf.engine.agreement import RankAgreement
@@ -45,10 +45,12 @@ class CopyObserver(TorchDispatchMode):
     result of its inputs): its bytes and liveness (weakly held), and, for a copy of a host tensor
     to the device, which host tensor it read and the copy stream's position after its block."""
 
-    def __init__(self, streams: RecordingStreams, sources: dict[int, int]) -> None:
+    def __init__(self, streams: RecordingStreams, sources: dict[int, int], keep: bool = False) -> None:
         super().__init__()
         self.streams = streams
         self.sources = sources  # storage of a host shard -> its unit
+        # Keep the copies alive (``keep``): their storages then stay distinct within a pass.
+        self.kept: list[torch.Tensor] | None = [] if keep else None
         self.allocated: list[tuple[weakref.ref, int]] = []
         self.copies: list[tuple[int, int, int]] = []  # (unit, copy-stream block, storage of the copy)
         self.peak = 0
@@ -66,6 +68,8 @@ class CopyObserver(TorchDispatchMode):
             if source is not None and source.device == CPU and out.device == META:
                 unit = self.sources[source.untyped_storage()._cdata]
                 self.copies.append((unit, stream.clock[stream.name], storage._cdata))
+                if self.kept is not None:
+                    self.kept.append(out)
             self.peak = max(self.peak, self.live_bytes())
         return out
 
@@ -78,7 +82,7 @@ class OffloadedLayers:
     linear layers on ``meta`` whose shards live in host memory, each layer a unit, with
     recording streams; ``bucket_size`` one unit (one unit gathered ahead)."""
 
-    def __init__(self, copy_ahead: int, compute_dtype: torch.dtype) -> None:
+    def __init__(self, copy_ahead: int, compute_dtype: torch.dtype, keep_copies: bool = False) -> None:
         self.streams = RecordingStreams()
         transfers = Transfers(META, streams=self.streams)
         comm = Collectives()
@@ -105,8 +109,9 @@ class OffloadedLayers:
                                  states=self.states, tracer=tracer, comm=comm, pool=pool, prefetch=prefetch,
                                  mixed_precision=MixedPrecisionConfig(), param_offload=None, read_ahead=0,
                                  begin_pass=None, meet=self.agreement.waypoint, copy_ahead=copy_ahead)
-        self.observer = CopyObserver(self.streams, self.sources)
-        self.work: list[tuple[str, int, dict[str, int], int, int]] = []  # (pass, unit, compute clock, copies, staged)
+        self.observer = CopyObserver(self.streams, self.sources, keep=keep_copies)
+        # (pass, unit, compute clock, copies queued, record_stream calls so far)
+        self.work: list[tuple[str, int, dict[str, int], int, int]] = []
         for i, layer in enumerate(self.layers):
             # Registered after the schedule's hooks, so they run after them: the unit's kernels,
             # queued once its gather was waited for (in backward: a gradient hook on the outputs,
@@ -120,8 +125,9 @@ class OffloadedLayers:
     def _compute(self, kind: str, unit: int) -> None:
         self.streams.compute_work()
         self.work.append((kind, unit, dict(self.streams.compute.clock), len(self.observer.copies),
-                          self.ledger.now["staged"]))
-        assert self.observer.live_bytes() == self.ledger.now["staged"], (kind, unit)
+                          len(self.streams.recorded)))
+        if self.observer.kept is None:
+            assert self.observer.live_bytes() == self.ledger.now["staged"], (kind, unit)
 
     def step(self) -> None:
         """One training pass (forward and backward), starting as the engine starts a pass."""
@@ -130,6 +136,9 @@ class OffloadedLayers:
         self.agreement.begin_pass("train", True, None)
         self.work.clear()
         self.observer.copies.clear()
+        self.streams.recorded.clear()
+        if self.observer.kept is not None:
+            self.observer.kept.clear()
         x = torch.randn(4, WIDTH, device=META, requires_grad=True)
         with self.observer:
             for layer in self.layers:
@@ -157,9 +166,9 @@ def test_the_link_works_units_ahead_of_compute(compute_dtype: torch.dtype) -> No
     """With one unit gathered ahead (the bucket) and two more units' shards within
     ``copy_ahead``, when the compute of unit k waits for its gather the shards of units k+1..k+3
     are already queued on the copy stream, forward and backward (each unit is copied again for
-    its backward, after its release); without copying ahead only unit k+1's is (the old code's
-    distance, which left the link idle once compute caught up). Every copy is queued once per
-    use, and no copy waits for compute."""
+    its backward, after its release), and the last unit's copy for backward before its forward
+    runs; without copying ahead only unit k+1's is (the old code's distance: the link worked one
+    unit ahead). Every copy is queued once per use, and no copy waits for compute."""
     distance = 3
     for copy_ahead, reach in ((_staged_bytes(compute_dtype, 2), distance), (0, 1)):
         run = OffloadedLayers(copy_ahead, compute_dtype)
@@ -172,6 +181,10 @@ def test_the_link_works_units_ahead_of_compute(compute_dtype: torch.dtype) -> No
             if kind == "forward":
                 ahead = range(unit + 1, min(unit + reach, LAYERS - 1) + 1)
                 assert all(counts[j] >= 1 for j in ahead), (copy_ahead, kind, unit, counts)
+                if unit == LAYERS - 1:
+                    # Its copy for backward, where it is used next, is queued before its forward
+                    # runs (without copying ahead: when backward asks for it).
+                    assert counts[unit] == (2 if copy_ahead else 1), (copy_ahead, counts)
                 # Not further: the budget holds.
                 assert all(counts[j] == 0 for j in range(unit + reach + 1, LAYERS)), (copy_ahead, kind, unit, counts)
             else:
@@ -185,24 +198,28 @@ def test_the_link_works_units_ahead_of_compute(compute_dtype: torch.dtype) -> No
 
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-mixed", "fp32"])
 def test_compute_reads_a_copy_only_after_waiting_for_it_and_records_it(compute_dtype: torch.dtype) -> None:
-    """Copied ahead or not, the compute of unit k is ordered after the copy-stream block that
-    copied unit k's shard (its last copy before that compute), and every copy a gather read is
-    recorded for the compute stream (so its memory is not reused before compute is done with it);
-    copies made ahead are never read by compute before their gather is waited for."""
-    run = OffloadedLayers(_staged_bytes(compute_dtype, 2), compute_dtype)
+    """The n-th use of unit k in a pass reads the n-th copy of its shard (one copy per use): that
+    copy was queued before the use, the compute is ordered after the copy-stream block that made it
+    (it waited for the copy's event), and the copy was recorded for the compute stream before the
+    compute (its memory is not reused before compute is done with it). A copy queued ahead of a
+    later use is not yet recorded for compute: until its gather is waited for, only the copy
+    stream uses it."""
+    run = OffloadedLayers(_staged_bytes(compute_dtype, 2), compute_dtype, keep_copies=True)
     for _ in range(3):
         run.step()
-        recorded = set(run.streams.recorded)
-        for kind, unit, clock, copies, _ in run.work:
-            mine = [(block, storage) for source, block, storage in run.observer.copies[:copies] if source == unit]
-            assert mine, (kind, unit)
-            block, storage = mine[-1]
+        uses = [0] * LAYERS
+        for kind, unit, clock, copies, recorded in run.work:
+            uses[unit] += 1
+            queued = run.observer.copies[:copies]
+            mine = [(block, storage) for source, block, storage in queued if source == unit]
+            assert len(mine) >= uses[unit], (kind, unit)
+            block, storage = mine[uses[unit] - 1]
             assert clock["copy0"] >= block, (kind, unit, clock, block)
-            assert (storage, "compute") in recorded, (kind, unit)
-        # Each copy is recorded for compute only once its gather is waited for: a copy queued ahead
-        # of the last compute and not yet gathered then is not.
-        last_copies = run.work[-1][3]
-        assert len(run.observer.copies) == last_copies
+            assert (storage, "compute") in run.streams.recorded[:recorded], (kind, unit)
+            for source, _, storage in queued:
+                later = [s for u, _, s in queued if u == source][uses[source]:]
+                if storage in later:
+                    assert (storage, "compute") not in run.streams.recorded[:recorded], (kind, unit, source)
 
 
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-mixed", "fp32"])
@@ -230,3 +247,14 @@ def test_copy_ahead_bytes_is_validated() -> None:
         with pytest.raises(ValueError, match="copy_ahead_bytes"):
             OffloadConfig(param="cpu", copy_ahead_bytes=bad)
     assert OffloadConfig(param="cpu", copy_ahead_bytes=0).copy_ahead_bytes == 0
+
+
+def test_the_engine_copies_ahead_only_host_tier_shards() -> None:
+    """The budget reaches the schedule with ``param="cpu"``, and is 0 for the other tiers (NVMe
+    shards are read ahead by ``read_ahead`` instead; device shards need no copy)."""
+    for param, want in (("cpu", 12345), ("none", 0)):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        engine = ZeroEngine(model, block_classes=[nn.Linear], device="cpu",
+                            offload=OffloadConfig(param=param, copy_ahead_bytes=12345))
+        assert engine.schedule.copy_ahead == want
+        engine.release_all()

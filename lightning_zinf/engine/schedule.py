@@ -204,7 +204,7 @@ class Schedule:
         if upcoming:
             self._gather_ahead(upcoming)
             if self.copy_ahead:
-                self._copy_ahead(upcoming)
+                self._copy_ahead(unit, upcoming)
             if self.param_offload is not None:
                 ahead = [self.units[i] for i in upcoming if self.units[i].state == RELEASED]
                 self.param_offload.read_ahead(g for u in ahead[: self.read_ahead] for g in u.groups
@@ -224,18 +224,24 @@ class Schedule:
             self.states.prefetch(unit)
             budget -= unit.numel
 
-    def _copy_ahead(self, upcoming: list[int]) -> None:
+    def _copy_ahead(self, current: Unit, upcoming: list[int]) -> None:
         """Copy the host-tier shards of the next released units of the trace to the device, as
         many units as fit ``copy_ahead`` bytes together with those copied ahead already, in trace
         order (a unit that does not fit stops it: the link's queue stays in the order of use).
         The gathers of these units, issued later by :meth:`_gather_ahead` or on demand, read the
         copies: the link then works up to ``copy_ahead`` bytes ahead of the compute stream,
-        where the gather buffers (whole units) stay within the bucket budget."""
+        where the gather buffers (whole units) stay within the bucket budget.
+
+        ``current``, the unit being acquired, counts as released at its next use in the trace
+        (the last unit of forward, used again first in backward): it is released after this use
+        unless it is persistent, kept or held for backward, so its copy for that use can start
+        now instead of when backward asks for it."""
         copies = self.states.copies
         budget = self.copy_ahead - copies.ahead_bytes
         for index in upcoming:
             unit = self.units[index]
-            if unit.state != RELEASED or copies.copied(unit.groups):
+            again = unit is current and not (unit.persistent or unit.kept or unit.held)
+            if (unit.state != RELEASED and not again) or copies.copied(unit.groups):
                 continue
             nbytes = copies.nbytes_to_copy(unit.groups)
             if nbytes == 0 or nbytes > budget:
