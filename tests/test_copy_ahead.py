@@ -52,7 +52,7 @@ class CopyObserver(TorchDispatchMode):
         # Keep the copies alive (``keep``): their storages then stay distinct within a pass.
         self.kept: list[torch.Tensor] | None = [] if keep else None
         self.allocated: list[tuple[weakref.ref, int]] = []
-        self.copies: list[tuple[int, int, int]] = []  # (unit, copy-stream block, storage of the copy)
+        self.copies: list[tuple[int, tuple[str, int], int]] = []  # (unit, (stream, block), storage of the copy)
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
@@ -67,7 +67,7 @@ class CopyObserver(TorchDispatchMode):
             source = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if source is not None and source.device == CPU and out.device == META:
                 unit = self.sources[source.untyped_storage()._cdata]
-                self.copies.append((unit, stream.clock[stream.name], storage._cdata))
+                self.copies.append((unit, (stream.name, stream.clock[stream.name]), storage._cdata))
                 if self.kept is not None:
                     self.kept.append(out)
             self.peak = max(self.peak, self.live_bytes())
@@ -202,8 +202,8 @@ def test_compute_reads_a_copy_only_after_waiting_for_it_and_records_it(compute_d
     copy was queued before the use, the compute is ordered after the copy-stream block that made it
     (it waited for the copy's event), and the copy was recorded for the compute stream before the
     compute (its memory is not reused before compute is done with it). A copy queued ahead of a
-    later use is not yet recorded for compute: until its gather is waited for, only the copy
-    stream uses it."""
+    later use is neither waited for by compute nor recorded for it yet: until its gather is
+    waited for, only the copy streams use it."""
     run = OffloadedLayers(_staged_bytes(compute_dtype, 2), compute_dtype, keep_copies=True)
     for _ in range(3):
         run.step()
@@ -213,13 +213,16 @@ def test_compute_reads_a_copy_only_after_waiting_for_it_and_records_it(compute_d
             queued = run.observer.copies[:copies]
             mine = [(block, storage) for source, block, storage in queued if source == unit]
             assert len(mine) >= uses[unit], (kind, unit)
-            block, storage = mine[uses[unit] - 1]
-            assert clock["copy0"] >= block, (kind, unit, clock, block)
+            (stream, block), storage = mine[uses[unit] - 1]
+            assert clock.get(stream, 0) >= block, (kind, unit, clock, stream, block)
             assert (storage, "compute") in run.streams.recorded[:recorded], (kind, unit)
-            for source, _, storage in queued:
+            for source, (stream, block), storage in queued:
                 later = [s for u, _, s in queued if u == source][uses[source]:]
                 if storage in later:
                     assert (storage, "compute") not in run.streams.recorded[:recorded], (kind, unit, source)
+                    # Nor does compute wait for it: a gather waits for the copy it reads, not for
+                    # the later units' copies queued before it was issued.
+                    assert clock.get(stream, 0) < block, (kind, unit, source, clock, stream, block)
 
 
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-mixed", "fp32"])

@@ -8,7 +8,10 @@ move shards further ahead than the gathers themselves: a shard is 1/W of its uni
 next units' shards ahead (:meth:`DeviceCopies.copy_ahead`, within a byte budget) costs little
 device memory, while gathering them ahead would cost whole units. The gather then reads the
 copy (:meth:`~lightning_zinf.engine.flat.FlatGroup.start_gather`'s ``staged``) instead of
-waiting for the link.
+waiting for the link. Shards' copies, made ahead or by the gather, run on a copy stream of
+their own (:meth:`~lightning_zinf.engine.transfer.Transfers.copy_ahead`), in the order of use: a
+gather, and the compute that waits for it, wait for the copy they read, not for the later units'
+copies queued before the gather was issued.
 
 Every such device copy is accounted in the ledger under ``"staged"``: copied ahead and not yet
 gathered, and held by a gather in flight.
@@ -23,7 +26,7 @@ from torch import Tensor
 from lightning_zinf.comm import Handle
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.transfer import HeldUntilWait
+from lightning_zinf.engine.transfer import CopiedAhead, HeldUntilWait
 
 __all__ = ["DeviceCopies", "copies_nbytes"]
 
@@ -52,7 +55,7 @@ class DeviceCopies:
     def __init__(self, ledger: MemoryLedger) -> None:
         self.ledger = ledger
         self.ahead_bytes = 0
-        self._ahead: dict[int, tuple[Tensor, ...]] = {}  # by id of the group
+        self._ahead: dict[int, CopiedAhead] = {}  # by id of the group
         self._held: dict[int, int] = {}  # bytes held, by id of the gather's handle
 
     @staticmethod
@@ -70,18 +73,18 @@ class DeviceCopies:
         for group in groups:
             if id(group) in self._ahead:
                 continue
-            copies = group.stage()
-            if copies:
-                self._ahead[id(group)] = copies
-                self._add(copies_nbytes(copies))
+            copied = group.stage()
+            if copied is not None:
+                self._ahead[id(group)] = copied
+                self._add(copies_nbytes(copied.tensors))
 
     def start_gather(self, group: FlatGroup, quantized: bool = False, from_secondary: bool = True,
                      read: bool = False) -> Handle:
         """``group.start_gather`` reading the copy made ahead of it, if any; what the gather then
         holds on the device until it is waited for is accounted until :meth:`waited`."""
-        staged = self._ahead.pop(id(group), ())
-        if staged:
-            self._add(-copies_nbytes(staged))
+        staged = self._ahead.pop(id(group), None)
+        if staged is not None:
+            self._add(-copies_nbytes(staged.tensors))
         handle = group.start_gather(quantized, from_secondary=from_secondary, read=read, staged=staged)
         if isinstance(handle, HeldUntilWait):
             # A kept qwZ row is the group's, counted under "secondary".
@@ -98,7 +101,7 @@ class DeviceCopies:
 
     def drop_ahead(self) -> None:
         """Forget every copy made ahead and not taken (a pass ended, or the shards are about to
-        change: the copies would hold old values). Only the copy stream used them, so their memory
+        change: the copies would hold old values). Only the ahead stream used them, so their memory
         is free for its next work at once."""
         self._ahead.clear()
         self._add(-self.ahead_bytes)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.transfer import Transfers
+from lightning_zinf.engine.transfer import CopiedAhead, Transfers
 from triton_kernels import dequantize, quantize
 
 __all__ = ["FlatGroup", "SHARD_ALIGN", "keeps_compute_copy", "shard_numel"]
@@ -262,26 +262,23 @@ class FlatGroup:
             self.shard if self.compute_shard is None else self.compute_shard,)
         return stored if stored[0].device != self.device else ()
 
-    def stage(self) -> tuple[Tensor, ...]:
-        """Start copying :meth:`stage_source` to the device on the copy stream, ahead of the
-        gather that reads it (ZeRO-Infinity's overlap-centric prefetch, SC'21 §6.2: the link
-        works for units further ahead than the gather buffers): pass the result to
-        :meth:`start_gather` as ``staged``. The copies are the copy stream's memory and wait for
-        no compute; nothing else reads them before that gather, queued behind them on the same
-        stream. Valid while the host tensors are unchanged: drop them before a step, load or edit.
+    def stage(self) -> Optional[CopiedAhead]:
+        """Start copying :meth:`stage_source` to the device ahead of the gather that reads it
+        (ZeRO-Infinity's overlap-centric prefetch, SC'21 §6.2: the link works for units further
+        ahead than the gather buffers), on the copy stream for copies made ahead
+        (:meth:`Transfers.copy_ahead`), waiting for no compute: pass the result to
+        :meth:`start_gather` as ``staged``. Valid while the host tensors are unchanged: drop it
+        before a step, load or edit.
 
         Returns:
-            The device copies (1/W of the unit each, in the dtype they have on the host), or
-            ``()`` when there is nothing to copy.
+            The device copies (1/W of the unit each, in the dtype they have on the host) and their
+            event, or ``None`` when there is nothing to copy.
         """
         source = self.stage_source()
-        if not source:
-            return ()
-        with self.transfers.on_copy_stream():
-            return tuple(self.transfers.to_device(t) for t in source)
+        return self.transfers.copy_ahead(source) if source else None
 
     def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False,
-                     staged: tuple[Tensor, ...] = ()) -> Handle:
+                     staged: Optional[CopiedAhead] = None) -> Handle:
         """Allocate the gather buffer and start all-gathering into it (asynchronously).
 
         For compute (default): into :attr:`full`, in ``compute_dtype``, from the hpZ secondary
@@ -318,7 +315,7 @@ class FlatGroup:
                 self._allocate(target)
                 self._copy_owned.append(target)
             handle, staged = self._gather_from_stored(target, shard, quantized and not read,
-                                                      () if read or from_secondary else staged)
+                                                      None if read else staged)
         if fresh:
             self.transfers.for_compute(target)
         return self.transfers.hold(handle, *staged)
@@ -336,14 +333,21 @@ class FlatGroup:
         buffer.untyped_storage().resize_(0)
 
     def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool,
-                            staged: tuple[Tensor, ...] = ()) -> tuple[Handle, tuple[Tensor, ...]]:
-        # ``staged``: the device copies of what would be copied here (stage()), made earlier on this stream.
+                            staged: Optional[CopiedAhead] = None) -> tuple[Handle, tuple[Tensor, ...]]:
+        # ``staged``: the device copies of what is read here, made ahead (stage()). Host memory not
+        # copied ahead is copied now, on the same stream as those (the link's queue, in the order
+        # of the gathers), and this stream waits for that copy only.
+        kept_row = quantized and self.qwz_row is not None and self.codes is None  # the shard is not read
+        hosts = (self.codes, self.scales) if self.codes is not None else (shard,)
+        if staged is None and not kept_row and hosts[0].device != self.device:
+            staged = self.transfers.copy_ahead(hosts)
+        copied = self.transfers.take_ahead(staged) if staged is not None else ()
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
-            codes, scales = staged or (self.transfers.to_device(self.codes), self.transfers.to_device(self.scales))
+            codes, scales = copied or hosts
             return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
-        if quantized and self.qwz_row is not None:  # kept by a generation phase: the shard is not read
+        if kept_row:  # kept by a generation phase
             return self.comm.all_gather_quantized(target, shard, async_op=True, row=self.qwz_row), (self.qwz_row,)
-        shard = staged[0] if staged else self.transfers.to_device(shard)
+        shard = copied[0] if copied else shard
         if quantized:
             row = self.comm.quantized_row(shard)
             if self.keeps_qwz_row:

@@ -202,7 +202,7 @@ class Schedule:
         if unit.state == RELEASED:
             self.states.start_gather(unit)
         if upcoming:
-            self._gather_ahead(upcoming)
+            self._gather_ahead(unit, upcoming)
             if self.copy_ahead:
                 self._copy_ahead(unit, upcoming)
             if self.param_offload is not None:
@@ -211,12 +211,19 @@ class Schedule:
                                               if g.secondary is None and g.qwz_row is None and g.codes is None)
         self.states.wait_gather(unit)
 
-    def _gather_ahead(self, upcoming: list[int]) -> None:
+    def _gather_ahead(self, current: Unit, upcoming: list[int]) -> None:
         """Start gathering the next released units of the trace, within the bucket budget; the
-        first one always (a unit larger than the budget would otherwise never be prefetched)."""
+        first one always (a unit larger than the budget would otherwise never be prefetched).
+
+        With shards copied ahead, gathers follow the order of use: when ``current`` (the unit being
+        acquired) is used again next, released in between (the last unit of forward, first in
+        backward), the units after it are not gathered before it, since their gathers would
+        queue in front of its gather on the copy stream (and the compute waiting for it)."""
         budget = self.bucket_size - self.states.ahead_numel()
         for index in upcoming:
             unit = self.units[index]
+            if self.copy_ahead and unit is current and not (unit.persistent or unit.kept or unit.held):
+                break
             if unit.state != RELEASED or self.states.is_ahead(unit):
                 continue
             if unit.numel > budget and self.states.any_ahead():
@@ -238,7 +245,14 @@ class Schedule:
         now instead of when backward asks for it."""
         copies = self.states.copies
         budget = self.copy_ahead - copies.ahead_bytes
+        seen: set[int] = set()
         for index in upcoming:
+            if index in seen:
+                # A second use of a unit gathered (or copied) for its first: the copy for this one
+                # can only be made later, and copying the units after it now would put them
+                # ahead of it in the link's queue.
+                break
+            seen.add(index)
             unit = self.units[index]
             again = unit is current and not (unit.persistent or unit.kept or unit.held)
             if (unit.state != RELEASED and not again) or copies.copied(unit.groups):
