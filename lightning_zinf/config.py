@@ -114,6 +114,13 @@ class OffloadConfig:
             group larger than this is stepped alone. DeepSpeed's ``sub_group_size`` (default 1e9).
         read_ahead: With ``param="nvme"``: how many units of the prefetch trace beyond the one
             being gathered have their shards read from NVMe ahead of time.
+        copy_ahead_bytes: With ``param="cpu"`` on an accelerator: most bytes of device memory
+            holding shards copied from the host ahead of their gathers. Along the prefetch trace,
+            the next units' shards (their 16-bit compute copies under mixed precision; 1/W of a
+            unit each) are copied to the device while earlier units compute, beyond the units
+            gathered ahead within ``PrefetchConfig.bucket_size``, so the link stays busy ahead of
+            compute (ZeRO-Infinity §6.2). Counted in the memory ledger under ``staged``. ``0``
+            turns it off (each shard is copied when its gather is issued).
         activations: Keep the tensors autograd saves for backward in host memory (page-locked on
             an accelerator, copied on the copy stream) during the training step, and copy them
             back for backward (ZeRO-Infinity §5.1.2). Parameters and views of gathered parameter
@@ -148,7 +155,7 @@ class OffloadConfig:
 
     Raises:
         ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
-            ``sub_group_size`` or ``staging_bytes``, a negative ``read_ahead``.
+            ``sub_group_size`` or ``staging_bytes``, a negative ``read_ahead`` or ``copy_ahead_bytes``.
     """
 
     param: str = "none"
@@ -156,6 +163,7 @@ class OffloadConfig:
     nvme_path: Optional[str] = None
     sub_group_size: int = 25_000_000
     read_ahead: int = 2
+    copy_ahead_bytes: int = 128 << 20
     overlap: bool = True
     overlap_step: bool = True
     activations: bool = False
@@ -187,6 +195,9 @@ class OffloadConfig:
             self.sub_group_size,
             "an integer > 0 (a number of elements)",
         )
+        _require(isinstance(self.copy_ahead_bytes, int) and not isinstance(self.copy_ahead_bytes, bool)
+                 and self.copy_ahead_bytes >= 0, "OffloadConfig", "copy_ahead_bytes", self.copy_ahead_bytes,
+                 "an integer >= 0 (bytes of device memory, e.g. 134_217_728; 0 turns copying ahead off)")
         for name in ("overlap", "overlap_step", "activations"):
             _require(isinstance(getattr(self, name), bool), "OffloadConfig", name, getattr(self, name), "True or False")
         _require(self.pin_memory is None or isinstance(self.pin_memory, bool), "OffloadConfig", "pin_memory",

@@ -39,16 +39,19 @@ def _storage(tensor: torch.Tensor) -> int:
 
 def test_a_gather_into_a_fresh_buffer_waits_for_no_compute() -> None:
     """The gather of an offloaded shard into a released buffer runs ahead of every compute queued
-    before it: its copy block is ordered after no compute, its buffer is the copy stream's memory
-    recorded for the compute stream, compute waits for the copy only when it waits on the handle,
-    and the host's wait before reusing the staging buffer (NVMe) waits for no compute either."""
+    before it: the shard's copy (on the stream of copies to the device made ahead, ``copy2``: the
+    link's queue) and the gather (on ``copy0``, after that copy) are ordered after no compute, its
+    buffer is the copy stream's memory recorded for the compute stream, compute waits for the
+    copy only when it waits on the handle, and the host's wait before reusing the staging buffer
+    (NVMe) waits for no compute either."""
     streams = RecordingStreams()
     group, params = _offloaded_group(streams)
     for _ in range(5):
         streams.compute_work()  # the forward of the units before this one, queued and not run
     handle = group.start_gather()
-    (stream, clock), = streams.blocks
-    assert stream == "copy0" and clock.get("compute", 0) == 0, clock
+    (link, copied), (stream, clock) = streams.blocks
+    assert link == "copy2" and copied.get("compute", 0) == 0, copied
+    assert stream == "copy0" and clock.get("compute", 0) == 0 and clock["copy2"] == copied["copy2"], clock
     assert (_storage(group.full), "compute") in streams.recorded
     assert streams.compute.clock.get("copy0", 0) == 0  # nothing consumed yet: compute has not waited
     streams.compute_work()

@@ -25,7 +25,7 @@ from lightning_zinf.offload.swapped import SwapSpace
 __all__ = ["MemoryAccounting", "MOVING"]
 
 #: Ledger categories the engine allocates and frees during a step; all on the compute device.
-MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "pooled")
+MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "staged", "pooled")
 
 _STATE = ("shards_device", "shards_cpu", "shards_nvme", "grad_shards", "optimizer", "optimizer_nvme")
 
@@ -36,7 +36,8 @@ class MemoryAccounting:
     Args:
         ledger: The engine's ledger (the moving categories are kept there as buffers come and go:
             ``gathered`` by the unit state machine, ``secondary`` and ``grad_buffers`` by the flat
-            groups, ``reduce_pending`` and ``pooled`` by the buffer pool).
+            groups, ``reduce_pending`` and ``pooled`` by the buffer pool, ``staged`` by the device copies of
+            host-tier shards).
         groups: The engine's flat groups.
         optimizers: The engine's sharded optimizers; the list the engine appends to (their states
             are counted as they are created).

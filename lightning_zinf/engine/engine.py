@@ -246,7 +246,8 @@ class ZeroEngine:
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
-                                 meet=self.agreement.waypoint)
+                                 meet=self.agreement.waypoint,
+                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.ledger import MemoryLedger
-from lightning_zinf.engine.transfer import Transfers
+from lightning_zinf.engine.transfer import CopiedAhead, Transfers
 from triton_kernels import dequantize, quantize
 
 __all__ = ["FlatGroup", "SHARD_ALIGN", "keeps_compute_copy", "shard_numel"]
@@ -267,7 +267,37 @@ class FlatGroup:
         shard = self.shard if self.compute_shard is None else self.compute_shard
         return shard if shard.device == self.device else None
 
-    def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False) -> Handle:
+    def stage_source(self) -> tuple[Tensor, ...]:
+        """What a gather for compute of this group copies from host memory to the device: its
+        frozen codes and scales, or its :attr:`compute_shard` copy (else the shard); empty when
+        that gather reads device memory only (a device-resident shard, an hpZ secondary
+        partition, a qwZ row kept by a generation phase) or copies do not overlap (a CPU device)."""
+        if self.secondary is not None or self.qwz_row is not None or not self.transfers.overlapped:
+            return ()
+        stored = (self.codes, self.scales) if self.codes is not None else (
+            self.shard if self.compute_shard is None else self.compute_shard,)
+        return stored if stored[0].device != self.device else ()
+
+    def stage(self) -> Optional[CopiedAhead]:
+        """Start copying :meth:`stage_source` to the device ahead of the gather that reads it
+        (ZeRO-Infinity's overlap-centric prefetch, SC'21 §6.2: the link works for units further
+        ahead than the gather buffers), on the copy stream for copies made ahead
+        (:meth:`Transfers.copy_ahead`), waiting for no compute: pass the result to
+        :meth:`start_gather` as ``staged``. Valid while the host tensors are unchanged: drop it
+        before a step, load or edit.
+
+        Returns:
+            The device copies (1/W of the unit each, in the dtype they have on the host) and their
+            event, or ``None`` when there is nothing to copy.
+        """
+        source = self.stage_source()
+        if not source:
+            return None
+        self._after_writes_from_device()
+        return self.transfers.copy_ahead(source)
+
+    def start_gather(self, quantized: bool = False, from_secondary: bool = True, read: bool = False,
+                     staged: Optional[CopiedAhead] = None) -> Handle:
         """Allocate the gather buffer and start all-gathering into it (asynchronously).
 
         For compute (default): into :attr:`full`, in ``compute_dtype``, from the hpZ secondary
@@ -275,6 +305,8 @@ class FlatGroup:
         ``compute_dtype`` first, or their :attr:`compute_shard` copies), as INT8 codes and scales
         with ``quantized`` (qwZ).
         With ``read``: the exact values, from the shards, in the parameters' dtype.
+        ``staged``: :meth:`stage`'s device copies of this group's host-side source, read instead
+        of copying it again (a gather for compute of a host-tier shard; ignored otherwise).
         """
         self._after_writes_from_device()
         target = self._activate(read)
@@ -302,7 +334,8 @@ class FlatGroup:
             if fresh:
                 self._allocate(target)
                 self._copy_owned.append(target)
-            handle, staged = self._gather_from_stored(target, shard, quantized and not read)
+            handle, staged = self._gather_from_stored(target, shard, quantized and not read,
+                                                      None if read else staged)
         if fresh:
             self.transfers.for_compute(target)
         return self.transfers.hold(handle, *staged)
@@ -319,13 +352,22 @@ class FlatGroup:
             self.transfers.done_with(nbytes)
         buffer.untyped_storage().resize_(0)
 
-    def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool) -> tuple[Handle, tuple[Tensor, ...]]:
+    def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool,
+                            staged: Optional[CopiedAhead] = None) -> tuple[Handle, tuple[Tensor, ...]]:
+        # ``staged``: the device copies of what is read here, made ahead (stage()). Host memory not
+        # copied ahead is copied now, on the same stream as those (the link's queue, in the order
+        # of the gathers), and this stream waits for that copy only.
+        kept_row = quantized and self.qwz_row is not None and self.codes is None  # the shard is not read
+        hosts = (self.codes, self.scales) if self.codes is not None else (shard,)
+        if staged is None and not kept_row and hosts[0].device != self.device:
+            staged = self.transfers.copy_ahead(hosts)
+        copied = self.transfers.take_ahead(staged) if staged is not None else ()
         if self.codes is not None:  # stored quantized: the codes are the values, sent as they are
-            codes, scales = self.transfers.to_device(self.codes), self.transfers.to_device(self.scales)
+            codes, scales = copied or hosts
             return self.comm.all_gather_codes(target, codes, scales, *self.code_format, async_op=True), (codes, scales)
-        if quantized and self.qwz_row is not None:  # kept by a generation phase: the shard is not read
+        if kept_row:  # kept by a generation phase
             return self.comm.all_gather_quantized(target, shard, async_op=True, row=self.qwz_row), (self.qwz_row,)
-        shard = self.transfers.to_device(shard)
+        shard = copied[0] if copied else shard
         if quantized:
             row = self.comm.quantized_row(shard)
             if self.keeps_qwz_row:
@@ -481,10 +523,11 @@ class FlatGroup:
             self._from_device = self.transfers.copy_to_host(self.compute_shard, self.master.to(self.compute_dtype))
 
     def _after_writes_from_device(self) -> None:
-        # Copies to the device queued from here on read the host-tier shard (or its copy) only
-        # once the master's values have landed there; device-side, the host does not wait.
-        if self._from_device is not None and self.transfers.h2d is not None:
-            self.transfers.h2d.wait_event(self._from_device)
+        # Copies of the host-tier shard (or its copy) to the device, all on the stream of copies
+        # made ahead (Transfers.copy_ahead), read it only once the master's values have landed
+        # there; device-side, the host does not wait.
+        if self._from_device is not None and self.transfers.ahead is not None:
+            self.transfers.ahead.wait_event(self._from_device)
 
     def settle_host_shard(self) -> None:
         """Block the host until the master's last values have landed in the host-tier shard (after

@@ -75,6 +75,8 @@ class Schedule:
         mixed_precision: Whether and how forward inputs are cast.
         param_offload: NVMe parameter offload, or None (its shards are read ahead of gathers).
         read_ahead: How many upcoming units' NVMe shards are read ahead.
+        copy_ahead: Most bytes of host-tier shards copied to the device ahead of their gathers
+            (``0``: none; :meth:`_copy_ahead`).
         begin_pass: Called with ``(training, grad enabled)`` at every forward of ``module`` itself,
             or None (the driver calls it).
         meet: Meets the other ranks at a waypoint (the end of backward:
@@ -87,7 +89,8 @@ class Schedule:
     def __init__(self, module: nn.Module, units: list[Unit], uses: dict[nn.Module, list[Unit]], *,
                  states: UnitStates, tracer: Tracer, comm: Collectives, pool: BufferPool, prefetch: PrefetchConfig,
                  mixed_precision: MixedPrecisionConfig, param_offload: Optional[ParamOffload], read_ahead: int,
-                 begin_pass: Optional[Callable[[Hashable], None]], meet: Callable[[int], bool]) -> None:
+                 begin_pass: Optional[Callable[[Hashable], None]], meet: Callable[[int], bool],
+                 copy_ahead: int = 0) -> None:
         self.units = units
         self.groups = [g for u in units for g in u.groups]
         self.states = states
@@ -98,6 +101,7 @@ class Schedule:
         self.mixed_precision = mixed_precision
         self.param_offload = param_offload
         self.read_ahead = read_ahead
+        self.copy_ahead = copy_ahead
         self._begin_pass = begin_pass
         self._meet = meet
         self._uses = uses
@@ -198,25 +202,69 @@ class Schedule:
         if unit.state == RELEASED:
             self.states.start_gather(unit)
         if upcoming:
-            self._gather_ahead(upcoming)
+            self._gather_ahead(unit, upcoming)
+            if self.copy_ahead:
+                self._copy_ahead(unit, upcoming)
             if self.param_offload is not None:
                 ahead = [self.units[i] for i in upcoming if self.units[i].state == RELEASED]
                 self.param_offload.read_ahead(g for u in ahead[: self.read_ahead] for g in u.groups
                                               if g.secondary is None and g.qwz_row is None and g.codes is None)
         self.states.wait_gather(unit)
 
-    def _gather_ahead(self, upcoming: list[int]) -> None:
+    def _gather_ahead(self, current: Unit, upcoming: list[int]) -> None:
         """Start gathering the next released units of the trace, within the bucket budget; the
-        first one always (a unit larger than the budget would otherwise never be prefetched)."""
+        first one always (a unit larger than the budget would otherwise never be prefetched).
+
+        With shards copied ahead, gathers follow the order of use: when ``current`` (the unit being
+        acquired) is used again next, released in between (the last unit of forward, first in
+        backward), the units after it are not gathered before it, since their gathers would
+        queue in front of its gather on the copy stream (and the compute waiting for it)."""
         budget = self.bucket_size - self.states.ahead_numel()
         for index in upcoming:
             unit = self.units[index]
+            if self.copy_ahead and unit is current and not (unit.persistent or unit.kept or unit.held):
+                break
             if unit.state != RELEASED or self.states.is_ahead(unit):
                 continue
             if unit.numel > budget and self.states.any_ahead():
                 break
             self.states.prefetch(unit)
             budget -= unit.numel
+
+    def _copy_ahead(self, current: Unit, upcoming: list[int]) -> None:
+        """Copy the host-tier shards of the next released units of the trace to the device, as
+        many units as fit ``copy_ahead`` bytes together with those copied ahead already, in trace
+        order (a unit that does not fit stops it: the link's queue stays in the order of use).
+        The gathers of these units, issued later by :meth:`_gather_ahead` or on demand, read the
+        copies: the link then works up to ``copy_ahead`` bytes ahead of the compute stream,
+        where the gather buffers (whole units) stay within the bucket budget.
+
+        ``current``, the unit being acquired, counts as released at its next use in the trace
+        (the last unit of forward, used again first in backward): it is released after this use
+        unless it is persistent, kept or held for backward, so its copy for that use can start
+        now instead of when backward asks for it."""
+        copies = self.states.copies
+        budget = self.copy_ahead - copies.ahead_bytes
+        seen: set[int] = set()
+        for index in upcoming:
+            if index in seen:
+                # A second use of a unit gathered (or copied) for its first: the copy for this one
+                # can only be made later, and copying the units after it now would put them
+                # ahead of it in the link's queue.
+                break
+            seen.add(index)
+            unit = self.units[index]
+            if self.states.step_pending(unit):
+                break  # an offloaded step in the background has yet to rewrite its shards
+            again = unit is current and not (unit.persistent or unit.kept or unit.held)
+            if (unit.state != RELEASED and not again) or copies.copied(unit.groups):
+                continue
+            nbytes = copies.nbytes_to_copy(unit.groups)
+            if nbytes == 0 or nbytes > budget:
+                # A released unit with nothing to copy reads device memory (hpZ): so do the next.
+                break
+            copies.copy_ahead(unit.groups)
+            budget -= nbytes
 
     # --- forward ----------------------------------------------------------------------------------
     @_eager

@@ -12,7 +12,11 @@ device there is nothing to overlap: every method makes the same calls synchronou
 stream and no events, so the call sites run in CI exactly as they do on an accelerator.
 
 Two copy streams, one per direction (PCIe is full duplex): activations and gradients going to the
-host do not queue in front of the shards that the next units need.
+host do not queue in front of the shards that the next units need. A third stream carries the
+copies of shards to the device (:meth:`Transfers.copy_ahead`, made ahead of their gathers or by
+them), in the order the gathers need them: a gather, on the first stream, and the compute that
+waits for it, wait for the copy of its own shard only, not for the later units' copies queued
+before it.
 
 Memory safety, as the caching allocators see it (FSDP's copy-stream rules):
 
@@ -30,6 +34,11 @@ Memory safety, as the caching allocators see it (FSDP's copy-stream rules):
   their own in the caching allocator (as FSDP1's all-gather stream's);
 - a device tensor read by a copy stream is recorded on it (``record_stream``), so the allocator
   does not hand its memory out again before the copy is done;
+- a shard's copy (:meth:`Transfers.copy_ahead`) is memory of the :attr:`~Transfers.ahead` stream;
+  the gather's stream waits for the copy's event and records it (:meth:`Transfers.take_ahead`), and
+  the gather holds it until it is waited for, when it is recorded on the compute stream as above;
+  one made ahead and dropped unread (a pass ended) was used by the ahead stream alone, so its
+  memory is that stream's again at once;
 - a page-locked host tensor used by a non-blocking copy is kept by torch's caching host allocator
   until that copy's event completes, so a transient staging buffer may be dropped right away. That
   allocator rounds every block up to a power of two: page-locked host memory can be up to twice
@@ -44,12 +53,13 @@ from __future__ import annotations
 import os
 from collections import deque
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["HeldUntilWait", "Streams", "Transfers", "is_accelerator", "local_device_index", "resolve_device"]
+__all__ = ["CopiedAhead", "HeldUntilWait", "Streams", "Transfers", "is_accelerator", "local_device_index",
+           "resolve_device"]
 
 
 def resolve_device(device: "torch.device | str") -> torch.device:
@@ -156,6 +166,8 @@ class Transfers:
         overlapped: Whether copies run on copy streams (an accelerator device).
         h2d: The stream of copies to the device (and collectives that read them), ``None`` on the CPU.
         d2h: The stream of copies to the host, ``None`` on the CPU.
+        ahead: The stream of the copies of shards to the device (made ahead of their gathers or by
+            them), ``None`` on the CPU.
     """
 
     def __init__(self, device: torch.device, streams: Optional[Streams] = None) -> None:
@@ -165,6 +177,7 @@ class Transfers:
         self.overlapped = self.streams is not None
         self.h2d: Optional[Any] = self.streams.new_stream(self.device) if self.streams else None
         self.d2h: Optional[Any] = self.streams.new_stream(self.device) if self.streams else None
+        self.ahead: Optional[Any] = self.streams.new_stream(self.device) if self.streams else None
         # Copy-stream memory compute has queued its last use of: (compute event, bytes), oldest first.
         self._awaiting: deque[tuple[Any, int]] = deque()
         self._awaiting_bytes = 0
@@ -253,10 +266,12 @@ class Transfers:
         return event
 
     def host_wait_h2d(self) -> None:
-        """Block the host until every copy to the device has completed: before the host writes
-        into page-locked memory such a copy may read (host-tier shards: a step, a load, an edit)."""
+        """Block the host until every copy to the device has completed (those made ahead too):
+        before the host writes into page-locked memory such a copy may read (host-tier shards: a
+        step, a load, an edit)."""
         if self.h2d is not None:
             self.h2d.synchronize()
+            self.ahead.synchronize()
 
     def wait_on_device(self, event: Optional[Any]) -> None:
         """Make the compute stream wait for ``event`` (the host does not wait)."""
@@ -274,6 +289,26 @@ class Transfers:
         rank's local copy): its ``wait()`` orders the compute stream after the copy stream first,
         and ``staged`` (allocated on the copy stream) stays alive until then."""
         return HeldUntilWait(handle, staged, self.record(), self)
+
+    def copy_ahead(self, hosts: tuple[Tensor, ...]) -> CopiedAhead:
+        """Start copying the host tensors ``hosts`` to the device on the :attr:`ahead` stream,
+        waiting for nothing (the result is new memory of that stream): a shard copied for the
+        gather that reads it, ahead of it or when it is issued. The copies queue in the order they
+        are asked for, apart from the gathers, which wait only for the copies they read
+        (:meth:`take_ahead`)."""
+        with self.on_copy_stream(self.ahead):
+            copies = tuple(self.to_device(host) for host in hosts)
+        return CopiedAhead(copies, self.record(self.ahead))
+
+    def take_ahead(self, copied: CopiedAhead) -> tuple[Tensor, ...]:
+        """Inside :meth:`on_copy_stream` (the stream of the work that reads them): order that
+        stream after ``copied``'s copies and record their memory on it. Returns the device tensors."""
+        stream = self.streams.current(self.device) if self.streams else None
+        if stream is not None and copied.event is not None:
+            stream.wait_event(copied.event)
+            for tensor in copied.tensors:
+                self.streams.record_stream(tensor, stream)
+        return copied.tensors
 
     def to_device(self, host: Tensor) -> Tensor:
         """``host`` copied to the device; call inside :meth:`on_copy_stream`. Non-blocking when
@@ -332,6 +367,18 @@ class Transfers:
             out = torch.empty(host.size(), dtype=host.dtype, device=self.device)
             out.copy_(host, non_blocking=True)
         return out, self.record()
+
+
+class CopiedAhead(NamedTuple):
+    """Device copies of host tensors made ahead of their use (:meth:`Transfers.copy_ahead`).
+
+    Attributes:
+        tensors: The device tensors (memory of the ahead stream).
+        event: The copies' event on the ahead stream (``None`` on the CPU).
+    """
+
+    tensors: tuple[Tensor, ...]
+    event: Optional[Any]
 
 
 class HeldUntilWait:

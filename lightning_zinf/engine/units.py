@@ -30,6 +30,7 @@ from lightning_zinf.comm import Collectives, Handle
 from lightning_zinf.config import PrefetchConfig
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.copies import DeviceCopies
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.ranges import phase, phased
@@ -125,7 +126,8 @@ class UnitStates:
     Args:
         units: The engine's units, by index.
         comm: The engine's collectives (for hpZ and qwZ).
-        ledger: Where gathered bytes are accounted (category ``"gathered"``).
+        ledger: Where gathered bytes are accounted (category ``"gathered"``; the device copies of
+            host-tier shards, :class:`~lightning_zinf.engine.copies.DeviceCopies`, ``"staged"``).
         pool: Gradient and reduce buffers.
         agreement: Told of every gather and reduce-scatter before it is issued.
         prefetch: Its ``overlap_reduce`` (a reduce-scatter may stay in flight while backward
@@ -139,6 +141,8 @@ class UnitStates:
             once over the run.
         gathered_ahead: Units gathered by prefetch over the run.
         keep_budget: Bytes of units that may stay gathered between forward passes (``0``: none).
+        copies: The device copies of host-tier shards: every gather goes through it, and the
+            schedule copies shards ahead with it.
     """
 
     def __init__(self, units: list[Unit], *, comm: Collectives, ledger: MemoryLedger, pool: BufferPool,
@@ -163,6 +167,7 @@ class UnitStates:
         self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
+        self.copies = DeviceCopies(ledger)
 
     # --- gather -----------------------------------------------------------------------------------
     # The ranges named zinf.* show the engine's phases in a profiler trace (as FSDP2's FSDP::*):
@@ -180,7 +185,8 @@ class UnitStates:
         before, exact = self._open(unit, exact or read, read)
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
         with self._copies_done_on_error():
-            unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact, read=read) for g in unit.groups]
+            unit.handles = [self.copies.start_gather(g, unit.quantized, from_secondary=not exact, read=read)
+                            for g in unit.groups]
         self._opened(unit, before)
 
     @contextmanager
@@ -256,7 +262,7 @@ class UnitStates:
                     nbytes = group.padded_numel * group.compute_dtype.itemsize
                     if source is None or nbytes > COALESCE_BYTES:
                         with self._copies_done_on_error():
-                            unit.handles.append(group.start_gather(from_secondary=False))
+                            unit.handles.append(self.copies.start_gather(group, from_secondary=False))
                         continue
                     open_buckets = buckets.setdefault(group.compute_dtype, [])
                     if not open_buckets or open_buckets[-1][0] + nbytes > COALESCE_BYTES:
@@ -297,6 +303,7 @@ class UnitStates:
         issued into it are done; each is gathered again from the shards when next needed."""
         for unit, before in opened:
             for handle in unit.handles:
+                self.copies.waited(handle)
                 handle.wait()
             if self.param_offload is not None:  # the swapped-in shards go back, once their copies are done
                 self.transfers.host_wait_h2d()
@@ -333,7 +340,7 @@ class UnitStates:
         if unit.state == RELEASED:  # a gather as any other, released at once
             before, exact = self._open(unit, exact, read=False, agree=False)
             with self._copies_done_on_error():
-                unit.handles = [g.start_gather(unit.quantized, from_secondary=not exact) for g in unit.groups]
+                unit.handles = [self.copies.start_gather(g, unit.quantized, from_secondary=not exact) for g in unit.groups]
             self._opened(unit, before)
             self.wait_gather(unit)
             self.maybe_release(unit)
@@ -371,6 +378,7 @@ class UnitStates:
         if unit.state != INFLIGHT:
             return
         for handle in unit.handles:
+            self.copies.waited(handle)
             handle.wait()
         for group in unit.groups:
             group.finish_gather()
@@ -413,6 +421,11 @@ class UnitStates:
         for unit in units:
             self.wait_gather(unit)
         self._account(-transient)
+
+    def step_pending(self, unit: Unit) -> bool:
+        """An offloaded optimizer step running in the background has yet to rewrite some of
+        ``unit``'s shards (nothing may copy them ahead before)."""
+        return self.offload is not None and any(self.offload.rewrites(g) for g in unit.groups)
 
     def prefetch(self, unit: Unit) -> None:
         """Start gathering a released ``unit`` ahead of its use; it stays gathered until
@@ -495,6 +508,7 @@ class UnitStates:
         self.drain_reduces()
         self.finish_host_grads()
         self._ahead.clear()
+        self.copies.drop_ahead()
         # Between passes every unit's counters are reset; otherwise only units gathered or in flight
         # (``_live``) have anything to finish, so that a checkpoint's or a state dict's per-unit
         # calls cost O(1) each, not O(units).
