@@ -188,3 +188,51 @@ def test_gpu_check_steps_share_one_triton_cache_that_outlives_the_run(tmp_path: 
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     found = gpu_check.prerequisites(gpu_check.parse_args(["--device", "cpu"]), env, [])
     assert found["triton_cache"] == {"dir": str(tmp_path / "mine"), "kernels_before": 1}
+
+
+def test_offload_gpu_benchmark_dry_run_on_the_cpu(tmp_path: Path) -> None:
+    """``offload_gpu.py`` end to end on the CPU (tiny GPT, no cap), as a user runs it: every arm is
+    in its JSON, those that ran with finite figures and the losses of FSDP2's CPU offload (the
+    reference: the same seeded model and tokens), the device figures null with the reason, and
+    DeepSpeed recorded as not run with the reason rather than dropped. Its device-time and peak
+    arithmetic on hand-made input."""
+    import json
+    import math
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "offload_gpu.json"
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "benchmarks" / "offload_gpu.py"), "--device", "cpu", "--d-model", "32",
+         "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch", "2", "--steps", "3",
+         "--out", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert list(got["arms"]) == ["zinf_offload", "fsdp2_offload", "zinf_param_cpu", "deepspeed_offload"]
+    reference = got["arms"]["fsdp2_offload"]["losses"]
+    for name in ("zinf_offload", "fsdp2_offload", "zinf_param_cpu"):
+        arm = got["arms"][name]
+        assert arm["status"] == "ok", arm
+        assert len(arm["step_times_s"]) == 3 and len(arm["losses"]) == 4  # 3 steps and the profiled one
+        for key in ("mean_step_s", "tokens_per_s", "model_tflops", "peak_rss_mib"):
+            assert math.isfinite(arm[key]) and arm[key] > 0, (name, key, arm[key])
+        assert arm["device_idle_fraction"] is None and "CPU run" in arm["device_idle_reason"]
+        assert arm["mfu"] is None and arm["parameters"] == got["model"]["parameters"]
+        assert arm["losses"] == pytest.approx(reference, rel=1e-3), name
+    assert got["arms"]["deepspeed_offload"] == {
+        "status": "not run", "reason": "DeepSpeed ZeRO-Offload moves its partitions to a CUDA device; this is a CPU run"}
+    assert set(got["ratios"]) == {"zinf_offload/fsdp2_offload", "zinf_param_cpu/fsdp2_offload"}
+
+    sys.path.insert(0, str(root / "examples" / "benchmarks"))
+    import offload_gpu
+
+    assert [offload_gpu.peak_bf16_tflops(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",
+                                                      "NVIDIA A100-SXM4-80GB", "Tesla T4")] == [989, 756, 989, 312, None]
+    step = {"ph": "X", "cat": "user_annotation", "name": offload_gpu.STEP_ANNOTATION, "ts": 0, "dur": 100}
+    # Device busy over [10, 50) (a kernel, and a copy on another stream overlapping it) and
+    # [90, 100) (a kernel running past the step's end): idle half of the step, computing 30%.
+    events = [step, {"ph": "X", "cat": "kernel", "ts": 10, "dur": 20}, {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 30},
+              {"ph": "X", "cat": "kernel", "ts": 90, "dur": 30}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}]
+    assert offload_gpu.device_busy(events) == {"profiled_step_us": 100.0, "device_idle_fraction": 0.5,
+                                               "compute_busy_fraction": 0.3}

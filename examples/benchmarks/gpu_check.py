@@ -243,7 +243,7 @@ def step_ledger(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
-def _intervals_overlap(copies: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+def intervals_overlap(copies: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
     """Total length of the copy intervals covered by the union of the compute intervals."""
     merged: list[list[float]] = []
     for start, end in sorted(compute):
@@ -300,7 +300,7 @@ def copy_overlap(events: list[dict]) -> dict[str, Any]:
     busy = {s: sum(end - start for start, end in spans) for s, spans in copies.items()}
     copy_streams = {s for s in copies if busy[s] > sum(end - start for start, end in kernels.get(s, []))}
     compute = [span for stream, spans in kernels.items() if stream not in copy_streams for span in spans]
-    overlapped = sum(_intervals_overlap(spans, compute) for spans in copies.values())
+    overlapped = sum(intervals_overlap(spans, compute) for spans in copies.values())
     out = {
         "copy_streams": sorted(map(str, copy_streams)),
         "compute_streams": sorted(map(str, set(kernels) - copy_streams)),
@@ -311,7 +311,7 @@ def copy_overlap(events: list[dict]) -> dict[str, Any]:
     for direction, spans in by_direction.items():
         total = sum(end - start for start, end in spans)
         out[f"{direction}_us"] = total
-        out[f"{direction}_overlap_fraction"] = _intervals_overlap(spans, compute) / total if total else 0.0
+        out[f"{direction}_overlap_fraction"] = intervals_overlap(spans, compute) / total if total else 0.0
     return out
 
 
