@@ -191,6 +191,7 @@ def test_gpu_check_steps_share_one_triton_cache_that_outlives_the_run(tmp_path: 
     env = gpu_check.step_env(tmp_path / "site")
     assert env["TRITON_CACHE_DIR"] == str(gpu_check.REPO_ROOT / ".triton_cache")
     assert str(tmp_path / "site") in env["PYTHONPATH"].split(os.pathsep)
+    assert env["PATH"].split(os.pathsep)[0] == str(tmp_path / "site" / "bin")
     (tmp_path / "mine" / "0123").mkdir(parents=True)
     (tmp_path / "mine" / "0123" / "__grp___quantize_kernel.json").write_text("{}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))

@@ -407,9 +407,12 @@ def unpack_wheels(folder: Path, into: Path) -> list[str]:
 
 def step_env(site: Path) -> dict[str, str]:
     """The environment of every step: this one, with the repository and the wheels installed in
-    ``site`` on ``PYTHONPATH``, and one Triton cache that the steps (separate processes) share."""
+    ``site`` on ``PYTHONPATH`` (their programs on ``PATH``), and one Triton cache that the steps
+    (separate processes) share."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), str(site),
-                                                                   os.environ.get("PYTHONPATH")])))
+                                                                   os.environ.get("PYTHONPATH")])),
+               # The wheels' programs (ninja, which DeepSpeed's JIT build of its CPU Adam runs).
+               PATH=os.pathsep.join(filter(None, [str(site / "bin"), os.environ.get("PATH")])))
     env.setdefault("TRITON_CACHE_DIR", str(TRITON_CACHE))
     return env
 

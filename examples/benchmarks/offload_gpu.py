@@ -206,7 +206,7 @@ def _deepspeed(model, args) -> Callable[[torch.Tensor], torch.Tensor]:
 
     from examples.gpt import lm_loss
 
-    _init_world("nccl")
+    _init_world("nccl" if args.device == "cuda" else "gloo")
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -218,7 +218,7 @@ def _deepspeed(model, args) -> Callable[[torch.Tensor], torch.Tensor]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(args.device, dtype=torch.bfloat16):
             loss = lm_loss(engine(tokens[:, :-1]), tokens[:, 1:])
         engine.backward(loss)
         engine.step()
@@ -279,7 +279,7 @@ def run_arm(args) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(loss.item())
 
     for i in range(args.steps):
         if cuda and i == WARMUP_STEPS:
@@ -331,6 +331,8 @@ def _arm_command(args, arm: str, result: Path) -> tuple[list[str], dict[str, str
     python = args.python_deepspeed if arm == "deepspeed_offload" else sys.executable
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    # DeepSpeed's JIT-built CPU Adam (about a minute) in the checkout, where it can be kept and carried.
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions"))
     return [python, *argv], env
 
 
