@@ -12,6 +12,8 @@ for the whole check). Skipped with the reason on a machine without CUDA.
 - The memory ledger against ``torch.cuda.max_memory_allocated()``.
 - Fused and capturable AdamW resumed from a sharded checkpoint (``step`` stays on the GPU).
 - ZeroMonitor through a Trainer: host-side figures, device-timed steps.
+- ``strategy.generation()`` in a Trainer's training step (decode steps with the kept qwZ row on the
+  device and host tiers, and with the whole model kept gathered), against the CPU run.
 
 The Triton kernels on CUDA are tested in test_kernels.py (marked ``gpu`` as well).
 """

@@ -1,43 +1,55 @@
 """Everything that has to be seen running on a CUDA GPU, in one command, within a time budget,
 with a JSON of results written after every step.
 
-    python examples/benchmarks/gpu_check.py [--budget 480] [--out gpu_check.json] [--skip suite,kernels,...]
+    python examples/benchmarks/gpu_check.py [--budget 450] [--out gpu_check.json] [--skip suite,kernels,...]
 
 On a lent device machine (its image has python3 3.12, torch 2.11, triton 3.6, lightning 2.6.6 and no
 package index): first, here, ``bash examples/benchmarks/gpu_wheels.sh`` puts the pure-Python wheels
 the image lacks (jsonargparse and its helpers, for ``zinf fit``) in ``examples/benchmarks/gpu_wheels/``;
 then run, there, with that folder carried along with the tree:
 
-    PYTHONPATH=. python3 examples/benchmarks/gpu_check.py --out $OUT/gpu_check.json
+    PYTHONPATH=. python3 examples/benchmarks/gpu_check.py --skip offload --out $OUT/gpu_check.json
+
+(docs/tests.md, "On a GPU", gives the whole plan for a lent machine's 15 minutes: this check, then
+offload_gpu.py as a command of its own, and the steps' time budget.)
 
 Nothing is installed into the image's environment: pip installs the carried wheels, offline, into a
 temporary folder on the steps' ``PYTHONPATH``. The steps compile the Triton kernels into one cache,
 ``.triton_cache/`` in the checkout (``TRITON_CACHE_DIR``, unless it is set), so each kernel is
 compiled once, by the first step that launches it; the folder is kept between runs (git ignores
 it): copied to ``$OUT`` and carried back along with the wheels, it spares a later machine of the
-same kind and image the compiling (the prerequisites count the kernels found in it). The
-prerequisites are checked first, in seconds, and written to the JSON; then the steps run, most
-valuable first, each in its own process group with a timeout sized to what is left of ``--budget``
-(a step that would get less than ``MIN_STEP_S`` is recorded as skipped):
+same kind and image the compiling (the prerequisites count the kernels found in it); the check
+copies it beside ``--out`` (``<stem>_triton_cache/``) after every step. The prerequisites are
+checked first, in seconds, and written to the JSON; then the steps run, most valuable first, each
+in its own process group with a timeout sized to what is left of ``--budget`` (a step that would get
+less than ``MIN_STEP_S`` is recorded as skipped; at its timeout a step gets SIGINT, then SIGKILL
+``GRACE_S`` later, so pytest writes the results of the tests that finished). Each step's own files
+are kept beside ``--out``, named after it (``gpu_check_suite.xml``, ``gpu_check_kernels.json``...):
 
   suite     ``pytest -m gpu`` over the GPU test modules only (test_gpu.py, test_kernels.py): every
             engine feature at one rank on CUDA in an NCCL group, two ranks sharing the GPU through
-            gloo, fused/capturable AdamW resume, the Triton kernels against their references
-            (passed / failed / skipped, with the failures' names)
+            gloo, fused/capturable AdamW resume, ``strategy.generation()`` in a Trainer, the Triton
+            kernels against their references (passed / failed / skipped, with the failures' names;
+            the JUnit XML kept)
   main_job  the README's main job on one GPU (``zinf fit`` with ``--trainer.devices 1``): wall time,
             last logged losses, ZeroMonitor's ledger peak next to ``max_memory_allocated``
   nccl      the one-GPU feature tests again with ``ZINF_REAL_COLLECTIVES=1`` (those making distinct
-            NCCL calls: fp32, bf16, CPU offload, qwZ/hpZ/qgZ, frozen INT8): the engine's features
-            through real NCCL all-gathers, reduce-scatters and all-to-alls at world size 1
+            NCCL calls: fp32, bf16, CPU offload, qwZ/hpZ/qgZ, frozen INT8, the generation phase's
+            kept qwZ row): the engine's features through real NCCL all-gathers, reduce-scatters
+            and all-to-alls at world size 1
   kernels   ``kernels.py`` at 2**24 values, no ``torch.compile`` column: the quantization kernels'
             bandwidth against the device copy (its JSON)
   ledger    an engine over the examples' GPT (d_model 1024, 8 blocks) on CUDA, per configuration
             (plain, bf16, CPU offload): the ledger's device peak per step, the allocator's peak,
-            and the difference (activations, autograd, allocator slack); the allocator's history
-            of the CPU-offload run (``--memory-snapshot``, for https://pytorch.org/memory_viz)
+            and the difference (activations, autograd, allocator slack), each configuration saved
+            as soon as it is measured; the allocator's history of the CPU-offload run, Python
+            stacks only, dumped last (``--memory-snapshot``, for https://pytorch.org/memory_viz)
   overlap   a ``torch.profiler`` trace of three CPU-offload steps (parameters, optimizer and
             activations on the host): the Chrome trace file, and how much of the host<->device
             copy time runs while a compute kernel runs on another stream
+  offload   ``offload_gpu.py`` at its defaults (``--offload-args`` adds arguments): lightning_zinf's
+            CPU offload against FSDP2's and DeepSpeed's on one GPU under a memory cap (its JSON,
+            rewritten after each arm)
 
 Without CUDA it exits with status 2 and writes nothing (``--device cpu``, for the tests, runs the
 same driver on the CPU).
