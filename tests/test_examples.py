@@ -234,6 +234,7 @@ def test_offload_gpu_benchmark_dry_run_on_the_cpu(tmp_path: Path) -> None:
             assert math.isfinite(arm[key]) and arm[key] > 0, (name, key, arm[key])
         assert arm["device_idle_fraction"] is None and "CPU run" in arm["device_idle_reason"]
         assert arm["mfu"] is None and arm["parameters"] == got["model"]["parameters"]
+        assert arm["optimizer"] == "AdamW(fused=True)"
         assert arm["losses"] == pytest.approx(reference, rel=1e-3), name
     assert got["arms"]["deepspeed_offload"] == {
         "status": "not run", "reason": "DeepSpeed ZeRO-Offload moves its partitions to a CUDA device; this is a CPU run"}

@@ -20,7 +20,8 @@ so a run cut short keeps the arms it finished):
 
 Every arm: the examples' GPT (--d-model, --layers, --vocab, --seq-len), the same seeded initial
 values and random tokens, micro-batch --batch, forward and loss under bf16 autocast, AdamW
-(lr 1e-4, weight decay 0.01; torch's fused CPU AdamW where torch runs the step). Before anything
+(lr 1e-4, weight decay 0.01; torch's fused CPU AdamW where torch runs the step, its for-loop
+form where fused is refused, as each arm's "optimizer" says). Before anything
 else each arm caps its allocator at --cap-gib (``torch.cuda.set_per_process_memory_fraction``);
 plain bf16-mixed training would need 16 bytes per parameter of states alone (bf16 weights and
 gradients, fp32 masters, two AdamW moments) plus activations, recorded next to the cap.
@@ -145,8 +146,21 @@ def _model(args):
     return GPT(cfg)
 
 
+#: Which AdamW each arm got (``_adamw``), reported with its figures.
+OPTIMIZER: dict[str, str] = {}
+
+
 def _adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
+    """torch's fused AdamW (lr 1e-4, weight decay 0.01); its for-loop form where fused is refused
+    for these parameters (recorded in ``OPTIMIZER``: a one-shot GPU run should not lose the arm)."""
+    params = list(params)
+    try:
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
+        OPTIMIZER["optimizer"] = "AdamW(fused=True)"
+    except RuntimeError as err:
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, foreach=False)
+        OPTIMIZER["optimizer"] = f"AdamW(foreach=False): fused refused ({str(err).splitlines()[0][:160]})"
+    return opt
 
 
 def _train_step(model, opt: torch.optim.Optimizer, device: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -298,7 +312,8 @@ def run_arm(args) -> dict[str, Any]:
     return {"status": "ok", "device": name, "parameters": parameters, "step_times_s": times[:args.steps],
             "profiled_step_s": times[-1], "mean_step_s": mean_step_s, "tokens_per_s": tokens_per_s,
             "model_tflops": tflops, "peak_bf16_tflops": peak, "mfu": tflops / peak if peak else None,
-            **memory, "peak_rss_mib": peak_rss_mib(), **busy, "losses": losses}
+            **memory, "peak_rss_mib": peak_rss_mib(), **busy,
+            "optimizer": OPTIMIZER.get("optimizer", "DeepSpeed's AdamW (DeepSpeedCPUAdam)"), "losses": losses}
 
 
 # --- the driver -----------------------------------------------------------------------------------
