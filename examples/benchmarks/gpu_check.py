@@ -432,7 +432,7 @@ def step_env(site: Path) -> dict[str, str]:
 def prerequisites(args: argparse.Namespace, env: dict[str, str], wheels: list[str]) -> dict[str, Any]:
     """What the steps rely on, found in seconds: versions, the device, which packages import."""
     found: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "wheels": wheels}
-    for module in ("triton", "lightning", "transformers", "peft", "pytest", *MAIN_JOB_NEEDS):
+    for module in ("triton", "lightning", "transformers", "peft", "pytest", "deepspeed", *MAIN_JOB_NEEDS):
         found[module] = _importable(module, env)
     if args.device != "cpu":
         # Properties only: mem_get_info would create a CUDA context that this process then holds
