@@ -32,6 +32,8 @@ def test_unknown_held_out_package(tmp_path: Path) -> None:
 def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: Path, capsys) -> None:
     """``gpu_check.py`` exits 2 without CUDA; its ledger and overlap steps run their code on the
     CPU (a small GPT), and the overlap arithmetic is right on a hand-made trace."""
+    import json
+
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
@@ -43,8 +45,11 @@ def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: P
     assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
     args = gpu_check.parse_args(["--device", "cpu", "--d-model", "32", "--layers", "2",
                                  "--trace", str(tmp_path / "trace.json")])
-    ledger = gpu_check.step_ledger(args, tmp_path)
+    saved = []
+    ledger = gpu_check.step_ledger(args, tmp_path, lambda got: saved.append(json.loads(json.dumps(got))))
     assert ledger["ok"] and all(len(ledger[c]["ledger_peak_bytes"]) == 4 for c in ("plain", "bf16", "cpu_offload"))
+    # Each configuration is saved as soon as it is measured (a timeout keeps the finished ones).
+    assert [sorted(s) for s in saved] == [["ok", "plain"], ["bf16", "ok", "plain"], ["bf16", "cpu_offload", "ok", "plain"]]
     assert ledger["cpu_offload"]["ledger_peak_bytes"][-1] < ledger["plain"]["ledger_peak_bytes"][-1]
     overlap = gpu_check.step_overlap(args, tmp_path)
     assert (tmp_path / "trace.json").exists() and overlap["copy_us"] == 0 and not overlap["ok"]  # no device on a CPU
@@ -64,8 +69,9 @@ def test_gpu_check_refuses_without_cuda_and_its_steps_run_on_the_cpu(tmp_path: P
 
 def test_gpu_check_keeps_to_its_budget_and_writes_after_every_step(tmp_path: Path) -> None:
     """The driver, on the CPU: the prerequisites and each step land in the JSON as they finish
-    (steps in child processes); a budget too small for any step records every step as skipped
-    instead of starting it; a step past its timeout is killed with its whole process group."""
+    (steps in child processes; the offload benchmark's JSON beside it, the Triton cache copied
+    there); a budget too small for any step records every step as skipped instead of starting it; a
+    step past its timeout is killed with its whole process group."""
     import json
     import os
     import time
@@ -75,16 +81,20 @@ def test_gpu_check_keeps_to_its_budget_and_writes_after_every_step(tmp_path: Pat
 
     out = tmp_path / "check.json"
     small = ["--device", "cpu", "--d-model", "32", "--layers", "2", "--trace", str(tmp_path / "trace.json"),
-             "--skip", "suite,main_job,nccl,kernels", "--out", str(out)]
+             "--skip", "suite,main_job,nccl,kernels", "--out", str(out),
+             "--offload-args", "--only deepspeed_offload"]  # its arms run in test_offload_gpu_benchmark_dry_run...
     assert gpu_check.main(small) == 1  # the overlap step finds no device copies on a CPU
     got = json.loads(out.read_text())
     assert got["prerequisites"]["ok"] and got["prerequisites"]["pytest"]
     assert got["ledger"]["ok"] and got["ledger"]["seconds_total"] > 0
     assert not got["overlap"]["ok"] and got["overlap"]["copy_us"] == 0 and "suite" not in got
+    assert got["offload"]["ok"] and got["offload"]["results"]["arms"]["deepspeed_offload"]["status"] == "not run"
+    assert json.loads((tmp_path / "check_offload_gpu.json").read_text()) == got["offload"]["results"]
+    assert got["triton_cache"]["dir"] == str(tmp_path / "check_triton_cache")
 
     assert gpu_check.main([*small, "--budget", "10"]) == 1
     got = json.loads(out.read_text())
-    assert all(got[name]["skipped"].startswith("out of time") for name in ("ledger", "overlap"))
+    assert all(got[name]["skipped"].startswith("out of time") for name in ("ledger", "overlap", "offload"))
 
     start = time.monotonic()
     code, _ = gpu_check._run(["bash", "-c", f"sleep 60 & echo $! > {tmp_path / 'child'}; wait"], timeout=2)
@@ -173,7 +183,7 @@ def test_gpu_check_steps_share_one_triton_cache_that_outlives_the_run(tmp_path: 
     """Every step of ``gpu_check.py`` (a process of its own) gets the same ``TRITON_CACHE_DIR``:
     a folder of the checkout, not the run's temporary folder, so a kernel compiled by one step is
     found by the next (``test_kernel_compile.py`` checks that a second process finds it), and by
-    a later run; a cache the caller chose is kept."""
+    a later run; a cache the caller chose is kept; the cache is copied beside the check's JSON."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
     import gpu_check
 
@@ -181,6 +191,7 @@ def test_gpu_check_steps_share_one_triton_cache_that_outlives_the_run(tmp_path: 
     env = gpu_check.step_env(tmp_path / "site")
     assert env["TRITON_CACHE_DIR"] == str(gpu_check.REPO_ROOT / ".triton_cache")
     assert str(tmp_path / "site") in env["PYTHONPATH"].split(os.pathsep)
+    assert env["PATH"].split(os.pathsep)[0] == str(tmp_path / "site" / "bin")
     (tmp_path / "mine" / "0123").mkdir(parents=True)
     (tmp_path / "mine" / "0123" / "__grp___quantize_kernel.json").write_text("{}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
@@ -188,3 +199,73 @@ def test_gpu_check_steps_share_one_triton_cache_that_outlives_the_run(tmp_path: 
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
     found = gpu_check.prerequisites(gpu_check.parse_args(["--device", "cpu"]), env, [])
     assert found["triton_cache"] == {"dir": str(tmp_path / "mine"), "kernels_before": 1}
+    # After every step the cache is copied beside the check's JSON, to be carried to the next run.
+    copied = gpu_check.keep_triton_cache(gpu_check.parse_args(["--out", str(tmp_path / "out" / "gc.json")]), env)
+    assert copied == {"dir": str(tmp_path / "out" / "gc_triton_cache"), "kernels": 1}
+    assert (tmp_path / "out" / "gc_triton_cache" / "0123" / "__grp___quantize_kernel.json").read_text() == "{}"
+
+
+def test_offload_gpu_benchmark_dry_run_on_the_cpu(tmp_path: Path) -> None:
+    """``offload_gpu.py`` end to end on the CPU (tiny GPT, no cap), as a user runs it: every arm is
+    in its JSON, those that ran with finite figures and the losses of FSDP2's CPU offload (the
+    reference: the same seeded model and tokens), the device figures null with the reason, and
+    DeepSpeed recorded as not run with the reason rather than dropped. Its device-time and peak
+    arithmetic on hand-made input."""
+    import json
+    import math
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "offload_gpu.json"
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "benchmarks" / "offload_gpu.py"), "--device", "cpu", "--d-model", "32",
+         "--layers", "2", "--heads", "2", "--vocab", "64", "--seq-len", "16", "--batch", "2", "--steps", "3",
+         "--out", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert list(got["arms"]) == ["zinf_offload", "fsdp2_offload", "zinf_param_cpu", "deepspeed_offload"]
+    reference = got["arms"]["fsdp2_offload"]["losses"]
+    for name in ("zinf_offload", "fsdp2_offload", "zinf_param_cpu"):
+        arm = got["arms"][name]
+        assert arm["status"] == "ok", arm
+        assert len(arm["step_times_s"]) == 3 and len(arm["losses"]) == 4  # 3 steps and the profiled one
+        for key in ("mean_step_s", "tokens_per_s", "model_tflops", "peak_rss_mib"):
+            assert math.isfinite(arm[key]) and arm[key] > 0, (name, key, arm[key])
+        assert arm["device_idle_fraction"] is None and "CPU run" in arm["device_idle_reason"]
+        assert arm["mfu"] is None and arm["parameters"] == got["model"]["parameters"]
+        assert arm["optimizer"] == "AdamW(fused=True)"
+        assert arm["losses"] == pytest.approx(reference, rel=1e-3), name
+    assert got["arms"]["deepspeed_offload"] == {
+        "status": "not run", "reason": "DeepSpeed ZeRO-Offload moves its partitions to a CUDA device; this is a CPU run"}
+    assert set(got["ratios"]) == {"zinf_offload/fsdp2_offload", "zinf_param_cpu/fsdp2_offload"}
+
+    sys.path.insert(0, str(root / "examples" / "benchmarks"))
+    import offload_gpu
+
+    assert [offload_gpu.peak_bf16_tflops(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200",
+                                                      "NVIDIA A100-SXM4-80GB", "Tesla T4")] == [989, 756, 989, 312, None]
+    step = {"ph": "X", "cat": "user_annotation", "name": offload_gpu.STEP_ANNOTATION, "ts": 0, "dur": 100}
+    # Device busy over [10, 50) (a kernel, and a copy on another stream overlapping it) and
+    # [90, 100) (a kernel running past the step's end): idle half of the step, computing 30%.
+    events = [step, {"ph": "X", "cat": "kernel", "ts": 10, "dur": 20}, {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 30},
+              {"ph": "X", "cat": "kernel", "ts": 90, "dur": 30}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 100}]
+    assert offload_gpu.device_busy(events) == {"profiled_step_us": 100.0, "device_idle_fraction": 0.5,
+                                               "compute_busy_fraction": 0.3}
+
+
+def test_gpu_check_stops_pytest_so_that_it_keeps_the_finished_tests(tmp_path: Path, monkeypatch) -> None:
+    """A pytest step past its timeout gets SIGINT before SIGKILL: pytest writes the JUnit XML of
+    the tests that finished (kept beside the check's JSON), and the step says it timed out. With
+    SIGKILL alone (the old harness) no XML is written and every test's result is lost."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    import gpu_check
+
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\n"
+        "def test_c():\n    time.sleep(120)\n")
+    monkeypatch.setattr(gpu_check, "GRACE_S", 5)
+    xml = tmp_path / "check_suite.xml"
+    got = gpu_check.run_pytest([str(tmp_path / "test_slow.py")], xml, timeout=25, env=dict(os.environ))
+    assert got["timed_out"] and not got["ok"] and xml.exists()
+    assert got["passed"] == 2 and got["failed"] == []

@@ -12,6 +12,8 @@ for the whole check). Skipped with the reason on a machine without CUDA.
 - The memory ledger against ``torch.cuda.max_memory_allocated()``.
 - Fused and capturable AdamW resumed from a sharded checkpoint (``step`` stays on the GPU).
 - ZeroMonitor through a Trainer: host-side figures, device-timed steps.
+- ``strategy.generation()`` in a Trainer's training step (decode steps with the kept qwZ row on the
+  device and host tiers, and with the whole model kept gathered), against the CPU run.
 
 The Triton kernels on CUDA are tested in test_kernels.py (marked ``gpu`` as well).
 """
@@ -204,6 +206,71 @@ def test_monitor_logs_host_numbers_and_times_steps_on_the_device() -> None:
     assert got and all(v[:2] == ("cpu", "torch.float64") for v in got.values()), got
     assert got.get("zinf/tokens_per_s", (0, 0, 0))[2] > 0, got
     assert got["zinf/device_max_allocated_bytes"][2] > 0
+
+
+#: Configurations of the generation-phase test: the kept qwZ row on the device tier and on the
+#: host tier (re-gathered at every decode step, budget 0), and the whole model kept gathered.
+GENERATION = {
+    "qwz": ({"zero_pp": ZeroPPConfig(qwz=True)}, 0, "zero_pp"),
+    "offload_cpu_qwz": ({"zero_pp": ZeroPPConfig(qwz=True), "offload": OffloadConfig(param="cpu", optimizer="cpu")},
+                        0, "zero_pp"),
+    "whole": ({}, 1 << 40, "fp32"),
+}
+
+
+def _generation_fit(rank: int, world: int, accelerator: str, feature: str) -> dict:
+    """A Trainer fit whose ``training_step`` decodes under ``strategy.generation()`` (8 decode steps
+    of a growing prefix of the batch, teacher-forced so every device feeds the same tokens), then
+    trains on the batch; the last-position logits of every decode step and the losses."""
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_zinf import ZeroInfinityStrategy
+
+    options, budget, _ = GENERATION[feature]
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = models.GPT()  # on the CPU, so both devices start from the same values
+            self.decoded: list[torch.Tensor] = []
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            with torch.no_grad(), self.trainer.strategy.generation():
+                for n in range(8, x.shape[1] + 1):
+                    self.decoded.append(self.model(x[:, :n])[:, -1].float().cpu())
+            loss = models.loss_fn(self.model, x, y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+
+    x, y = models.make_batch("gpt", 0, 3 * BATCH)
+    strategy = ZeroInfinityStrategy(block_classes=["Block"], **options,
+                                    prefetch=PrefetchConfig(persistence_threshold=0, inference_budget=budget))
+    trainer = L.Trainer(strategy=strategy, accelerator=accelerator, devices=1, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    lit = Lit()
+    trainer.fit(lit, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    return {"decoded": torch.stack(lit.decoded), "losses": lit.losses}
+
+
+@pytest.mark.parametrize("feature", list(GENERATION))
+def test_generation_phase_on_one_gpu_matches_the_cpu(feature: str) -> None:
+    """``strategy.generation()`` inside a training step on CUDA (issue 39; gpu_check's nccl step
+    runs it again through real NCCL gathers): decode steps and the training steps after them give
+    the CPU run's logits and losses, with the kept qwZ row on the device and the host tier and with
+    the whole model kept gathered."""
+    gpu = run_distributed(_generation_fit, 1, "gpu", feature, init_pg=False)[0]
+    cpu = run_distributed(_generation_fit, 1, "cpu", feature, init_pg=False)[0]
+    rtol = TOLERANCE[GENERATION[feature][2]]
+    assert gpu["decoded"].shape == (3 * 9, BATCH, 64)
+    torch.testing.assert_close(gpu["decoded"], cpu["decoded"], rtol=rtol, atol=rtol)
+    torch.testing.assert_close(torch.tensor(gpu["losses"]), torch.tensor(cpu["losses"]), rtol=rtol, atol=0)
 
 
 def _refuse_flush() -> None:

@@ -539,9 +539,9 @@ def test_benchmark_without_cuda_exits_with_a_message(
 @pytest.mark.skipif(HAS_CUDA, reason="the dry run uses the interpreter; on a GPU run the benchmark itself")
 def test_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
     """Every row of the benchmark runs (tiny sizes, Triton's interpreter) and its Triton results
-    equal the references'."""
+    equal the references'; each row has a device and a host time per call."""
     bench = _benchmark_module()
-    tiny = "--numel 1024 --block 64 --nodes 2 --ranks-per-node 2 --iters 1 --warmup 0 --no-compile".split()
+    tiny = "--numel 1024 --block 64 --nodes 2 --ranks-per-node 2 --iters 1 --warmup 0 --calls 2 --no-compile".split()
     args = bench.parse_args([*tiny, "--out", str(tmp_path / "k.json")])
     result = bench.run(args, torch.device("cpu"))
     names = [r["kernel"] for r in result["rows"]]
@@ -549,7 +549,9 @@ def test_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
     assert all(r["mismatches"] == 0 for r in result["rows"] if "mismatches" in r)
     assert sum("mismatches" in r for r in result["rows"]) == 10
     assert set(result["fused_over_unfused"]) == {8, 4}
-    assert "fused reorder+quantize INT4" in bench.format_table(result)
+    assert all(r["triton_ms"] > 0 and r["triton_host_ms"] > 0 for r in result["rows"]) and result["copy_host_ms"] > 0
+    table = bench.format_table(result)
+    assert "fused reorder+quantize INT4" in table and "launch-bound (host time per call above device time)" in table
 
 
 def test_reference_cpu_benchmark_runs(tmp_path: Path) -> None:

@@ -4,11 +4,19 @@ GPU's measured device-to-device copy bandwidth and with the torch references (ea
 
 Each kernel is memory-bound, so its figure of merit is the effective bandwidth
 
-    GB/s = (bytes read + bytes written, codes and fp32 scales included) / median time
+    GB/s = (bytes read + bytes written, codes and fp32 scales included) / median device time
 
-over ``--iters`` samples (CUDA events around 5 back-to-back calls each) after ``--warmup``
-untimed calls. The copy row is ``dst.copy_(src)`` of a tensor as large as the quantize input
-(2 x its bytes moved). Rows:
+over ``--iters`` samples after ``--warmup`` untimed calls. A sample is ``--calls`` back-to-back
+calls between two CUDA events, queued behind a ``torch.cuda._sleep`` long enough for the host to
+launch them all while the device sleeps: the events then time the kernels alone, back to back, and
+the host's own cost of a call (argument checks, allocation, Triton's launcher) is timed apart, with
+the wall clock around the launches (a sample whose launches outlast the sleep is taken again behind
+a longer one). Both are reported per call (``triton_ms`` on the device,
+``triton_host_ms`` on the host): a kernel whose host time exceeds its device time is launch-bound
+in a loop of such calls, whatever its bandwidth. The copy row is ``dst.copy_(src)`` of a tensor as
+large as the quantize input (2 x its bytes moved), timed the same way. (A call that waits for the
+device, like "+ check"'s finite check, stops the host running ahead: its device time then
+includes the idle gaps.) Rows:
 
   quantize INTb            1-D tensor of --numel values (--dtype) -> codes + scales
   quantize INTb + check    the same with the default nonfinite="raise" (one isfinite pass + sync)
@@ -52,7 +60,11 @@ from triton_kernels import QgzLayout, reference  # noqa: E402
 
 TRITON = "triton"  # on CUDA the same as "auto"; forces the kernels in the CPU dry run
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CALLS_PER_SAMPLE = 5
+#: Device clock cycles ``torch.cuda._sleep`` spins in the calibration of its rate.
+CALIBRATION_CYCLES = 10_000_000
+#: Samples taken again behind a longer sleep, at most, per timing (a call that waits for the
+#: device never lets the host run ahead, however long the sleep).
+RETRIES = 3
 COPY_TARGET = 0.80
 FUSION_TARGET = 2.0
 
@@ -69,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--iters", type=int, default=20, help="timed samples per row, 5 calls each (the median is reported)"
     )
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timed sample (default 20)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference column")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "kernels.json", help="JSON results path")
     args = parser.parse_args(argv)
@@ -79,35 +92,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         tk.layout.check_block(args.block)
     except ValueError as err:
         parser.error(str(err))
-    if args.numel < 1 or args.nodes < 1 or args.ranks_per_node < 1 or args.iters < 1 or args.warmup < 0:
-        parser.error("--numel, --nodes, --ranks-per-node and --iters must be positive, --warmup non-negative")
+    if min(args.numel, args.nodes, args.ranks_per_node, args.iters, args.calls) < 1 or args.warmup < 0:
+        parser.error("--numel, --nodes, --ranks-per-node, --iters and --calls must be positive, --warmup non-negative")
     return args
 
 
-def median_ms(fn: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` in milliseconds: CUDA events on the current stream on a GPU,
-    the wall clock on CPU (used only by the dry run in the tests)."""
+def sleep_cycles_per_ms() -> float:
+    """Device clock cycles ``torch.cuda._sleep`` spins per millisecond, timed by CUDA events (the
+    clock it counts is the SM clock, which boosts: measured, not taken from the data sheet)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(CALIBRATION_CYCLES // 10)  # the first spin loads the kernel
+    start.record()
+    torch.cuda._sleep(CALIBRATION_CYCLES)
+    end.record()
+    end.synchronize()
+    return CALIBRATION_CYCLES / start.elapsed_time(end)
+
+
+def time_calls(fn: Callable[[], object], iters: int, warmup: int, device: torch.device,
+               calls: int = 1) -> tuple[float, float, bool]:
+    """Median milliseconds per call of ``fn`` on the device and on the host, over ``iters``
+    samples of ``calls`` back-to-back calls each (the module docstring says how), and whether the
+    host's launches ran ahead of the device in every sample (False: the device times include idle
+    gaps, as for a call that waits for the device). On the CPU (the tests' dry run) both times are
+    the wall clock."""
     for _ in range(warmup):
         fn()
-    times = []
+    device_ms, host_ms = [], []
     if device.type != "cuda":
         for _ in range(iters):
             start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+            for _ in range(calls):
+                fn()
+            device_ms.append((time.perf_counter() - start) * 1e3 / calls)
+        return statistics.median(device_ms), statistics.median(device_ms), True
     torch.cuda.synchronize()
-    for _ in range(iters):
-        # Several calls per sample keep the launch queue ahead of the GPU, so the host-side cost
-        # of a call (argument checks, allocation) does not show up as idle GPU time.
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CALLS_PER_SAMPLE):
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    launch_ms = (time.perf_counter() - start) * 1e3  # an upper bound: the device may have been slower
+    torch.cuda.synchronize()
+    # Twice the launches' time and a margin: the host stays ahead even when a call takes longer.
+    cycles_per_ms, sleep_ms = sleep_cycles_per_ms(), 2 * launch_ms + 0.5
+    retries, ahead = RETRIES, True
+    while len(device_ms) < iters:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(cycles_per_ms * sleep_ms))
+        begin.record()
+        start = time.perf_counter()
+        for _ in range(calls):
             fn()
+        launched_ms = (time.perf_counter() - start) * 1e3
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_SAMPLE)
-    return statistics.median(times)
+        if launched_ms > sleep_ms:  # the device may have caught up with the host and idled
+            if retries:
+                retries, sleep_ms = retries - 1, 2 * launched_ms
+                continue
+            ahead = False
+        host_ms.append(launched_ms / calls)
+        device_ms.append(begin.elapsed_time(end) / calls)
+    return statistics.median(device_ms), statistics.median(host_ms), ahead
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -129,8 +174,9 @@ class Bench:
     def __init__(self, args: argparse.Namespace, copy_gbs: float, device: torch.device) -> None:
         self.args, self.copy_gbs, self.device, self.rows = args, copy_gbs, device, []
 
-    def time(self, fn: Callable[[], object]) -> float:
-        return median_ms(fn, self.args.iters, self.args.warmup, self.device)
+    def time(self, fn: Callable[[], object]) -> tuple[float, float, bool]:
+        """Device and host milliseconds per call of ``fn``, and whether the host ran ahead (:func:`time_calls`)."""
+        return time_calls(fn, self.args.iters, self.args.warmup, self.device, self.args.calls)
 
     def compiled(self, fn: Callable) -> Callable | None:
         return None if self.args.no_compile else torch.compile(fn, dynamic=False)
@@ -145,19 +191,20 @@ class Bench:
         numel: int,
     ) -> dict:
         entry: dict = {"kernel": name, "numel": numel, "bytes": moved}
-        entry["triton_ms"] = self.time(triton_fn)
+        entry["triton_ms"], entry["triton_host_ms"], entry["host_ahead"] = self.time(triton_fn)
         entry["triton_gbs"] = moved / entry["triton_ms"] / 1e6
         entry["of_copy"] = entry["triton_gbs"] / self.copy_gbs
         if eager_fn is not None:
             entry["mismatches"] = mismatches(triton_fn(), eager_fn())
-            entry["eager_ms"] = self.time(eager_fn)
+            entry["eager_ms"], entry["eager_host_ms"], _ = self.time(eager_fn)
         if compiled_fn is not None:
             try:
-                entry["compile_ms"] = self.time(compiled_fn)
+                entry["compile_ms"], entry["compile_host_ms"], _ = self.time(compiled_fn)
             except Exception as err:  # a reference torch.compile cannot handle is reported, not fatal
                 entry["compile_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
         self.rows.append(entry)
-        print(f"[kernels] {name}: {entry['triton_ms']:.3f} ms, {entry['triton_gbs']:.0f} GB/s", flush=True)
+        print(f"[kernels] {name}: {entry['triton_ms']:.3f} ms on the device, {entry['triton_host_ms']:.3f} ms "
+              f"on the host, {entry['triton_gbs']:.0f} GB/s", flush=True)
         return entry
 
 
@@ -165,7 +212,7 @@ def run(args: argparse.Namespace, dev: torch.device) -> dict:
     """Measure every row on ``dev`` (a CUDA device; CPU only for a dry run under the interpreter)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(args.numel, generator=gen, device=dev).to(DTYPES[args.dtype])
-    copy_gbs = copy_bandwidth(x, args)
+    copy_gbs, copy_host_ms = copy_bandwidth(x, args)
     print(f"[kernels] device-to-device copy: {copy_gbs:.0f} GB/s", flush=True)
     bench = Bench(args, copy_gbs, dev)
     fusion = {}
@@ -175,13 +222,15 @@ def run(args: argparse.Namespace, dev: torch.device) -> dict:
         reduce_rows(bench, gen, bits)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return {"copy_gbs": copy_gbs, "rows": bench.rows, "fused_over_unfused": fusion}
+    return {"copy_gbs": copy_gbs, "copy_host_ms": copy_host_ms, "rows": bench.rows, "fused_over_unfused": fusion}
 
 
-def copy_bandwidth(x: torch.Tensor, args: argparse.Namespace) -> float:
-    """GB/s of ``dst.copy_(x)`` (bytes read + bytes written), the bound for a memory-bound kernel."""
+def copy_bandwidth(x: torch.Tensor, args: argparse.Namespace) -> tuple[float, float]:
+    """GB/s of ``dst.copy_(x)`` (bytes read + bytes written, over its device time), the bound for a
+    memory-bound kernel, and the copy's host milliseconds per call."""
     dst = torch.empty_like(x)
-    return 2 * nbytes(x) / median_ms(lambda: dst.copy_(x), args.iters, args.warmup, x.device) / 1e6
+    device_ms, host_ms, _ = time_calls(lambda: dst.copy_(x), args.iters, args.warmup, x.device, args.calls)
+    return 2 * nbytes(x) / device_ms / 1e6, host_ms
 
 
 def quantize_rows(bench: Bench, x: torch.Tensor, bits: int) -> None:
@@ -271,18 +320,19 @@ def reduce_rows(bench: Bench, gen: torch.Generator, bits: int) -> None:
 
 def format_table(result: dict) -> str:
     lines = [
-        f"device-to-device copy: {result['copy_gbs']:.0f} GB/s",
+        f"device-to-device copy: {result['copy_gbs']:.0f} GB/s ({1e3 * result['copy_host_ms']:.0f} µs per call on the host)",
         "",
-        "| kernel | elements | MB moved | Triton ms | Triton GB/s | of copy | eager ms | Triton vs eager "
-        "| compile ms | Triton vs compile | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | elements | MB moved | Triton ms | Triton host µs | Triton GB/s | of copy | eager ms "
+        "| Triton vs eager | compile ms | Triton vs compile | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         eager, comp, ms = r.get("eager_ms"), r.get("compile_ms"), r["triton_ms"]
         eager_cols = f"{eager:.3f} | {eager / ms:.1f}x" if eager else "- | -"
         comp_cols = f"{comp:.3f} | {comp / ms:.1f}x" if comp else f"{r.get('compile_error', '-')} | -"
         lines.append(
-            f"| {r['kernel']} | {r['numel']:,} | {r['bytes'] / 1e6:.0f} | {ms:.3f} | {r['triton_gbs']:.0f} "
+            f"| {r['kernel']} | {r['numel']:,} | {r['bytes'] / 1e6:.0f} | {ms:.3f} | {1e3 * r['triton_host_ms']:.0f} "
+            f"| {r['triton_gbs']:.0f} "
             f"| {100 * r['of_copy']:.0f}% | {eager_cols} | {comp_cols} | {r.get('mismatches', '-')} |"
         )
     lines.append("")
@@ -300,6 +350,10 @@ def format_table(result: dict) -> str:
     lines.append(
         f"kernels below {COPY_TARGET:.0%} of copy bandwidth at >= 64M elements: {', '.join(slow) if slow else 'none'}"
     )
+    bound = [r["kernel"] for r in result["rows"] if r["triton_host_ms"] > r["triton_ms"]]
+    lines.append(f"launch-bound (host time per call above device time): {', '.join(bound) if bound else 'none'}")
+    behind = [r["kernel"] for r in result["rows"] if not r["host_ahead"]]
+    lines.append(f"device times with idle gaps (the host could not run ahead): {', '.join(behind) if behind else 'none'}")
     return "\n".join(lines)
 
 
