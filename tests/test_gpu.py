@@ -36,12 +36,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a 
 STEPS = 4
 BATCH = 8
 FEATURES = ("fp32", "bf16", "offload_cpu", "offload_nvme", "offload_cpu_bf16", "offload_nvme_bf16", "zero_pp", "tiling",
-            "checkpointing", "lora_frozen_int8", "activation_offload")
+            "checkpointing", "lora_frozen_int8", "activation_offload", "zero_offload_bf16", "param_cpu_device_optimizer_bf16",
+            "offload_cpu_sync_step")
 # Relative tolerance of the losses against the CPU run: reduction orders and attention kernels
 # differ between devices; bf16 and INT8-quantized weights round far more than that.
 TOLERANCE = {"fp32": 2e-3, "offload_cpu": 2e-3, "offload_nvme": 2e-3, "tiling": 2e-3, "checkpointing": 2e-3,
              "activation_offload": 2e-3, "bf16": 3e-2, "offload_cpu_bf16": 3e-2, "offload_nvme_bf16": 3e-2,
-             "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2}
+             "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2, "zero_offload_bf16": 3e-2,
+             "param_cpu_device_optimizer_bf16": 3e-2, "offload_cpu_sync_step": 2e-3}
 
 
 def _engine_kwargs(feature: str, nvme_path: str) -> dict:
@@ -61,6 +63,14 @@ def _engine_kwargs(feature: str, nvme_path: str) -> dict:
         "checkpointing": {"activation_checkpointing": [models.Block]},
         "lora_frozen_int8": {"zero_pp": ZeroPPConfig(frozen_bits=8)},
         "activation_offload": {"offload": OffloadConfig(optimizer="cpu", activations=True)},
+        # ZeRO-Offload's layout: 16-bit device copies, fp32 masters on the host, gradients up in bf16
+        # (landing buffers), the step in the background.
+        "zero_offload_bf16": {"offload": OffloadConfig(optimizer="cpu"),
+                              "mixed_precision": MixedPrecisionConfig(param_dtype="bf16", reduce_dtype="bf16")},
+        # The device master's values sent to the page-locked host shard and copy without a host wait.
+        "param_cpu_device_optimizer_bf16": {"offload": OffloadConfig(param="cpu"),
+                                            "mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
+        "offload_cpu_sync_step": {"offload": OffloadConfig(param="cpu", optimizer="cpu", overlap_step=False)},
     }.get(feature, {})
 
 
