@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -129,8 +130,9 @@ class OffloadedLayers:
         if self.observer.kept is None:
             assert self.observer.live_bytes() == self.ledger.now["staged"], (kind, unit)
 
-    def step(self) -> None:
-        """One training pass (forward and backward), starting as the engine starts a pass."""
+    def step(self, checkpointed: bool = False) -> None:
+        """One training pass (forward and backward), starting as the engine starts a pass; with
+        ``checkpointed`` each layer under activation checkpointing (recomputed in backward)."""
         self.schedule.reset()
         self.states.settle(boundary=True)
         self.agreement.begin_pass("train", True, None)
@@ -142,7 +144,8 @@ class OffloadedLayers:
         x = torch.randn(4, WIDTH, device=META, requires_grad=True)
         with self.observer:
             for layer in self.layers:
-                x = torch.tanh(layer(x))
+                x = torch.tanh(torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if checkpointed
+                               else layer(x))
             x.sum().backward()
 
 
@@ -242,6 +245,20 @@ def test_the_ledger_counts_every_device_copy_of_a_shard(compute_dtype: torch.dty
         assert run.ledger.now["staged"] == run.observer.live_bytes() == 0
     # Held by the gather in flight and the one ahead, plus the copies ahead.
     assert run.ledger.peak["staged"] == _staged_bytes(compute_dtype, 2 + units_ahead)
+
+
+def test_under_activation_checkpointing_every_copy_made_ahead_is_read() -> None:
+    """Each layer checkpointed: a unit is gathered for its forward and again for its recomputation
+    in backward, then held through its backward. Its shard is copied once per gather, and every
+    copy made ahead is read by a gather (none left at the end of backward): a recomputed unit
+    counts as held from its acquisition on, so no use of it while held gets a copy (a copy no
+    gather takes would hold copy_ahead_bytes until the pass ends)."""
+    run = OffloadedLayers(_staged_bytes(torch.bfloat16, 2), torch.bfloat16)
+    for _ in range(3):
+        run.step(checkpointed=True)
+        copied = [source for source, _, _ in run.observer.copies]
+        assert sorted(copied) == sorted([*range(LAYERS)] * 2), copied
+        assert run.states.copies.ahead_bytes == 0
 
 
 def test_copy_ahead_bytes_is_validated() -> None:

@@ -229,7 +229,7 @@ GENERATION = {
 
 
 def _generation_fit(rank: int, world: int, accelerator: str, feature: str) -> dict:
-    """A Trainer fit whose ``training_step`` decodes under ``strategy.generation()`` (8 decode steps
+    """A Trainer fit whose ``training_step`` decodes under ``strategy.generation()`` (9 decode steps
     of a growing prefix of the batch, teacher-forced so every device feeds the same tokens), then
     trains on the batch; the last-position logits of every decode step and the losses."""
     import lightning.pytorch as L

@@ -275,8 +275,14 @@ class Schedule:
     @_eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         units = self._uses[module]
+        recompute = torch.is_grad_enabled() and _in_backward()
         for unit in units:
             unit.forward_depth += 1
+            if recompute:
+                # Recomputed by activation checkpointing for the backward that follows: held until
+                # that backward has run (set before acquiring it, so that prefetch and copies
+                # ahead see that its next use in the trace needs no new gather).
+                unit.held = True
             self._acquire(unit)
         policy = self.mixed_precision
         if policy.param_dtype is not None and policy.cast_forward_inputs:
@@ -289,12 +295,7 @@ class Schedule:
         # recomputation: the original forward's node is the one its backward runs.
         use = None
         frozen = [u for u in units if u.has_frozen]
-        if torch.is_grad_enabled() and _in_backward():
-            # Recomputed by activation checkpointing for the backward that follows: held until
-            # that backward has run, not released after this forward and gathered again.
-            for unit in units:
-                unit.held = True
-        elif frozen and torch.is_grad_enabled():
+        if frozen and torch.is_grad_enabled() and not recompute:
             inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
             if inputs:
                 use = _Use(frozen)
