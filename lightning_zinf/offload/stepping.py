@@ -32,15 +32,31 @@ from __future__ import annotations
 
 import collections
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_zinf.offload.optimizer import OptimizerOffload
+__all__ = ["OffloadedSide", "StepPipeline", "hyper_parameters"]
 
-__all__ = ["StepPipeline", "hyper_parameters"]
+
+class OffloadedSide(Protocol):
+    """What a :class:`StepPipeline` needs of the optimizer offload
+    (:class:`~lightning_zinf.offload.optimizer.OptimizerOffload`): its flat groups and tier, the
+    clipping coefficient, and the main thread's work on a sub-group's records (``nvme``: read in,
+    kept, made resident, settled, given back) and on a stepped group (sent out)."""
+
+    groups: list
+    nvme: bool
+    clip_coef: Optional[Tensor]
+
+    def claim(self, members: list[int], ahead: bool) -> None: ...
+    def keep_resident(self, members: list[int]) -> None: ...
+    def reads_complete(self, members: list[int]) -> bool: ...
+    def make_resident(self, members: list[int]) -> None: ...
+    def send_out(self, optimizer: torch.optim.Optimizer, i: int) -> None: ...
+    def settle(self, members: list[int]) -> None: ...
+    def release_unstepped(self, members: list[int]) -> None: ...
 
 _PENDING, _READING, _STEPPING, _DONE = range(4)
 
@@ -68,7 +84,7 @@ class StepPipeline:
             sent out (``nvme``; ``0``: each completes first).
     """
 
-    def __init__(self, offload: "OptimizerOffload", optimizer: torch.optim.Optimizer, subgroups: list[list[int]],
+    def __init__(self, offload: OffloadedSide, optimizer: torch.optim.Optimizer, subgroups: list[list[int]],
                  owned: set[int], worker: ThreadPoolExecutor, read_ahead: int, write_behind: int) -> None:
         self.offload = offload
         self.optimizer = optimizer
