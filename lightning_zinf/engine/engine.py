@@ -253,6 +253,7 @@ class ZeroEngine:
                                     param_offload=self.param_offload,
                                     offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
                                     sharded=self.sharded, settle=self._settle, tracer=self.tracer)
+        self.schedule.on_backward_start = self.steps.prepare_step
         self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
                                  frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
         self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,

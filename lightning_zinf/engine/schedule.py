@@ -107,6 +107,9 @@ class Schedule:
         self._uses = uses
         self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
         self._backward_end_queued = False
+        # Called once when a backward starts (the engine reads the next optimizer step's first
+        # state ahead: OptimizerSteps.prepare_step).
+        self.on_backward_start: Optional[Callable[[], None]] = None
         self._outer: Optional[_OuterForwards] = None  # a generation phase's passes, one per outermost forward
         self._watched: set[int] = set()  # ids of the parameters that have a gradient hook
         self.handles = self._install(module)
@@ -375,6 +378,8 @@ class Schedule:
         if not self._backward_end_queued:
             self._backward_end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            if self.on_backward_start is not None:
+                self.on_backward_start()
 
     @_eager
     def _backward_end(self) -> None:

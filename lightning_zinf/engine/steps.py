@@ -123,6 +123,13 @@ class OptimizerSteps:
 
             setattr(optimizer, name, waiting)
 
+    def prepare_step(self) -> None:
+        """When a backward starts: an NVMe-offloaded optimizer reads the state its next step needs
+        first (:meth:`OptimizerOffload.read_ahead_step
+        <lightning_zinf.offload.optimizer.OptimizerOffload.read_ahead_step>`), behind the backward."""
+        if self.offload is not None:
+            self.offload.read_ahead_step(self._step_order())
+
     def _step_order(self) -> list[list[int]]:
         """Group indices unit by unit, in the order the next forward needs them: persistent units
         first (gathered again right after the step), then the units of the pass that just ran

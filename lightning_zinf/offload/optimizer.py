@@ -257,6 +257,27 @@ class OptimizerOffload:
         if not overlapped:
             self.wait_all()
 
+    def read_ahead_step(self, order: list[list[int]]) -> None:
+        """(``nvme`` with ``overlap_step``; a backward starts.) Start reading the masters and
+        states of the sub-groups a step would step first (two, as the step itself reads ahead),
+        so that their reads run behind the backward instead of in front of the next forward,
+        which waits for those sub-groups first. Reads ahead of need: given up first under staging
+        pressure; wasted if no step follows (gradient accumulation), and then kept for the step.
+        The gradients are not read: backward is writing them, and what is still in memory then
+        stays for the step (:meth:`keep_resident`)."""
+        if not (self.nvme and self.config.overlap_step and self.config.overlap) or self._pipeline is not None:
+            return
+        trainable = set(self.trainable)
+        units = [unit for unit in ([i for i in unit if i in trainable] for unit in order) if unit]
+        subgroups = self._subgroups(units, split_units=True)
+        if not subgroups or not self._room_to_overlap(subgroups):
+            return
+        for members in subgroups[:2]:
+            for i in members:
+                for record in (self._masters.get(i), *self._states.get(i, [])):
+                    if record is not None:
+                        record.swap_in(ahead=True)
+
     def _room_to_overlap(self, subgroups: list[list[int]]) -> bool:
         """(``nvme``) Whether the staging cap leaves room for a step beside the forward: four of
         its largest sub-groups (one being read, one stepped, two being written; the forward's
