@@ -98,14 +98,14 @@ class ParamOffload:
         self.space.reap()
         record = self._source(group, read)
         record.swap_in()
-        record.settle()
+        record.settle_read()  # a write behind (the step's) goes on: the gather only reads the bytes
 
     def drop(self, group: FlatGroup, read: bool = False) -> None:
         """After the all-gather that :meth:`acquire` (same ``read``) served completed: free what
         it read; its file is still current."""
         record = self._source(group, read)
-        record.settle()
-        record.swap_out(write=False)
+        record.settle_read()
+        record.swap_out(write=False)  # given back now, or once a write behind completes
 
     def will_overwrite(self, group: FlatGroup) -> None:
         """Give the shard memory (without reading: every element is about to be overwritten)."""

@@ -158,6 +158,7 @@ class SwapRecord:
         self._write = None
         self._read = None
         self.ahead = False  # swapped in ahead of need and not used since
+        self._kept = False  # swapped in while its write was in flight: the buffer stays after the write
         # Held for an optimizer step in flight (offload.stepping): another thread may be reading or
         # writing its memory, so settling the parameter offload must leave it alone.
         self.claimed = False
@@ -212,7 +213,9 @@ class SwapRecord:
 
     def swap_out(self, write: bool = True) -> None:
         """Start writing the record (``write``) and give its buffer back once written (:meth:`settle`);
-        without ``write`` the buffer is given back at once (the file is current)."""
+        without ``write`` the buffer is given back at once (the file is current), or once a write
+        still in flight completes."""
+        self._kept = False
         if self._buffer is None or self._write is not None:
             return
         if self._read is not None:
@@ -225,13 +228,21 @@ class SwapRecord:
             self._release()
 
     def settle(self) -> None:
-        """Complete whatever transfer is in flight (raises the swapper's error if it failed)."""
+        """Complete whatever transfer is in flight (raises the swapper's error if it failed). A
+        completed write gives the buffer back, unless the record was swapped in meanwhile
+        (:meth:`swap_in` during the write: its bytes are in use)."""
         if self._write is not None:
             write, self._write = self._write, None
             try:
                 write.wait()
             finally:
-                self._release()
+                if not self._kept:
+                    self._release()
+        self.settle_read()
+
+    def settle_read(self) -> None:
+        """Complete a read in flight, if any (a write in flight goes on: the bytes in memory are
+        valid while it runs, for readers)."""
         if self._read is not None:
             read, self._read = self._read, None
             try:
@@ -253,8 +264,10 @@ class SwapRecord:
         keeps its buffer and needs no read. ``ahead``: a read ahead of need, skipped when the
         staging cap leaves no room (a later swap in does it)."""
         if self._write is not None:
-            self._write.wait()  # the bytes never left memory; the file is now current too
-            self._write = None
+            # The bytes never left memory: readers use them while the write goes on (settle_read);
+            # the buffer stays when the write completes, and a writer settles the write first.
+            self._kept = True
+            self.ahead = self.ahead and ahead
             return
         if self._buffer is not None:
             self.ahead = self.ahead and ahead  # used now: no longer given up under pressure
@@ -271,13 +284,13 @@ class SwapRecord:
             self._read = self.space.swapper.read(self.key, self._buffer[: self.nbytes])
 
     def keep_ahead(self) -> None:
-        """Keep a record that is in memory (or being written) there, as if read ahead of need: its
-        write, if any, is completed, and it is given up first under staging pressure."""
+        """Keep a record that is in memory (or being written) there, as if read ahead of need: a
+        write in flight goes on (the buffer stays after it), and the record is given up first under
+        staging pressure."""
         if self._buffer is None:
             return
         if self._write is not None:
-            self._write.wait()
-            self._write = None
+            self._kept = True
         self.ahead = True
         self.space.read_ahead(self)
 
@@ -313,6 +326,7 @@ class SwapRecord:
                 tensor.data = self.view(region)[offset : offset + shape.numel()].view(shape)
 
     def _release(self) -> None:
+        self._kept = False
         with torch.no_grad():
             for tensor, region, _, _ in self._bindings:
                 tensor.data = torch.empty(0, dtype=self._regions[region][1])
