@@ -47,11 +47,12 @@ def test_monitor_counts_match_hand_computed_bytes(persistence: int) -> None:
     assert metrics["zinf/tokens_per_s"] > 0
 
 
-def _fit_nvme(rank: int, world: int, nvme: str) -> dict:
+def _fit_nvme(rank: int, world: int, nvme: str, overlap_step: bool = False) -> dict:
     lit = TinyLit()
     trainer = L.Trainer(
         strategy=ZeroInfinityStrategy(
-            prefetch={"persistence_threshold": 0}, offload={"param": "nvme", "optimizer": "nvme", "nvme_path": nvme}
+            prefetch={"persistence_threshold": 0},
+            offload={"param": "nvme", "optimizer": "nvme", "nvme_path": nvme, "overlap_step": overlap_step},
         ),
         accelerator="cpu", devices=world, max_steps=3, callbacks=[ZeroMonitor()],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -65,7 +66,9 @@ def test_monitor_counts_swapped_bytes(tmp_path) -> None:
     (forward and backward gathers) and the fp32 master once (the step), plus the gradient shard
     unless its write from backward was still in flight (then it never left memory); it writes the
     gradient shard (after backward) and the master, which in fp32 is the parameter shard's own
-    record (after the step)."""
+    record (after the step). The synchronous step (``overlap_step=False``), whose bytes all fall
+    within its own step; in the background the step's writes fall in the next step's window and
+    the next forward gathers shards still in memory, so it reads no more."""
     metrics = run_distributed(_fit_nvme, 2, str(tmp_path))[0]
     # One rank's fp32 shard of every unit, in bytes, as swapped: whole 4 KiB O_DIRECT blocks.
     shards = sum(-(-(4 * n) // 4096) * 4096 for n in SHARD_NUMEL)
@@ -73,6 +76,9 @@ def test_monitor_counts_swapped_bytes(tmp_path) -> None:
     assert metrics["zinf/swap_written_bytes"] == 2 * shards
     assert metrics["zinf/swap_read_gbps"] > 0 and metrics["zinf/swap_write_gbps"] > 0
     assert metrics["zinf/resident_bytes_nvme"] > 0
+    (tmp_path / "overlapped").mkdir()
+    overlapped = run_distributed(_fit_nvme, 2, str(tmp_path / "overlapped"), True)[0]
+    assert 0 < overlapped["zinf/swap_read_bytes"] <= 4 * shards
 
 
 def _logged_types(rank: int, world: int) -> dict:
