@@ -157,6 +157,17 @@ def test_an_exception_in_the_step_in_the_background_is_raised_at_the_next_wait_o
         assert got == [[*where, "boom: the optimizer's step failed"]] * 2, got
 
 
+def _both_modes(fn, tmp_path: Path) -> tuple:
+    """``fn(rank, world, nvme_path, overlap_step)`` on one rank with the step in the background,
+    then synchronous, each with a swap folder of its own: (in the background, synchronous)."""
+    out = []
+    for overlap_step in (True, False):
+        nvme = tmp_path / f"nvme-{overlap_step}"
+        nvme.mkdir()
+        out.append(run_distributed(fn, 1, str(nvme), overlap_step)[0])
+    return tuple(out)
+
+
 def _full_state_after_each_step(rank: int, world: int, nvme: str, overlap_step: bool) -> list:
     from lightning_zinf.checkpoint.full import trainable_state_dict
 
@@ -182,8 +193,7 @@ def test_a_full_state_dict_right_after_the_step_waits_for_it(tmp_path: Path) -> 
     ModelCheckpoint and ``fabric.save`` do with ``state_dict_type="full"``) holds the stepped
     values, as after a synchronous step: its read waits for the step in flight before any shard
     is swapped in (it failed with an empty shard when the wait came later)."""
-    got, want = (run_distributed(_full_state_after_each_step, 1, str(tmp_path / str(flag)), flag)[0]
-                 for flag in (True, False) if (tmp_path / str(flag)).mkdir() is None)
+    got, want = _both_modes(_full_state_after_each_step, tmp_path)
     for g, w in zip(got, want):
         assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w)
 
@@ -215,7 +225,6 @@ def test_the_state_the_step_needs_first_is_read_behind_the_backward(tmp_path: Pa
     wait for their reads too: from the second step on (the states exist), more bytes are read
     during backward than with the synchronous step. (The total per step varies with when writes
     behind complete, in both modes: a record still in memory is not read back.)"""
-    got, want = (run_distributed(_reads_by_phase, 1, str(tmp_path / str(flag)), flag)[0]
-                 for flag in (True, False) if (tmp_path / str(flag)).mkdir() is None)
+    got, want = _both_modes(_reads_by_phase, tmp_path)
     for (backward, _), (backward_sync, _) in list(zip(got, want))[1:]:
         assert backward > backward_sync, (got, want)

@@ -127,7 +127,7 @@ class OptimizerSteps:
         """When a backward starts: an NVMe-offloaded optimizer reads the state its next step needs
         first (:meth:`OptimizerOffload.read_ahead_step
         <lightning_zinf.offload.optimizer.OptimizerOffload.read_ahead_step>`), behind the backward."""
-        if self.offload is not None:
+        if self.offload is not None and self.offload.nvme:  # (the order only when it may be used)
             self.offload.read_ahead_step(self._step_order())
 
     def _step_order(self) -> list[list[int]]:

@@ -208,7 +208,7 @@ class UnitStates:
         decided. A gather other ranks did not ask for too is exact (their partitions, a qwZ row or
         an hpZ secondary partition, may differ from this rank's). Returns the unit's gathered bytes
         before it (for :meth:`_opened`) and whether the gather is exact."""
-        if self.offload is not None:
+        if self.offload is not None and self.offload.in_flight:
             # An optimizer step in the background: this unit's part done, before any collective
             # of the gather (a step that raised raises here, on every rank where it failed).
             self.offload.wait_stepped([self._group_index[id(g)] for g in unit.groups])
@@ -348,7 +348,7 @@ class UnitStates:
         # In use here (a forward or backward in progress holds it): the same collectives into
         # scratch buffers, the unit's own buffers left as they are.
         quantized = self.comm.qwz_block is not None and not exact and not unit.persistent
-        if self.offload is not None:
+        if self.offload is not None and self.offload.in_flight:
             self.offload.wait_stepped([self._group_index[id(g)] for g in unit.groups])
         acquired = []
         if self.param_offload is not None:
@@ -425,7 +425,7 @@ class UnitStates:
     def step_pending(self, unit: Unit) -> bool:
         """An offloaded optimizer step running in the background has yet to rewrite some of
         ``unit``'s shards (nothing may copy them ahead before)."""
-        return self.offload is not None and any(self.offload.rewrites(g) for g in unit.groups)
+        return self.offload is not None and self.offload.in_flight and any(self.offload.rewrites(g) for g in unit.groups)
 
     def prefetch(self, unit: Unit) -> None:
         """Start gathering a released ``unit`` ahead of its use; it stays gathered until

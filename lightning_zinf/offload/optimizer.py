@@ -242,12 +242,10 @@ class OptimizerOffload:
             i for i in self.trainable
             if any(id(f) in owned and has for f, has in zip(self.groups[i].fragments, has_grad(self.groups[i])))
         }
-        units = [[i for i in unit if i in todo] for unit in (order or [])]
-        listed = {i for unit in units for i in unit}
-        units += [[i] for i in sorted(todo - listed)]
-        units = [unit for unit in units if unit]
-        overlapped = self.config.overlap_step and self._room_to_overlap(self._subgroups(units, split_units=True))
-        subgroups = self._subgroups(units, split_units=overlapped)
+        units = _ordered_units(order or [], todo)
+        split = self._subgroups(units, split_units=True)
+        overlapped = self.config.overlap_step and self._room_to_overlap(split)
+        subgroups = split if overlapped else self._subgroups(units, split_units=False)
         ahead = len(subgroups) if not self.nvme else int(self.config.overlap)
         if self._worker is None:
             self._worker = _worker(self.groups[0].device if self.groups else torch.device("cpu"))
@@ -267,9 +265,7 @@ class OptimizerOffload:
         stays for the step (:meth:`keep_resident`)."""
         if not (self.nvme and self.config.overlap_step and self.config.overlap) or self._pipeline is not None:
             return
-        trainable = set(self.trainable)
-        units = [unit for unit in ([i for i in unit if i in trainable] for unit in order) if unit]
-        subgroups = self._subgroups(units, split_units=True)
+        subgroups = self._subgroups(_ordered_units(order, set(self.trainable)), split_units=True)
         if not subgroups or not self._room_to_overlap(subgroups):
             return
         for members in subgroups[:2]:
@@ -284,7 +280,7 @@ class OptimizerOffload:
         shards read ahead beside them), each counted at 16 bytes per element (an fp32 master,
         gradient and two moments) or its records' size if larger. Below that the step is
         synchronous, as it must be to fit at all under a cap sized for it alone."""
-        if not self.nvme or self.space.pool.cap is None or self.space.pool.cap >= 1 << 62:
+        if not self.nvme or self.space.pool.cap is None:
             return True
         largest = max((max(16 * sum(self.groups[i].shard_numel for i in members),
                            sum(r.nbytes for i in members for r in self._records(i))) for members in subgroups), default=0)
@@ -301,6 +297,11 @@ class OptimizerOffload:
         """Advance the step in flight without blocking (the engine calls this at each gather)."""
         if self._pipeline is not None:
             self._run(self._pipeline.pump)
+
+    @property
+    def in_flight(self) -> bool:
+        """An offloaded step runs in the background now (``overlap_step``)."""
+        return self._pipeline is not None
 
     def rewrites(self, group: FlatGroup) -> bool:
         """Whether the step in flight has yet to rewrite ``group``'s shard."""
@@ -574,6 +575,14 @@ class OptimizerOffload:
                 else:
                     nvme += record.nbytes
         return {"cpu": cpu, "nvme": nvme}
+
+
+def _ordered_units(order: list[list[int]], chosen: set[int]) -> list[list[int]]:
+    """The groups of ``chosen`` unit by unit in ``order`` (group indices per unit), those ``order``
+    leaves out after them one by one in index order; no empty unit."""
+    units = [[i for i in unit if i in chosen] for unit in order]
+    listed = {i for unit in units for i in unit}
+    return [unit for unit in units + [[i] for i in sorted(chosen - listed)] if unit]
 
 
 def _worker(device: torch.device) -> ThreadPoolExecutor:

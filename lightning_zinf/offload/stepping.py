@@ -12,9 +12,9 @@ tensor, so the result is bit-identical; only *when* it happens changes.
 Division of labour, so that no state is shared between threads without an order:
 
 - the worker thread (one per engine) runs only the user's optimizer arithmetic of one sub-group
-  at a time, on *proxies* of the master fragments (``fragment.detach()``: the same memory) whose
-  ``.grad`` it sets itself, and on the optimizer's per-fragment state dicts; torch's kernels
-  release the GIL, so it runs beside the training loop;
+  at a time, on *proxies* of the master fragments (``fragment.detach()``: the same memory, with
+  their gradients as ``.grad``, built by the main thread) and on the optimizer's per-fragment
+  state dicts; torch's kernels release the GIL, so it runs beside the training loop;
 - the main thread does everything else: swapping records in and out of NVMe (the swapper and
   its staging pool are not thread-safe), copies to the device (streams are per thread), the
   optimizer's own ``param_groups`` and ``zero_grad`` (the proxies keep them away from the worker).
@@ -58,6 +58,7 @@ class OffloadedSide(Protocol):
     def settle(self, members: list[int]) -> None: ...
     def release_unstepped(self, members: list[int]) -> None: ...
 
+
 _PENDING, _READING, _STEPPING, _DONE = range(4)
 
 
@@ -100,7 +101,6 @@ class StepPipeline:
         self.stage = [_PENDING] * len(subgroups)
         self.futures: list[Optional[Future]] = [None] * len(subgroups)
         self.of_group = {i: k for k, members in enumerate(subgroups) for i in members}
-        self.error: Optional[BaseException] = None
         self._done = 0  # sub-groups before this one are done
         # What the step consumes is taken at the call, so that zero_grad() or a new backward after
         # it cannot change which fragments this step updates: cpu, each fragment's gradient;
@@ -157,7 +157,7 @@ class StepPipeline:
 
         Raises:
             BaseException: what the optimizer's step raised in the worker for this sub-group or
-                one before it (the step ends there: see :meth:`_abandon`).
+                one before it (the step ends there: see :meth:`abort`).
         """
         k = self.of_group.get(index)
         if k is not None:
@@ -242,8 +242,7 @@ class StepPipeline:
         """Sub-group ``k`` was handed to the worker: wait for it, then send it out."""
         try:
             self.futures[k].result()
-        except BaseException as error:
-            self.error = error
+        except BaseException:
             self.abort()
             raise
         for i in self.subgroups[k]:
@@ -261,12 +260,13 @@ class StepPipeline:
         unwritten (their files keep the state before the step; the gradients are dropped).
         Idempotent."""
         submitted = [f for k, f in enumerate(self.futures) if f is not None and self.stage[k] != _DONE]
+        interrupted: Optional[BaseException] = None
         while True:  # not even an interrupt may leave the worker stepping memory that is given back
             try:
                 wait(submitted)
                 break
-            except BaseException:  # noqa: S112  (KeyboardInterrupt: wait again, then it propagates)
-                continue
+            except BaseException as error:  # a KeyboardInterrupt: wait on, raise it once cleaned up
+                interrupted = interrupted or error
         for k in range(len(self.subgroups)):
             if self.stage[k] == _DONE:
                 continue
@@ -282,6 +282,8 @@ class StepPipeline:
                 pass
             self.offload.release_unstepped(self.subgroups[k])
         self._done = len(self.subgroups)
+        if interrupted is not None:
+            raise interrupted
 
 
 def _step(raw_step: Callable, twin: torch.optim.Optimizer, grads: list[Tensor], clip_coef: Optional[Tensor]) -> None:
