@@ -31,6 +31,7 @@ learn it from the failure channel, :mod:`lightning_zinf.comm.watch`).
 from __future__ import annotations
 
 import collections
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Optional, Protocol
 
@@ -212,8 +213,8 @@ class StepPipeline:
                         pairs.append((fragment, group.gradient_view(j), self._param_group[id(fragment)]))
                 elif id(fragment) in self._grads:
                     pairs.append((fragment, self._grads.pop(id(fragment)), self._param_group[id(fragment)]))
-        self.futures[k] = self.worker.submit(_step, self.raw_step, self._twin(pairs),
-                                             [grad for _, grad, _ in pairs], self.clip_coef)
+        work = [self._twin(pairs), [grad for _, grad, _ in pairs]]
+        self.futures[k] = self.worker.submit(_step, self.raw_step, work, self.clip_coef)
         self.stage[k] = _STEPPING
 
     def _twin(self, pairs: list[tuple[Tensor, Tensor, int]]) -> torch.optim.Optimizer:
@@ -286,10 +287,26 @@ class StepPipeline:
             raise interrupted
 
 
-def _step(raw_step: Callable, twin: torch.optim.Optimizer, grads: list[Tensor], clip_coef: Optional[Tensor]) -> None:
-    """(The worker.) Scale the gradients by the clipping coefficient, if any, and run the
-    optimizer's own step function (no hooks) on ``twin`` (:meth:`StepPipeline._twin`)."""
-    if clip_coef is not None:
-        for grad in grads:
-            grad.mul_(clip_coef)
-    raw_step(twin)
+def _step(raw_step: Callable, work: list, clip_coef: Optional[Tensor]) -> None:
+    """(The worker.) ``work`` is ``[twin, grads]`` (:meth:`StepPipeline._twin`, the gradients it
+    steps with): scale the gradients by the clipping coefficient, if any, and run the optimizer's
+    own step function (no hooks) on the twin.
+
+    Nothing of the sub-group's memory is referenced by this thread once the step's future
+    resolves: the main thread then gives the staging buffers back and the pool may free them
+    (unregistering page-locked memory, :mod:`lightning_zinf.offload.staging`), while the thread
+    pool keeps a finished task's arguments a while longer. So ``work`` is emptied here, and the
+    frames of an exception (kept by the future) lose their locals.
+    """
+    twin, grads = work
+    work.clear()
+    try:
+        if clip_coef is not None:
+            for grad in grads:
+                grad.mul_(clip_coef)
+        raw_step(twin)
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)  # the step's frames: the twin, its proxies
+        raise
+    finally:
+        del twin, grads
