@@ -37,13 +37,13 @@ STEPS = 4
 BATCH = 8
 FEATURES = ("fp32", "bf16", "offload_cpu", "offload_nvme", "offload_cpu_bf16", "offload_nvme_bf16", "zero_pp", "tiling",
             "checkpointing", "lora_frozen_int8", "activation_offload", "zero_offload_bf16", "param_cpu_device_optimizer_bf16",
-            "offload_cpu_sync_step")
+            "offload_cpu_sync_step", "zero_offload_nvme_bf16")
 # Relative tolerance of the losses against the CPU run: reduction orders and attention kernels
 # differ between devices; bf16 and INT8-quantized weights round far more than that.
 TOLERANCE = {"fp32": 2e-3, "offload_cpu": 2e-3, "offload_nvme": 2e-3, "tiling": 2e-3, "checkpointing": 2e-3,
              "activation_offload": 2e-3, "bf16": 3e-2, "offload_cpu_bf16": 3e-2, "offload_nvme_bf16": 3e-2,
              "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2, "zero_offload_bf16": 3e-2,
-             "param_cpu_device_optimizer_bf16": 3e-2, "offload_cpu_sync_step": 2e-3}
+             "param_cpu_device_optimizer_bf16": 3e-2, "offload_cpu_sync_step": 2e-3, "zero_offload_nvme_bf16": 3e-2}
 
 
 def _engine_kwargs(feature: str, nvme_path: str) -> dict:
@@ -71,6 +71,9 @@ def _engine_kwargs(feature: str, nvme_path: str) -> dict:
         "param_cpu_device_optimizer_bf16": {"offload": OffloadConfig(param="cpu"),
                                             "mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
         "offload_cpu_sync_step": {"offload": OffloadConfig(param="cpu", optimizer="cpu", overlap_step=False)},
+        # The same device side with the optimizer's state in swap files (the host shard follows each step).
+        "zero_offload_nvme_bf16": {"offload": OffloadConfig(optimizer="nvme", nvme_path=nvme_path),
+                                   "mixed_precision": MixedPrecisionConfig(param_dtype="bf16")},
     }.get(feature, {})
 
 

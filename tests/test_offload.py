@@ -8,6 +8,7 @@ change one bit of arithmetic (same elementwise updates, same order of the gradie
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -393,7 +394,8 @@ def _bf16_gathers(rank: int, world: int, offload: dict, ckpt: str) -> dict:
 
 
 @pytest.mark.parametrize("param, optimizer", [("nvme", "none"), ("nvme", "cpu"), ("nvme", "nvme"),
-                                             ("cpu", "none"), ("cpu", "cpu"), ("cpu", "nvme"), ("none", "cpu")])
+                                             ("cpu", "none"), ("cpu", "cpu"), ("cpu", "nvme"), ("none", "cpu"),
+                                             ("none", "nvme")])
 def test_bf16_gathers_read_16_bit_copies(tmp_path: Path, param: str, optimizer: str) -> None:
     """fp32 parameters offloaded under ``param_dtype=bf16``: gathers read the shards' 16-bit compute
     copies; on NVMe a forward reads half the fp32 shards' bytes (ZeRO-Infinity's 2 bytes per
@@ -568,3 +570,41 @@ def test_profiler_ranges_name_the_engines_phases(tmp_path: Path) -> None:
     assert seen["zinf.swap_in"] > 0 and seen["zinf.swap_out"] > 0
     assert seen["zinf.before_step"] == seen["zinf.after_step"] == 2
     engine.swapper.close()
+
+
+def _optimizer_state_dicts(rank: int, world: int, offload: dict) -> dict:
+    """AdamW over 6 steps: the optimizer's own ``state_dict()`` after steps 2, 4 and 5, the one
+    after step 2 loaded back with the optimizer's own ``load_state_dict()`` before step 5."""
+    torch.manual_seed(0)
+    model = models.GPT(d=64)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=100),
+                        offload=OffloadConfig(**offload), mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    read, losses = [], []
+    for step in range(6):
+        if step == 5:
+            opt.load_state_dict(copy.deepcopy(read[0]))  # the moments after step 2 (the weights are step 4's)
+        losses.append(_step(model, opt, step, rank, world))
+        if step in (2, 4, 5):
+            read.append(copy.deepcopy(opt.state_dict()))
+    return {"read": read, "losses": losses, "weights": _weights(engine, model)}
+
+
+@pytest.mark.parametrize("param", ["none", "nvme"])
+def test_the_optimizer_state_dict_of_an_nvme_offloaded_optimizer_holds_its_states(tmp_path: Path, param: str) -> None:
+    """An optimizer whose states live on NVMe: its own ``state_dict()`` (what a user's callback or
+    loop reads; the Trainer's checkpoints take another route) holds every state's values, not the
+    empty tensors the swap records leave between steps, and its own ``load_state_dict()`` reaches the
+    swap files: bit for bit the run without offload."""
+    want = run_distributed(_optimizer_state_dicts, 2, {})
+    got = run_distributed(_optimizer_state_dicts, 2, {"param": param, "optimizer": "nvme", "nvme_path": str(tmp_path),
+                                                      "sub_group_size": 3_000})
+    for g, w in zip(got, want):
+        assert g["losses"] == w["losses"]
+        for name, value in w["weights"].items():
+            assert torch.equal(g["weights"][name], value), name
+        for got_read, want_read in zip(g["read"], w["read"]):
+            assert got_read["state"].keys() == want_read["state"].keys()
+            for index, state in want_read["state"].items():
+                for name, value in state.items():
+                    assert torch.equal(got_read["state"][index][name], value), (index, name)

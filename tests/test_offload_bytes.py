@@ -1,6 +1,6 @@
 """Bytes over the host link per optimizer step under ZeRO-Offload's layout (issue 39 item 1).
 
-``OffloadConfig(param="none", optimizer="cpu")`` under a 16-bit ``param_dtype``: ZeRO-Offload
+``OffloadConfig(param="none", optimizer="cpu")`` (or ``"nvme"``) under a 16-bit ``param_dtype``: ZeRO-Offload
 (Ren et al., ATC'21, §4.1) keeps 16-bit parameters on the device and the fp32 master and moments on
 the host, so a step sends each parameter's 2 bytes down and each gradient up in its reduce dtype.
 The bytes are counted by an observer outside the engine: a torch dispatch mode that sees every copy
@@ -11,7 +11,9 @@ would bring with known gradients, and the host-side step is checked against torc
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +24,10 @@ from lightning_zinf import OffloadConfig
 from lightning_zinf.comm.collectives import Collectives
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.transfer import Transfers
+from lightning_zinf.offload import NvmeSwapper
 from lightning_zinf.offload.optimizer import OptimizerOffload
+from lightning_zinf.offload.staging import StagingPool
+from lightning_zinf.offload.swapped import SwapSpace
 from tests.recording_streams import RecordingStreams
 
 META = torch.device("meta")
@@ -63,20 +68,38 @@ def _zero_offload_group(reduce_dtype: torch.dtype) -> FlatGroup:
                      transfers=Transfers(META, streams=RecordingStreams()), device_copy=True)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
-def test_a_zero_offload_step_moves_2_bytes_down_and_the_gradient_up_per_parameter(reduce_dtype) -> None:
+def test_a_zero_offload_step_moves_2_bytes_down_and_the_gradient_up_per_parameter(
+        reduce_dtype: torch.dtype, tier: str, tmp_path: Path) -> None:
     """Per parameter and step: the gradient's bytes in ``reduce_dtype`` up (4 or 2) and 2 bytes of
     updated bf16 values down, which compute waits for on the device (after the compute queued
     before, which may read the old copy); the device holds the 2-byte copy only, the host the fp32
-    master, stepped as torch's AdamW steps the same values over two steps (the second gradient
-    replaces the first one, consumed). Fails on the code before: the device kept an fp32 shard the
-    step sent 4 bytes per parameter into, and a bf16 gradient went up cast to fp32."""
+    values, stepped as torch's AdamW steps the same values over two steps (the second gradient
+    replaces the first one, consumed). On the ``cpu`` tier the host shard is the master; on
+    ``nvme`` the master and moments are swapped to files and the host shard (what exact reads
+    read) follows each step. Fails on the code before: the device kept an fp32 shard the step
+    sent 4 bytes per parameter into, and a bf16 gradient went up cast to fp32."""
     group = _zero_offload_group(reduce_dtype)
     streams = group.transfers.streams
     reference = nn.Parameter(group.shard.clone())
-    offload = OptimizerOffload([group], OffloadConfig(optimizer="cpu"))
-    offload.place_masters(lambda g: nullcontext())
-    assert group.master is group.shard and group.shard.device.type == "cpu"  # one fp32 copy: the master
+    with contextlib.ExitStack() as stack:
+        space = None
+        if tier == "nvme":
+            space = SwapSpace(stack.enter_context(NvmeSwapper(tmp_path / "swap")), StagingPool(cap=None))
+        offload = OptimizerOffload([group], OffloadConfig(optimizer=tier, nvme_path=str(tmp_path)), space)
+        offload.place_masters(lambda g: nullcontext())
+        _zero_offload_steps(group, offload, streams, reference, reduce_dtype)
+        if tier == "nvme":
+            assert space.swapper.bytes_written > 0 and group.master is not group.shard
+            offload.settle_all()
+
+
+def _zero_offload_steps(group: FlatGroup, offload: OptimizerOffload, streams: RecordingStreams,
+                        reference: nn.Parameter, reduce_dtype: torch.dtype) -> None:
+    assert group.shard.device.type == "cpu"  # the fp32 values: on the host
+    if not offload.nvme:
+        assert group.master is group.shard  # one fp32 copy: the master
     assert group.compute_shard.device == META and group.compute_shard.dtype == torch.bfloat16
     optimizer = torch.optim.AdamW(group.fragments, lr=1e-2)
     expected = torch.optim.AdamW([reference], lr=1e-2)
@@ -85,12 +108,15 @@ def test_a_zero_offload_step_moves_2_bytes_down_and_the_gradient_up_per_paramete
         grads = torch.randn(numel).to(reduce_dtype)
         with LinkObserver(grads) as link:
             reduced = torch.empty(numel, dtype=reduce_dtype, device=META)
+            offload.before_accumulate(0)  # what the engine does around each accumulation
             group.accumulate(reduced, [True, True])
             group.finish_host_grads()
+            offload.after_accumulate(0)
             group.expose_grads([True, True])
             queued = streams.compute_work()  # compute that may still read the old copy
             offload.step(optimizer)
             offload.wait_all()  # the step runs in the background (overlap_step)
+            group.after_step()  # the engine's step hook: the gradients are consumed
         assert link.up == numel * reduce_dtype.itemsize
         assert link.down == numel * 2
         stream, clock = streams.blocks[-1]
@@ -98,7 +124,7 @@ def test_a_zero_offload_step_moves_2_bytes_down_and_the_gradient_up_per_paramete
         assert streams.compute.clock["copy0"] == clock["copy0"]  # and compute waits for the copy
         reference.grad = grads.float()
         expected.step()
-        assert torch.equal(group.master, reference.detach()), step
+        assert torch.equal(group.shard, reference.detach()), step
 
 
 def test_a_device_master_reaches_its_host_tier_shard_without_blocking_the_host() -> None:

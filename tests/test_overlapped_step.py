@@ -87,7 +87,7 @@ def _assert_same(got: dict, want: dict) -> None:
 
 
 @pytest.mark.parametrize("param, optimizer, bf16", [("none", "cpu", True), ("cpu", "cpu", False),
-                                                   ("nvme", "nvme", True)])
+                                                   ("nvme", "nvme", True), ("none", "nvme", True)])
 def test_the_step_in_the_background_is_bit_identical_to_the_synchronous_step(tmp_path: Path, param: str,
                                                                               optimizer: str, bf16: bool) -> None:
     """50 steps of everything a training loop does between steps (module docstring), with the

@@ -55,9 +55,10 @@ class UnitBuilder:
             except groups stored quantized), or None.
         host_copies: Parameter offload to the ``cpu`` tier: groups keep their 16-bit compute copies
             in host memory (:class:`FlatGroup`'s ``host_copy``).
-        device_copies: Optimizer offload to the ``cpu`` tier without parameter offload: trainable
-            groups keep their fp32 shard on the host as the master and a 16-bit compute copy on the
-            device (:class:`FlatGroup`'s ``device_copy``).
+        device_copies: Optimizer offload (``cpu`` or ``nvme`` tier) without parameter offload:
+            trainable groups keep their fp32 shard on the host (the ``cpu`` tier's master; beside
+            the ``nvme`` tier's swapped master, the values exact reads read) and a 16-bit compute
+            copy on the device (:class:`FlatGroup`'s ``device_copy``).
         preloaded: Qualified names of parameters the caller loads right after construction: built on
             the meta device, they get memory but no initialisation.
     """

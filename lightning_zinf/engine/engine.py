@@ -214,7 +214,7 @@ class ZeroEngine:
                                  persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
                                  host_copies=offload.param == "cpu",
-                                 device_copies=offload.param == "none" and offload.optimizer == "cpu",
+                                 device_copies=offload.param == "none" and offload.optimizer != "none",
                                  preloaded=preloaded).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None

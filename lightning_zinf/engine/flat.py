@@ -78,12 +78,14 @@ class FlatGroup:
         host_copy: Keep :attr:`compute_shard` in host memory, page-locked when copies overlap, where
             :func:`keeps_compute_copy` says so (the ``cpu`` parameter tier): gathers then copy 16-bit
             bytes to the device, and the fp32 shard can be the optimizer's master.
-        device_copy: The optimizer is offloaded to host memory and the parameters are not (ZeRO-Offload,
-            Ren et al. ATC'21 §4.1: 16-bit parameters on the device, fp32 masters on the host): a
-            trainable group where :func:`keeps_compute_copy` says so keeps its shard in host memory,
-            where it is the optimizer's fp32 master (stepped in place), and only :attr:`compute_shard`
-            on the device, which gathers for compute read; a step sends the 16-bit values to the
-            device. Exact reads (gathers for reading, state dicts, checkpoints) read the host shard.
+        device_copy: The optimizer is offloaded (to host memory or NVMe) and the parameters are not
+            (ZeRO-Offload, Ren et al. ATC'21 §4.1: 16-bit parameters on the device, fp32 masters on
+            the host): a trainable group where :func:`keeps_compute_copy` says so keeps its shard in
+            host memory, where it is the optimizer's fp32 master (stepped in place; with NVMe the
+            master is a swapped copy, sent into the shard after each step), and only
+            :attr:`compute_shard` on the device, which gathers for compute read; a step sends the
+            16-bit values to the device. Exact reads (gathers for reading, state dicts,
+            checkpoints) read the host shard.
 
     Attributes:
         trainable: Some parameter of the group requires a gradient (as of the last pass boundary:

@@ -113,13 +113,27 @@ class OptimizerSteps:
 
     def _wait_before_state_access(self, optimizer: torch.optim.Optimizer) -> None:
         """An offloaded step may still run in the background (``overlap_step``): the optimizer's
-        ``state_dict``, ``load_state_dict`` and ``add_param_group`` first wait for it."""
+        ``state_dict``, ``load_state_dict`` and ``add_param_group`` first wait for it. With the
+        states on NVMe, whose tensors are empty between steps (swapped out), ``state_dict`` reads
+        them in and returns copies of them (torch's returns the tensors themselves), and
+        ``load_state_dict`` loads copies of the given states with them in memory and writes them
+        to the swap files."""
         for name in ("state_dict", "load_state_dict", "add_param_group"):
             method = getattr(optimizer, name)
 
-            def waiting(*args, _method=method, **kwargs):
+            def waiting(*args, _method=method, _name=name, **kwargs):
                 self.offload.wait_all()
-                return _method(*args, **kwargs)
+                if not self.offload.nvme or _name == "add_param_group":
+                    return _method(*args, **kwargs)
+                groups = self.sharded.stepped(optimizer)
+                if _name == "state_dict":
+                    with self.offload.resident([optimizer], write_back=False, groups=groups):
+                        return _copied_states(_method(*args, **kwargs))
+                # torch keeps the loaded tensors as the states: the swap records would empty the
+                # caller's between steps, so they get copies.
+                (state_dict,) = args or (kwargs.pop("state_dict"),)
+                with self.offload.resident([optimizer], write_back=True, groups=groups):
+                    return _method(_copied_states(state_dict), **kwargs)
 
             setattr(optimizer, name, waiting)
 
@@ -213,3 +227,11 @@ class OptimizerSteps:
         changed = {id(g) for g in stepped}
         with self.agreement.lockstep():  # every rank met at the step's pre-hook
             self.states.gather_exact([u for u in self.units if u.persistent and any(id(g) in changed for g in u.groups)])
+
+
+def _copied_states(state_dict: dict) -> dict:
+    """``state_dict`` with each per-parameter state tensor cloned (it outlives the swap records'
+    residency; hyper-parameters are torch's own copies already)."""
+    state = {index: {k: v.clone() if isinstance(v, Tensor) else v for k, v in values.items()}
+             for index, values in state_dict["state"].items()}
+    return {**state_dict, "state": state}
