@@ -104,8 +104,9 @@ class OffloadConfig:
         optimizer: Tier of the fp32 master shards, fp32 gradient shards and optimizer states:
             ``"none"`` (the compute device), ``"cpu"`` (CPU memory; the step runs on the CPU) or
             ``"nvme"`` (files under ``nvme_path``; swapped into CPU memory one sub-group at a time
-            for the step, the next sub-group read ahead while the current one steps, and gradient
-            shards swapped out as soon as backward has reduced them). DeepSpeed's
+            for the step, the next sub-group read ahead while the current one steps; gradient
+            shards stay in staging memory from backward to the step that consumes them, written
+            only when staging memory is needed or a checkpoint swaps them out). DeepSpeed's
             ``offload_optimizer.device``.
         nvme_path: Folder (it must exist and be writable) in which the engine creates one folder per
             rank for its swap files, and removes it at a clean exit. Folders that killed runs of this

@@ -34,8 +34,9 @@ def _swap_file_bytes(nvme: Path) -> int:
 
 def _step(rank: int, world: int, nvme: str, param: str, dtype: str, optimizer: str, gather: str | None = None) -> dict:
     """Build a GPT with its state on NVMe (gathered in ``gather``, a ``param_dtype``), attach
-    ``optimizer``, train one step; return what the preflight counted (the run's total over both
-    ranks) and the bytes of every rank's swap files."""
+    ``optimizer``, train one step (its gradient shards swapped out once before the step, as a
+    checkpoint there does); return what the preflight counted (the run's total over both ranks)
+    and the bytes of every rank's swap files."""
     torch.manual_seed(0)
     model = models.GPT().to(getattr(torch, dtype))
     engine = ZeroEngine(model, offload=OffloadConfig(param=param, optimizer="nvme", nvme_path=nvme),
@@ -48,6 +49,10 @@ def _step(rank: int, world: int, nvme: str, param: str, dtype: str, optimizer: s
     opt = engine.shard_optimizer(make[optimizer](list(model.parameters())))
     x, y = models.make_batch("gpt", 0, 4)
     models.loss_fn(model, x, y).float().backward()
+    # Gradient shards stay in staging memory and are consumed there while it has room: held
+    # records are written when swapped out, as by a checkpoint's reads here.
+    with engine.state_resident(write_back=False):
+        pass
     opt.step()
     opt.zero_grad()
     engine.begin_pass("train")  # settles every write in flight

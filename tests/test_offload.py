@@ -608,3 +608,58 @@ def test_the_optimizer_state_dict_of_an_nvme_offloaded_optimizer_holds_its_state
             for index, state in want_read["state"].items():
                 for name, value in state.items():
                     assert torch.equal(got_read["state"][index][name], value), (index, name)
+
+
+def _held_gradients(rank: int, world: int, offload: dict, ckpt: str) -> dict:
+    """4 steps of 2 micro-batches each (bf16 gathers, AdamW), a sharded checkpoint saved between the
+    last backward and the step of step 1; the swap files of gradient shards that exist at the end."""
+    from lightning_zinf.checkpoint import save_sharded
+
+    torch.manual_seed(0)
+    model = models.GPT(d=64)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=100),
+                        offload=OffloadConfig(**offload), mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    per_rank, losses = BATCH // world, []
+    for step in range(4):
+        for micro in range(2):
+            x, y = models.make_batch("gpt", 2 * step + micro, BATCH)
+            loss = models.loss_fn(model, x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+            (loss / 2).backward()
+            losses.append(loss.item())
+        if step == 1:
+            before = _grad_files(engine)
+            save_sharded(engine, [opt], ckpt, {})  # the gradients held in memory go to their files
+        opt.step()
+        opt.zero_grad()
+    written = engine.swapper.bytes_written if engine.swapper else 0
+    return {"losses": losses, "weights": _weights(engine, model), "before_checkpoint": before,
+            "grad_files": _grad_files(engine), "written": written}
+
+
+def _grad_files(engine: ZeroEngine) -> list[str]:
+    """The gradient shards' swap files in the engine's swap folder."""
+    return sorted(p.name for p in engine.swapper.folder.iterdir() if p.name.endswith(".grad.swp")) if engine.swapper else []
+
+
+def test_gradient_shards_stay_in_staging_memory_unwritten_until_staging_needs_room(tmp_path: Path) -> None:
+    """With the optimizer on NVMe, the gradient shards backward reduces are held in staging memory
+    and consumed there by the step: no gradient file is written at all while staging has room
+    (the folder is the observer). A checkpoint between backward and step writes them; under a cap
+    that leaves no room they are written behind and read back. All bit for bit the run without
+    offload (a gradient lost or read stale would change a loss)."""
+    want = run_distributed(_held_gradients, 2, {}, str(tmp_path / "want"))
+    runs = {}
+    for name, cap in (("room", None), ("tight", 500_000)):
+        folder = tmp_path / name
+        folder.mkdir()
+        offload = {"param": "nvme", "optimizer": "nvme", "nvme_path": str(folder), "sub_group_size": 3_000, "staging_bytes": cap}
+        runs[name] = run_distributed(_held_gradients, 2, offload, str(tmp_path / f"ckpt_{name}"))
+        for g, w in zip(runs[name], want):
+            assert g["losses"] == w["losses"], name
+            for param, value in w["weights"].items():
+                assert torch.equal(g["weights"][param], value), (name, param)
+    for room, tight in zip(runs["room"], runs["tight"]):
+        assert room["before_checkpoint"] == [] and tight["before_checkpoint"], (room, tight)
+        assert tight["written"] > room["written"]
+        assert room["grad_files"] == tight["grad_files"]  # the checkpoint wrote every one

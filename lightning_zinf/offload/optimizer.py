@@ -9,8 +9,10 @@ shard on the device after the step.
 ``nvme``: the same tensors, but between uses their bytes live in swap files, one
 :class:`~lightning_zinf.offload.swapped.SwapRecord` per group and kind (its fp32 master, its
 gradient shard, and all the per-element states one optimizer keeps for it, back to back), and the
-tensors themselves are empty; in memory they are views of a staging buffer. A gradient shard is
-swapped out as soon as backward has accumulated into it. The optimizer step runs one sub-group of
+tensors themselves are empty; in memory they are views of a staging buffer. A gradient shard stays
+in staging memory, unwritten, from backward to the step that consumes it (written only when staging
+memory runs short or a checkpoint swaps it out: :meth:`SwapRecord.hold
+<lightning_zinf.offload.swapped.SwapRecord.hold>`). The optimizer step runs one sub-group of
 flat groups at a time: swap in its master, gradient and states, step them with the user's
 optimizer restricted to their fragments, copy the master into the compute shard, swap the master
 and states out (the gradient is consumed: dropped, not written). With ``overlap`` the next
@@ -176,12 +178,19 @@ class OptimizerOffload:
             swapped.settle()
 
     def after_accumulate(self, index: int) -> None:
-        """Swap group ``index``'s gradient shard out (written behind; freed once on disk)."""
+        """Hold group ``index``'s gradient shard in staging memory unwritten while staging has room
+        (:meth:`SwapSpace.room_to_hold`): the step that consumes it reads it there, and it is never
+        written unless staging memory is needed first (then it is written behind and read back for
+        the step) or a checkpoint swaps it out. Without room it is written behind at once."""
         if not self.nvme:
             return
         if index not in self._grads:
             self._grads[index] = self._record(f"g{index}.grad", self.groups[index], "grad")
-        self._grads[index].swap_out()
+        record = self._grads[index]
+        if self.space.room_to_hold(record.nbytes):
+            record.hold()
+        else:
+            record.swap_out()
         self.clip_coef = None  # new gradients since the last clipping
         # Free the gradient shards already on disk without waiting for the rest, so backward never
         # holds more than the shards whose writes are still in flight.
@@ -367,8 +376,11 @@ class OptimizerOffload:
                     record.keep_ahead()
 
     def reads_complete(self, members: list[int]) -> bool:
-        """(``nvme``) Whether the reads of ``members``' records have completed (no wait)."""
-        return all(record.read_complete for i in members for record in self._records(i))
+        """(``nvme``) Whether ``members``' records are all in memory with their reads completed (no
+        wait). A read ahead skipped or given up under staging pressure leaves a record out: the
+        sub-group is then not handed to the worker before the ones ahead of it are done, so two
+        sub-groups' records are never forced into memory at once."""
+        return all(record.resident and record.read_complete for i in members for record in self._records(i))
 
     def make_resident(self, members: list[int]) -> None:
         """(``nvme``) ``members``' records in memory now: read again if a read ahead was given up
@@ -388,7 +400,7 @@ class OptimizerOffload:
         for i in members:
             for record in self._records(i):
                 record.settle()
-                record.swap_out(write=False)
+                record.drop()
                 record.claimed = False
 
     def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
@@ -465,7 +477,10 @@ class OptimizerOffload:
         for state in self._states.get(i, []):
             state.swap_out()
         if i in self._grads:
-            self._grads[i].swap_out(write=False)  # consumed by the step
+            if any(group.exposed):  # fragments another optimizer steps still need their gradients
+                self._grads[i].swap_out()
+            else:  # consumed: never written if it stayed in memory
+                self._grads[i].drop()
         for record in self._records(i):
             record.claimed = False
 

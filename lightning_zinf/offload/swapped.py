@@ -56,8 +56,9 @@ class SwapSpace:
     """A rank's swapper plus its staging pool, and the records whose writes are in flight.
 
     When the pool is at its cap, taking a buffer first completes the oldest writes in flight (their
-    buffers come back), then gives up reads made ahead of need, newest first (their files are
-    current): the back-pressure that bounds staging memory.
+    buffers come back), then starts writing the records held unwritten (:meth:`SwapRecord.hold`),
+    oldest first, then gives up reads made ahead of need, newest first (their files are current):
+    the back-pressure that bounds staging memory.
 
     Args:
         swapper: The rank's NVMe swapper.
@@ -69,6 +70,7 @@ class SwapSpace:
         self.pool = pool
         self._writing: collections.deque[SwapRecord] = collections.deque()
         self._ahead: list[SwapRecord] = []
+        self._held: collections.deque[SwapRecord] = collections.deque()
         self._uncapped = 0
         # Called when the cap is reached and nothing else gives a buffer back: completes an
         # optimizer step in flight (offload.stepping), whose records then leave memory; True if
@@ -94,6 +96,11 @@ class SwapSpace:
             if self._writing:
                 self._writing.popleft().settle()
                 continue
+            self._held = collections.deque(r for r in self._held if r.dirty)
+            unclaimed = next((r for r in self._held if not r.claimed), None)  # (claimed: a step's, see held)
+            if unclaimed is not None and not optional:
+                unclaimed.swap_out()  # a write in flight now, completed next round
+                continue
             self._ahead = [r for r in self._ahead if r.ahead]
             if self._ahead and not optional:
                 self._ahead.pop().give_up()
@@ -117,6 +124,17 @@ class SwapSpace:
             yield
         finally:
             self._uncapped -= 1
+
+    def room_to_hold(self, nbytes: int) -> bool:
+        """Whether a record of ``nbytes`` may be held unwritten: staging in use stays within half
+        the cap with it (the rest is for what the step and the next forward read)."""
+        return self.pool.cap is None or self.pool.in_use + nbytes <= self.pool.cap // 2
+
+    def held(self, record: "SwapRecord") -> None:
+        """``record`` holds bytes not yet written (:meth:`SwapRecord.hold`): written under pressure
+        (unless claimed by a step: then it is given up as a read ahead, or consumed)."""
+        self._held = collections.deque(r for r in self._held if r.dirty and r is not record)
+        self._held.append(record)
 
     def read_ahead(self, record: "SwapRecord") -> None:
         """``record`` was swapped in ahead of need: its buffer may be taken back under pressure."""
@@ -159,6 +177,8 @@ class SwapRecord:
         self._read = None
         self.ahead = False  # swapped in ahead of need and not used since
         self._kept = False  # swapped in while its write was in flight: the buffer stays after the write
+        self.dirty = False  # in memory with bytes the file does not have, and no write started (hold)
+        self._on_disk = False  # a write was issued: the file exists (held records dropped unwritten may have none)
         # Held for an optimizer step in flight (offload.stepping): another thread may be reading or
         # writing its memory, so settling the parameter offload must leave it alone.
         self.claimed = False
@@ -214,13 +234,15 @@ class SwapRecord:
     def swap_out(self, write: bool = True) -> None:
         """Start writing the record (``write``) and give its buffer back once written (:meth:`settle`);
         without ``write`` the buffer is given back at once (the file is current), or once a write
-        still in flight completes."""
+        still in flight completes. A record held unwritten (:meth:`hold`) is written either way."""
         self._kept = False
         if self._buffer is None or self._write is not None:
             return
         if self._read is not None:
             self.settle()
-        if write:
+        if write or self.dirty:
+            self.dirty = False
+            self._on_disk = True
             with phase("zinf.swap_out"):
                 self._write = self.space.swapper.write(self.key, self._buffer[: self.nbytes])
             self.space.wrote(self)
@@ -280,8 +302,25 @@ class SwapRecord:
         if ahead:
             self.ahead = True
             self.space.read_ahead(self)
-        if read:
+        if read and self._on_disk:
             self._read = self.space.swapper.read(self.key, self._buffer[: self.nbytes])
+        elif read:  # only ever held and dropped (a consumed gradient): nothing to read, no stale bytes
+            self._buffer[: self.nbytes].zero_()
+
+    def hold(self) -> None:
+        """Keep the record in memory, modified, instead of writing it now: it is written when
+        staging memory is needed (:class:`SwapSpace`'s back-pressure) or when it is swapped out,
+        and never if :meth:`drop` comes first (a gradient shard the next step consumes in memory:
+        no write, no read back). The record must be in memory with no transfer in flight."""
+        assert self._buffer is not None and self._write is None and self._read is None, self.key
+        self.dirty = True
+        self.space.held(self)
+
+    def drop(self) -> None:
+        """Give the buffer back without writing, whatever the bytes in memory are (they are no longer
+        needed: a consumed gradient shard, a step that failed); the file keeps what it had."""
+        self.dirty = False
+        self.swap_out(write=False)
 
     def keep_ahead(self) -> None:
         """Keep a record that is in memory (or being written) there, as if read ahead of need: a
@@ -295,7 +334,12 @@ class SwapRecord:
         self.space.read_ahead(self)
 
     def give_up(self) -> None:
-        """Undo a swap in made ahead of need (staging memory is needed elsewhere); the file is current."""
+        """Undo a swap in made ahead of need (staging memory is needed elsewhere); the file is current,
+        or is made so (a record held unwritten starts its write, which gives the buffer back)."""
+        if self.dirty:
+            self.ahead = False
+            self.swap_out()
+            return
         self.settle()
         self._release()
 
@@ -309,7 +353,7 @@ class SwapRecord:
         if self._read is not None:
             self._read.wait()
             self._read = None
-        self.ahead = False
+        self.ahead = self.dirty = False
         if self._buffer is not None:
             lo = self._buffer.data_ptr()
             with torch.no_grad():
