@@ -645,9 +645,10 @@ def _grad_files(engine: ZeroEngine) -> list[str]:
 def test_gradient_shards_stay_in_staging_memory_unwritten_until_staging_needs_room(tmp_path: Path) -> None:
     """With the optimizer on NVMe, the gradient shards backward reduces are held in staging memory
     and consumed there by the step: no gradient file is written at all while staging has room
-    (the folder is the observer). A checkpoint between backward and step writes them; under a cap
-    that leaves no room they are written behind and read back. All bit for bit the run without
-    offload (a gradient lost or read stale would change a loss)."""
+    (the folder is the observer). A checkpoint between backward and step writes them. Under a cap
+    that fits one sub-group's records at a time (the step must not force two into memory: it
+    failed so before) and with room enough, bit for bit the run without offload (a gradient lost
+    or read stale would change a loss). test_staging tests the writes under pressure."""
     want = run_distributed(_held_gradients, 2, {}, str(tmp_path / "want"))
     runs = {}
     for name, cap in (("room", None), ("tight", 500_000)):
@@ -660,6 +661,5 @@ def test_gradient_shards_stay_in_staging_memory_unwritten_until_staging_needs_ro
             for param, value in w["weights"].items():
                 assert torch.equal(g["weights"][param], value), (name, param)
     for room, tight in zip(runs["room"], runs["tight"]):
-        assert room["before_checkpoint"] == [] and tight["before_checkpoint"], (room, tight)
-        assert tight["written"] > room["written"]
+        assert room["before_checkpoint"] == [], room
         assert room["grad_files"] == tight["grad_files"]  # the checkpoint wrote every one

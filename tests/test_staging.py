@@ -41,6 +41,44 @@ def test_pool_aligns_reuses_and_respects_its_cap() -> None:
     assert c is not None and pool.held <= pool.cap and pool.in_use == 8192 + 12288 == pool.peak
 
 
+def test_held_records_are_written_only_when_staging_needs_their_room(tmp_path: Path) -> None:
+    """Records held unwritten (gradient shards between backward and step) take at most half the cap;
+    a take that needs their room writes the oldest one first and gets its buffer, and a later swap
+    in reads its bytes back; a held record dropped is never written, and reads back as zeros (a
+    consumed gradient holds nothing). The folder is the observer."""
+    with NvmeSwapper(tmp_path / "swap") as swapper:
+        space = SwapSpace(swapper, StagingPool(cap=4 * 8192))
+        records = []
+        for k in range(3):
+            values = torch.full((2048,), float(k + 1))  # 8 KiB each
+            record = SwapRecord(space, f"g{k}", [("grad", torch.float32, 2048)])
+            record.bind(values, "grad")
+            record.adopt()
+            assert space.room_to_hold(record) == (k < 2)  # two of them fill half the cap
+            if k < 2:
+                record.hold()
+            else:
+                record.swap_out()
+            records.append((record, values))
+        records[2][0].settle()
+        files = lambda: sorted(p.name for p in swapper.folder.iterdir() if p.name.endswith(".swp"))
+        assert files() == ["k-g2.swp"]  # the one without room was written; the held ones not
+        taken = [space.take(8192, "a"), space.take(8192, "b")]  # g2's buffer again, and the cap's last
+        assert files() == ["k-g2.swp"]
+        taken.append(space.take(8192, "c"))  # past the cap: g0, the oldest held, is written and goes out
+        assert all(t is not None for t in taken) and files() == ["k-g0.swp", "k-g2.swp"]
+        assert not records[0][0].resident and records[1][0].resident and records[1][0].dirty
+        for t in taken:
+            space.pool.give(t)
+        records[0][0].swap_in()
+        records[0][0].settle()
+        assert torch.equal(records[0][1], torch.full((2048,), 1.0))
+        records[1][0].drop()  # consumed in memory: never written
+        records[1][0].swap_in()
+        records[1][0].settle()
+        assert files() == ["k-g0.swp", "k-g2.swp"] and torch.equal(records[1][1], torch.zeros(2048))
+
+
 def test_record_round_trip_keeps_identity_and_bytes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     with NvmeSwapper(tmp_path / "swap") as swapper:

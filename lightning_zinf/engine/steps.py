@@ -115,9 +115,10 @@ class OptimizerSteps:
         """An offloaded step may still run in the background (``overlap_step``): the optimizer's
         ``state_dict``, ``load_state_dict`` and ``add_param_group`` first wait for it. With the
         states on NVMe, whose tensors are empty between steps (swapped out), ``state_dict`` reads
-        them in and returns copies of them (torch's returns the tensors themselves), and
-        ``load_state_dict`` loads copies of the given states with them in memory and writes them
-        to the swap files."""
+        them in one flat group at a time and returns copies of them (torch's returns the tensors
+        themselves), and ``load_state_dict`` loads copies of the given states (torch keeps the
+        given tensors, which the swap records would empty between steps) and writes them to the
+        swap files one flat group at a time."""
         for name in ("state_dict", "load_state_dict", "add_param_group"):
             method = getattr(optimizer, name)
 
@@ -125,17 +126,30 @@ class OptimizerSteps:
                 self.offload.wait_all()
                 if not self.offload.nvme or _name == "add_param_group":
                     return _method(*args, **kwargs)
-                groups = self.sharded.stepped(optimizer)
                 if _name == "state_dict":
-                    with self.offload.resident([optimizer], write_back=False, groups=groups):
-                        return _copied_states(_method(*args, **kwargs))
-                # torch keeps the loaded tensors as the states: the swap records would empty the
-                # caller's between steps, so they get copies.
+                    return self._read_states(optimizer, _method(*args, **kwargs))
                 (state_dict,) = args or (kwargs.pop("state_dict"),)
-                with self.offload.resident([optimizer], write_back=True, groups=groups):
-                    return _method(_copied_states(state_dict), **kwargs)
+                result = _method(_copied_states(state_dict), **kwargs)
+                for group in self.sharded.stepped(optimizer):
+                    with self.offload.resident([optimizer], write_back=True, groups=[group]):
+                        pass  # the loaded states replace the records' on the way out
+                return result
 
             setattr(optimizer, name, waiting)
+
+    def _read_states(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """``optimizer.state_dict()``'s result with each parameter's state copied from memory, one
+        flat group's records in memory at a time (torch's per-parameter entries are the
+        optimizer's own dicts, whose swapped tensors are empty between steps)."""
+        index = {id(p): n for n, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+        state = dict(state_dict["state"])
+        for group in self.sharded.stepped(optimizer):
+            with self.offload.resident([optimizer], write_back=False, groups=[group]):
+                for fragment in group.fragments:
+                    n = index.get(id(fragment))
+                    if n is not None and n in state:
+                        state[n] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state[n].items()}
+        return {**state_dict, "state": state}
 
     def prepare_step(self) -> None:
         """When a backward starts: an NVMe-offloaded optimizer reads the state its next step needs
@@ -230,8 +244,7 @@ class OptimizerSteps:
 
 
 def _copied_states(state_dict: dict) -> dict:
-    """``state_dict`` with each per-parameter state tensor cloned (it outlives the swap records'
-    residency; hyper-parameters are torch's own copies already)."""
+    """``state_dict`` with each per-parameter state tensor cloned (the param groups as given)."""
     state = {index: {k: v.clone() if isinstance(v, Tensor) else v for k, v in values.items()}
              for index, values in state_dict["state"].items()}
     return {**state_dict, "state": state}

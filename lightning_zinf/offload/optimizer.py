@@ -77,6 +77,7 @@ class OptimizerOffload:
         self._state_of: dict[tuple[int, int], tuple[SwapRecord, set[int]]] = {}  # (optimizer, group)
         self._generation = 0
         self._shared: set[int] = set()  # groups whose master is their parameter shard's record
+        self._resident_blocks: set[int] = set()  # groups held in memory by a resident() block
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
         self._pipeline: Optional[StepPipeline] = None  # the step in flight (overlap_step)
@@ -187,7 +188,7 @@ class OptimizerOffload:
         if index not in self._grads:
             self._grads[index] = self._record(f"g{index}.grad", self.groups[index], "grad")
         record = self._grads[index]
-        if self.space.room_to_hold(record.nbytes):
+        if self.space.room_to_hold(record):
             record.hold()
         else:
             record.swap_out()
@@ -396,11 +397,12 @@ class OptimizerOffload:
 
     def release_unstepped(self, members: list[int]) -> None:
         """(After a failed step) give ``members``' records back unwritten: their files still hold
-        the state before the step; the gradients are dropped."""
+        the state before the step. A gradient shard held in memory is written (another optimizer
+        sharing the group, or an accumulation going on without ``zero_grad``, still reads it)."""
         for i in members:
             for record in self._records(i):
                 record.settle()
-                record.drop()
+                record.swap_out(write=False)
                 record.claimed = False
 
     def wrap_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
@@ -410,12 +412,15 @@ class OptimizerOffload:
         ``set_to_none=True``; a parameter left without gradient is then not stepped)."""
         original = optimizer.zero_grad
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        groups = [g for i in self.trainable for g in [self.groups[i]] if any(id(f) in owned for f in g.fragments)]
+        indices = [i for i in self.trainable if any(id(f) in owned for f in self.groups[i].fragments)]
 
         def zero_grad(set_to_none: bool = True) -> None:
             original(set_to_none=True)
-            for group in groups:
-                group.discard_accumulated()
+            for i in indices:
+                self.groups[i].discard_accumulated()
+                record = self._grads.get(i)
+                if record is not None and not record.claimed:  # (claimed: a step in flight reads it)
+                    record.drop()  # held in memory, the bytes are dead: not worth a write
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
 
@@ -505,7 +510,10 @@ class OptimizerOffload:
             yield
             return
         chosen = {id(g) for g in groups} if groups is not None else None
-        indices = [i for i in self.trainable if chosen is None or id(self.groups[i]) in chosen]
+        # Groups an enclosing block holds stay as that block leaves them (it writes them or not).
+        indices = [i for i in self.trainable if (chosen is None or id(self.groups[i]) in chosen)
+                   and i not in self._resident_blocks]
+        self._resident_blocks.update(indices)
         with self.space.uncapped():
             for i in indices:
                 self._bring_in([i])
@@ -526,6 +534,7 @@ class OptimizerOffload:
                         record.swap_out(write=write_back)
                 for i in indices:
                     self._settle_group(i)
+                self._resident_blocks.difference_update(indices)
 
     def _collect_states(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         """Keep the per-element state ``optimizer`` holds for group ``i``'s fragments (tensors of the

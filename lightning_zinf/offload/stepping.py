@@ -144,6 +144,8 @@ class StepPipeline:
         for k in range(self._done, len(self.subgroups)):
             if self.stage[k] == _PENDING and k <= self._done + self.read_ahead:
                 self._read(k, ahead=k > self._done)
+            elif self.stage[k] == _READING and k == self._done and not self._read_complete(k):
+                self._read(k, ahead=False)  # first in line: what a read ahead skipped is read now
             if self.stage[k] == _READING and self._read_complete(k) and all(
                     stage >= _STEPPING for stage in self.stage[self._done : k]):
                 self._submit(k)

@@ -96,7 +96,7 @@ class SwapSpace:
             if self._writing:
                 self._writing.popleft().settle()
                 continue
-            self._held = collections.deque(r for r in self._held if r.dirty)
+            self._held = collections.deque(r for r in self._held if r.dirty and r.resident and not r.writing)
             unclaimed = next((r for r in self._held if not r.claimed), None)  # (claimed: a step's, see held)
             if unclaimed is not None and not optional:
                 unclaimed.swap_out()  # a write in flight now, completed next round
@@ -125,10 +125,11 @@ class SwapSpace:
         finally:
             self._uncapped -= 1
 
-    def room_to_hold(self, nbytes: int) -> bool:
-        """Whether a record of ``nbytes`` may be held unwritten: staging in use stays within half
-        the cap with it (the rest is for what the step and the next forward read)."""
-        return self.pool.cap is None or self.pool.in_use + nbytes <= self.pool.cap // 2
+    def room_to_hold(self, record: "SwapRecord") -> bool:
+        """Whether ``record`` may be held unwritten (:meth:`SwapRecord.hold`): the records held stay
+        within half the cap with it (the rest is for what the step and the next forward read)."""
+        held = sum(r.nbytes for r in self._held if r.dirty and r is not record)
+        return self.pool.cap is None or held + record.nbytes <= self.pool.cap // 2
 
     def held(self, record: "SwapRecord") -> None:
         """``record`` holds bytes not yet written (:meth:`SwapRecord.hold`): written under pressure
@@ -158,8 +159,9 @@ class SwapSpace:
 class SwapRecord:
     """Regions of tensors stored back to back in one swap file, staged in one buffer when in memory.
 
-    States: in memory (a staging buffer, maybe a write in flight) or out (no buffer; the file holds
-    the bytes), maybe with a read in flight after :meth:`swap_in`.
+    States: in memory (a staging buffer, maybe a write in flight, or held unwritten with bytes the
+    file lacks: :meth:`hold`) or out (no buffer; the file holds the bytes), maybe with a read in
+    flight after :meth:`swap_in`.
 
     Args:
         space: The rank's :class:`SwapSpace`.
