@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import sysconfig
 from pathlib import Path
@@ -257,7 +258,9 @@ def test_offload_gpu_benchmark_dry_run_on_the_cpu(tmp_path: Path) -> None:
 def test_gpu_check_stops_pytest_so_that_it_keeps_the_finished_tests(tmp_path: Path, monkeypatch) -> None:
     """A pytest step past its timeout gets SIGINT before SIGKILL: pytest writes the JUnit XML of
     the tests that finished (kept beside the check's JSON), and the step says it timed out. With
-    SIGKILL alone (the old harness) no XML is written and every test's result is lost."""
+    SIGKILL alone (the old harness) no XML is written and every test's result is lost. Also when
+    the harness itself runs with SIGINT ignored (started in the background by a shell without job
+    control, which the child would inherit)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
     import gpu_check
 
@@ -266,6 +269,10 @@ def test_gpu_check_stops_pytest_so_that_it_keeps_the_finished_tests(tmp_path: Pa
         "def test_c():\n    time.sleep(120)\n")
     monkeypatch.setattr(gpu_check, "GRACE_S", 5)
     xml = tmp_path / "check_suite.xml"
-    got = gpu_check.run_pytest([str(tmp_path / "test_slow.py")], xml, timeout=25, env=dict(os.environ))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job starts
+    try:
+        got = gpu_check.run_pytest([str(tmp_path / "test_slow.py")], xml, timeout=25, env=dict(os.environ))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert got["timed_out"] and not got["ok"] and xml.exists()
     assert got["passed"] == 2 and got["failed"] == []

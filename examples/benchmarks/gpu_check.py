@@ -133,8 +133,11 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> t
     """Run ``cmd`` in the repository root in a process group of its own; return its exit status
     (None when it ran past ``timeout`` seconds) and its output's tail. At ``timeout - GRACE_S``
     seconds the group gets SIGINT (pytest then writes its per-test results), at ``timeout`` SIGKILL."""
+    # SIGINT at its default in the child: a shell without job control starts background commands
+    # with it ignored, and an ignored SIGINT is inherited, so pytest would die by SIGKILL unsaved.
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     grace = min(GRACE_S, timeout / 4)
     try:
         out, _ = proc.communicate(timeout=timeout - grace)
