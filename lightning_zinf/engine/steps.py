@@ -148,7 +148,7 @@ class OptimizerSteps:
                 for fragment in group.fragments:
                     n = index.get(id(fragment))
                     if n is not None and n in state:
-                        state[n] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in state[n].items()}
+                        state[n] = _cloned(state[n])
         return {**state_dict, "state": state}
 
     def prepare_step(self) -> None:
@@ -245,6 +245,9 @@ class OptimizerSteps:
 
 def _copied_states(state_dict: dict) -> dict:
     """``state_dict`` with each per-parameter state tensor cloned (the param groups as given)."""
-    state = {index: {k: v.clone() if isinstance(v, Tensor) else v for k, v in values.items()}
-             for index, values in state_dict["state"].items()}
-    return {**state_dict, "state": state}
+    return {**state_dict, "state": {index: _cloned(values) for index, values in state_dict["state"].items()}}
+
+
+def _cloned(values: dict) -> dict:
+    """One parameter's optimizer state with its tensors cloned (scalars as they are)."""
+    return {k: v.clone() if isinstance(v, Tensor) else v for k, v in values.items()}

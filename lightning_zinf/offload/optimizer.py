@@ -514,27 +514,29 @@ class OptimizerOffload:
         indices = [i for i in self.trainable if (chosen is None or id(self.groups[i]) in chosen)
                    and i not in self._resident_blocks]
         self._resident_blocks.update(indices)
-        with self.space.uncapped():
-            for i in indices:
-                self._bring_in([i])
-            for i in indices:
-                self._settle_group(i)
-            try:
-                yield
-            except BaseException:
-                write_back = False  # a failed load: the files keep the state from before
-                raise
-            finally:
-                if write_back:  # a load may have replaced the optimizers' state tensors
-                    for optimizer in optimizers:
-                        for i in indices:
-                            self._collect_states(optimizer, i)
+        try:
+            with self.space.uncapped():
                 for i in indices:
-                    for record in self._records(i):
-                        record.swap_out(write=write_back)
+                    self._bring_in([i])
                 for i in indices:
                     self._settle_group(i)
-                self._resident_blocks.difference_update(indices)
+                try:
+                    yield
+                except BaseException:
+                    write_back = False  # a failed load: the files keep the state from before
+                    raise
+                finally:
+                    if write_back:  # a load may have replaced the optimizers' state tensors
+                        for optimizer in optimizers:
+                            for i in indices:
+                                self._collect_states(optimizer, i)
+                    for i in indices:
+                        for record in self._records(i):
+                            record.swap_out(write=write_back)
+                    for i in indices:
+                        self._settle_group(i)
+        finally:  # (a failed swap too: a later block must bring these groups in itself)
+            self._resident_blocks.difference_update(indices)
 
     def _collect_states(self, optimizer: torch.optim.Optimizer, i: int) -> None:
         """Keep the per-element state ``optimizer`` holds for group ``i``'s fragments (tensors of the

@@ -70,7 +70,10 @@ class SwapSpace:
         self.pool = pool
         self._writing: collections.deque[SwapRecord] = collections.deque()
         self._ahead: list[SwapRecord] = []
-        self._held: collections.deque[SwapRecord] = collections.deque()
+        # Records held unwritten (SwapRecord.hold), oldest first, and their bytes: kept by the
+        # records' own dirty transitions, so that neither backward nor the cap scans them.
+        self._held: dict[int, SwapRecord] = {}
+        self._held_bytes = 0
         self._uncapped = 0
         # Called when the cap is reached and nothing else gives a buffer back: completes an
         # optimizer step in flight (offload.stepping), whose records then leave memory; True if
@@ -96,8 +99,7 @@ class SwapSpace:
             if self._writing:
                 self._writing.popleft().settle()
                 continue
-            self._held = collections.deque(r for r in self._held if r.dirty and r.resident and not r.writing)
-            unclaimed = next((r for r in self._held if not r.claimed), None)  # (claimed: a step's, see held)
+            unclaimed = next((r for r in self._held.values() if not r.claimed), None)  # (claimed: a step's)
             if unclaimed is not None and not optional:
                 unclaimed.swap_out()  # a write in flight now, completed next round
                 continue
@@ -128,14 +130,18 @@ class SwapSpace:
     def room_to_hold(self, record: "SwapRecord") -> bool:
         """Whether ``record`` may be held unwritten (:meth:`SwapRecord.hold`): the records held stay
         within half the cap with it (the rest is for what the step and the next forward read)."""
-        held = sum(r.nbytes for r in self._held if r.dirty and r is not record)
+        held = self._held_bytes - (record.nbytes if record.dirty else 0)
         return self.pool.cap is None or held + record.nbytes <= self.pool.cap // 2
 
-    def held(self, record: "SwapRecord") -> None:
-        """``record`` holds bytes not yet written (:meth:`SwapRecord.hold`): written under pressure
-        (unless claimed by a step: then it is given up as a read ahead, or consumed)."""
-        self._held = collections.deque(r for r in self._held if r.dirty and r is not record)
-        self._held.append(record)
+    def _mark_held(self, record: "SwapRecord", held: bool) -> None:
+        # (SwapRecord.dirty's transitions.) Held records are written under pressure, unless a step
+        # claims them: then they are given up as reads ahead, or consumed.
+        if held:
+            self._held[id(record)] = record
+            self._held_bytes += record.nbytes
+        else:
+            del self._held[id(record)]
+            self._held_bytes -= record.nbytes
 
     def read_ahead(self, record: "SwapRecord") -> None:
         """``record`` was swapped in ahead of need: its buffer may be taken back under pressure."""
@@ -179,7 +185,7 @@ class SwapRecord:
         self._read = None
         self.ahead = False  # swapped in ahead of need and not used since
         self._kept = False  # swapped in while its write was in flight: the buffer stays after the write
-        self.dirty = False  # in memory with bytes the file does not have, and no write started (hold)
+        self._dirty = False  # in memory with bytes the file does not have, and no write started (hold)
         self._on_disk = False  # a write was issued: the file exists (held records dropped unwritten may have none)
         # Held for an optimizer step in flight (offload.stepping): another thread may be reading or
         # writing its memory, so settling the parameter offload must leave it alone.
@@ -309,6 +315,17 @@ class SwapRecord:
         elif read:  # only ever held and dropped (a consumed gradient): nothing to read, no stale bytes
             self._buffer[: self.nbytes].zero_()
 
+    @property
+    def dirty(self) -> bool:
+        """Held unwritten (:meth:`hold`): in memory with bytes the file lacks, no write started."""
+        return self._dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        if value != self._dirty:
+            self._dirty = value
+            self.space._mark_held(self, value)
+
     def hold(self) -> None:
         """Keep the record in memory, modified, instead of writing it now: it is written when
         staging memory is needed (:class:`SwapSpace`'s back-pressure) or when it is swapped out,
@@ -316,7 +333,6 @@ class SwapRecord:
         no write, no read back). The record must be in memory with no transfer in flight."""
         assert self._buffer is not None and self._write is None and self._read is None, self.key
         self.dirty = True
-        self.space.held(self)
 
     def drop(self) -> None:
         """Give the buffer back without writing, whatever the bytes in memory are (they are no longer
