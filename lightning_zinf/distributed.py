@@ -19,6 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import Tensor
 
+from lightning_zinf.comm.exit import install as release_groups_at_exit
 from lightning_zinf.comm.watch import RankWatch
 
 __all__ = ["RankLayout", "init_distributed", "barrier", "broadcast", "all_reduce"]
@@ -76,11 +77,14 @@ class RankLayout:
 def init_distributed(environment: ClusterEnvironment, device: torch.device, backend: Optional[str],
                      timeout: timedelta) -> None:
     """Join the default process group (a no-op when it exists): ``backend`` or the device's default
-    (gloo on CPU, NCCL on CUDA), bound to ``device`` on an accelerator so NCCL connects eagerly."""
+    (gloo on CPU, NCCL on CUDA), bound to ``device`` on an accelerator so NCCL connects eagerly.
+    At a normal exit the process groups are released while the interpreter is whole
+    (:mod:`lightning_zinf.comm.exit`)."""
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
     _init_dist_connection(environment, backend or _get_default_process_group_backend_for_device(device), **kwargs)
+    release_groups_at_exit()
 
 
 def barrier(watch: Optional[RankWatch] = None) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_zinf.comm.exit import hold_groups
 from lightning_zinf.config import PreemptionConfig
 
 __all__ = ["Preemption"]
@@ -136,6 +137,12 @@ class Preemption:
         self._connected = True
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")
+            hold_groups(self)
+
+    def drop_groups(self) -> None:
+        """Let go of the agreement's process group, for good (at a normal exit:
+        :mod:`lightning_zinf.comm.exit`)."""
+        self._group = None
 
     def agree(self) -> Optional[signal.Signals]:
         """Whether any rank received a configured signal: collective, every rank must call it at the

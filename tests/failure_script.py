@@ -18,6 +18,7 @@ Fabric loop whose rank 0 alone runs the model while rank 1 waits in ``fabric.bar
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -34,6 +35,16 @@ from lightning_zinf import ZeroInfinityStrategy  # noqa: E402
 
 SCENARIO = os.environ["FAILURE"]
 OUT = Path(os.environ["OUT"])
+
+
+def _threads_left() -> None:
+    # Registered before the strategy exists, so it runs after every handler the run registers:
+    # which of this process's threads the interpreter's shutdown would meet (names from /proc).
+    names = [(Path("/proc/self/task") / tid / "comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+    (OUT / f"threads{os.environ.get('LOCAL_RANK', '0')}").write_text("\n".join(names))
+
+
+atexit.register(_threads_left)
 
 
 class Lit(L.LightningModule):

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_zinf.comm.exit import hold_groups
 from lightning_zinf.comm.topology import NodeGroups, RankSetGroups, Topology, require_divisor
 from triton_kernels import (PackedRows, QgzLayout, dequantize, dequantize_reduce, dequantize_reduce_requantize,
                             quantize, reorder_quantize)
@@ -285,6 +286,12 @@ class Collectives:
             self._nodes = NodeGroups(self.topology, groups=self.rank_set_groups)
         elif qgz_bits is not None and not self.local:
             self._nodes = NodeGroups.of_one_rank(self.topology, self.group)
+        hold_groups(self)
+
+    def drop_groups(self) -> None:
+        """Let go of every process group, for good (at a normal exit: :mod:`lightning_zinf.comm.exit`)."""
+        self.group = self.control_group = self._hpz_group = None
+        self._nodes = self.rank_set_groups = None
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Gather every rank's ``shard`` into ``out``, rank r's at ``out[r*n:(r+1)*n]``.

@@ -47,6 +47,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from lightning_zinf.comm.exit import mark_failed
+
 __all__ = ["RankWatch"]
 
 
@@ -161,6 +163,7 @@ class RankWatch:
         except Exception:
             return False
         self._known = stored
+        mark_failed()
         return stored == text
 
     def first_failure(self) -> Optional[str]:
@@ -171,9 +174,11 @@ class RankWatch:
         try:
             if self.store.check(["failed"]):
                 self._known = self.store.get("failed").decode()
+                mark_failed()
         except Exception:
             if self.store.lost is not None and not self._zero_done:
                 self._known = self.store_gone()  # nobody can post anything any more: this is the failure
+                mark_failed()
         return self._known
 
     def store_gone(self) -> str:
