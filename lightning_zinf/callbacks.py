@@ -10,7 +10,7 @@
   (see :meth:`~lightning_zinf.ZeroEngine.resident_bytes`);
 - ``zinf/peak_<category>_bytes``: the memory ledger, each category's peak during the step
   (see :meth:`~lightning_zinf.ZeroEngine.memory`): ``gathered`` (units gathered, prefetched and in
-  flight), ``secondary`` (hpZ), ``grad_buffers``, ``reduce_pending``, ``pooled``,
+  flight), ``secondary`` (hpZ), ``grad_buffers``, ``reduce_pending``, ``pooled``, ``gathers_kept``,
   ``shards_{device,cpu,nvme}``, ``grad_shards``, ``optimizer``, ``optimizer_nvme``, ``staging``,
   and ``device_total`` (the peak of their sum on the compute device);
 - on an accelerator, ``zinf/device_max_allocated_bytes``: ``torch.accelerator.max_memory_allocated``

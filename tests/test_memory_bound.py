@@ -144,6 +144,7 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
     engine.release_all()
     return {"gathered": memory["gathered"][1], "kept": kept, "unit": unit, "loss": loss.item(),
             "one_reduce": one_reduce, "pooled_after_step": memory["pooled"][0],
+            "gathers_kept": memory["gathers_kept"][1],
             "grad_buffers": memory["grad_buffers"][1], "reduce_pending": memory["reduce_pending"][1],
             "secondary": memory["secondary"][1], "grad_shards_in_forward": grad_shards_in_forward,
             "offloaded_optimizer": cell.offload.get("optimizer", "none") != "none", "schedule_peak": schedule_peak}
@@ -158,7 +159,7 @@ def _check(results: dict) -> None:
         shallow, deep = by_depth[DEPTHS[0]], by_depth[DEPTHS[-1]]
         unit = deep["unit"]
         assert deep["loss"] == deep["loss"], f"{name}: NaN loss"
-        for key in ("gathered", "kept", "grad_buffers", "reduce_pending"):
+        for key in ("gathered", "kept", "grad_buffers", "reduce_pending", "gathers_kept"):
             assert deep[key] - shallow[key] <= unit, (
                 f"{name}: {key} grows with depth: {shallow[key]} B at {DEPTHS[0]} blocks, {deep[key]} B at "
                 f"{DEPTHS[-1]} (one unit: {unit} B)"
@@ -170,6 +171,8 @@ def _check(results: dict) -> None:
         # SLACK times larger), and no idle gradient buffer kept between steps.
         assert 0 < deep["reduce_pending"] <= SLACK * deep["one_reduce"], (name, deep)
         assert deep["pooled_after_step"] == 0, (name, deep)
+        # Gather memory kept for reuse (the CPU's gather pool) never exceeds what the gathers held at once.
+        assert deep["gathers_kept"] <= deep["gathered"], (name, deep)
         # A few units at most, at any depth: the one in use, the one gathered ahead, one whose
         # gradients are still being reduced, and the small ones (embeddings, final norm).
         assert deep["gathered"] <= 4 * unit, (name, deep)

@@ -25,7 +25,7 @@ from lightning_zinf.offload.swapped import SwapSpace
 __all__ = ["MemoryAccounting", "MOVING"]
 
 #: Ledger categories the engine allocates and frees during a step; all on the compute device.
-MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "staged", "pooled")
+MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "staged", "pooled", "gathers_kept")
 
 _STATE = ("shards_device", "shards_cpu", "shards_nvme", "grad_shards", "optimizer", "optimizer_nvme")
 

@@ -109,3 +109,89 @@ class BufferPool:
     def pooled_bytes(self) -> int:
         """Bytes held in free buffers (not in use)."""
         return sum(b.numel() for b in self._free)
+
+
+class GatherPool:
+    """The memory of gather buffers, kept from one gather to the next on the CPU.
+
+    A unit's gather buffer is a storage the parameters (and autograd's saved views of them) point
+    into for the whole run: released, it keeps its storage object and loses its memory; gathered
+    again, it gets memory back. On an accelerator that memory comes and goes through the storage's
+    own ``resize_`` (the caching allocator keeps freed blocks). On the CPU, glibc serves blocks of a
+    unit's size (tens of MiB, under its dynamic mmap threshold once one was freed) from a heap it
+    cannot shrink: a GPT's gathers churned about 360 MB a step through it and left 0.9 GB of freed
+    heap in the peak RSS (examples/benchmarks/RESULTS.md, issue 39). Here a released buffer's memory
+    moves into a storage the pool keeps (``UntypedStorage._swap_data_ptr_``: two storages exchange
+    their memory, nothing is copied), and the next gather of that many bytes takes it back the same
+    way.
+
+    Bound: the pool keeps no more than the gathers held at once (in use plus kept never exceeds the
+    most bytes in use in this window or the one before; a window ends with each backward,
+    :meth:`new_window`), the oldest kept memory freed first. So a spike (every unit gathered for a
+    state dict) is kept for one window at most. Kept bytes are accounted in the ledger under
+    ``"gathers_kept"``.
+
+    Args:
+        device: Where the buffers live.
+        ledger: Where kept bytes are accounted (default: a ledger of its own).
+        reuse: Keep released memory (default: on the CPU, where torch can move memory between
+            storages).
+    """
+
+    def __init__(self, device: torch.device, ledger: Optional[MemoryLedger] = None,
+                 reuse: Optional[bool] = None) -> None:
+        self.device = device
+        # (A private torch API, which CUDA graph trees use too; a torch without it gets no reuse.)
+        movable = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        self.reuse = device.type == "cpu" and movable if reuse is None else reuse
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self._kept: list[torch.UntypedStorage] = []  # storages holding released memory, oldest first
+        self.in_use = 0  # bytes filled through the pool and not emptied since
+        self.kept = 0
+        self._high = [0, 0]  # the most bytes in use in the previous window and in this one
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give an empty ``storage`` ``nbytes`` of memory (undefined contents): kept memory of that
+        size if there is some, else new."""
+        held = next((s for s in self._kept if s.nbytes() == nbytes), None)
+        if held is not None:
+            self._kept = [s for s in self._kept if s is not held]
+            self._count_kept(-nbytes)
+            storage._swap_data_ptr_(held)
+        else:
+            storage.resize_(nbytes)
+        self.in_use += nbytes
+        self._high[1] = max(self._high[1], self.in_use)
+
+    def empty(self, storage: torch.UntypedStorage) -> None:
+        """Take ``storage``'s memory away (it keeps its object, with 0 bytes): kept for a later
+        :meth:`fill` within the pool's bound, else freed."""
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
+        # Buffers filled before the pool existed (a group's construction) leave it at 0.
+        self.in_use = max(0, self.in_use - nbytes)
+        if not self.reuse or self.in_use + nbytes > max(self._high):
+            storage.resize_(0)
+            return
+        self._trim(max(self._high) - self.in_use - nbytes)
+        held = torch.UntypedStorage(0, device=self.device)
+        held._swap_data_ptr_(storage)
+        self._kept.append(held)
+        self._count_kept(nbytes)
+
+    def new_window(self) -> None:
+        """End a window of the bound (call at the end of each backward): the window that ends
+        becomes the previous one, and kept memory above the new bound is freed."""
+        self._high = [self._high[1], self.in_use]
+        self._trim(max(self._high) - self.in_use)
+
+    def _trim(self, room: int) -> None:
+        # Free the oldest kept memory until at most ``room`` bytes are kept.
+        while self._kept and self.kept > room:
+            oldest = self._kept.pop(0)
+            self._count_kept(-oldest.nbytes())
+
+    def _count_kept(self, nbytes: int) -> None:
+        self.kept += nbytes
+        self.ledger.add("gathers_kept", nbytes)

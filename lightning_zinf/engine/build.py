@@ -22,6 +22,7 @@ from torch import nn
 from lightning_zinf.comm import Collectives
 from lightning_zinf.comm.topology import require_divisor
 from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, ZeroPPConfig
+from lightning_zinf.engine.buffers import GatherPool
 from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.construction import Replayer, recorder_of
@@ -51,6 +52,7 @@ class UnitBuilder:
         persistence_threshold: Units of at most this many elements stay gathered.
         ledger: The engine's ledger (groups account their buffers there).
         transfers: The engine's host/device copy queue.
+        gathers: The engine's gather-buffer memory (shared by its groups).
         param_offload: NVMe parameter offload (each group's shard gets a swap record, frozen ones too,
             except groups stored quantized), or None.
         host_copies: Parameter offload to the ``cpu`` tier: groups keep their 16-bit compute copies
@@ -66,7 +68,8 @@ class UnitBuilder:
     def __init__(self, module: nn.Module, comm: Collectives, *, device: torch.device, shard_device: torch.device,
                  mixed_precision: MixedPrecisionConfig, zero_pp: ZeroPPConfig, persistence_threshold: int,
                  ledger: MemoryLedger, transfers: Transfers, param_offload: Optional[ParamOffload],
-                 host_copies: bool = False, device_copies: bool = False, preloaded: Collection[str] = ()) -> None:
+                 host_copies: bool = False, device_copies: bool = False, preloaded: Collection[str] = (),
+                 gathers: Optional[GatherPool] = None) -> None:
         self.module = module
         self.comm = comm
         self.device = device
@@ -76,6 +79,7 @@ class UnitBuilder:
         self.persistence_threshold = persistence_threshold
         self.ledger = ledger
         self.transfers = transfers
+        self.gathers = gathers or GatherPool(device, ledger)
         self.param_offload = param_offload
         self.host_copies = host_copies
         self.device_copies = device_copies
@@ -142,7 +146,8 @@ class UnitBuilder:
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
-                          transfers=self.transfers, pin_shard=self.param_offload is None, host_copy=self.host_copies, device_copy=self.device_copies)
+                          transfers=self.transfers, pin_shard=self.param_offload is None, host_copy=self.host_copies, device_copy=self.device_copies,
+                          gathers=self.gathers)
         if stored_quantized(self.zero_pp, group.trainable):
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
         elif self.param_offload is not None:

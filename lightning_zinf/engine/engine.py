@@ -52,7 +52,7 @@ from lightning_zinf.engine.access import StateAccess
 from lightning_zinf.engine.accounting import MOVING, MemoryAccounting
 from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.agreement import RankAgreement
-from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.buffers import BufferPool, GatherPool
 from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swap_space, swapped_shards
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
@@ -209,13 +209,14 @@ class ZeroEngine:
         self.space = make_swap_space(offload, self.comm, self.device, swapped)
         self.swapper = self.space.swapper if self.space is not None else None
         self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
+        self.gathers = GatherPool(self.device, self.ledger)
         self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=shard_device,
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
                                  persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
                                  host_copies=offload.param == "cpu",
                                  device_copies=offload.param == "none" and offload.optimizer != "none",
-                                 preloaded=preloaded).build(specs)
+                                 preloaded=preloaded, gathers=self.gathers).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None
         for buffer_owner in module.modules():
@@ -247,7 +248,8 @@ class ZeroEngine:
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
                                  meet=self.agreement.waypoint,
-                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0)
+                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0,
+                                 gathers=self.gathers)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,

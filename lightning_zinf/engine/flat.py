@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives, Handle
-from lightning_zinf.engine.buffers import BufferPool
+from lightning_zinf.engine.buffers import BufferPool, GatherPool
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.transfer import CopiedAhead, Transfers
 from triton_kernels import dequantize, quantize
@@ -86,6 +86,8 @@ class FlatGroup:
             :attr:`compute_shard` on the device, which gathers for compute read; a step sends the
             16-bit values to the device. Exact reads (gathers for reading, state dicts,
             checkpoints) read the host shard.
+        gathers: Where the gather buffers' memory comes from and goes (default: a pool of its own;
+            the engine shares one among its groups, which on the CPU reuses released memory).
 
     Attributes:
         trainable: Some parameter of the group requires a gradient (as of the last pass boundary:
@@ -132,6 +134,7 @@ class FlatGroup:
         pin_shard: bool = True,
         host_copy: bool = False,
         device_copy: bool = False,
+        gathers: Optional[GatherPool] = None,
     ) -> None:
         self.names = names
         self.params = params
@@ -148,6 +151,7 @@ class FlatGroup:
         self.comm = comm
         self.device = device
         self.transfers = transfers or Transfers(device)
+        self.gathers = gathers or GatherPool(device, self.ledger)
         world = comm.world_size
         self.shard_numel = shard_numel(self.numel, world)
         self.padded_numel = self.shard_numel * world
@@ -343,7 +347,7 @@ class FlatGroup:
         return self.transfers.hold(handle, *staged)
 
     def _allocate(self, target: Tensor) -> None:
-        target.untyped_storage().resize_(self.padded_numel * target.element_size())
+        self.gathers.fill(target.untyped_storage(), self.padded_numel * target.element_size())
 
     def _free(self, buffer: Tensor) -> None:
         """Free a gather buffer's storage; one the copy stream allocated is reported to
@@ -352,7 +356,7 @@ class FlatGroup:
         if any(buffer is owned for owned in self._copy_owned):
             self._copy_owned = [owned for owned in self._copy_owned if owned is not buffer]
             self.transfers.done_with(nbytes)
-        buffer.untyped_storage().resize_(0)
+        self.gathers.empty(buffer.untyped_storage())
 
     def _gather_from_stored(self, target: Tensor, shard: Tensor, quantized: bool,
                             staged: Optional[CopiedAhead] = None) -> tuple[Handle, tuple[Tensor, ...]]:

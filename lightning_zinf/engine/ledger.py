@@ -23,6 +23,8 @@ CATEGORIES = {
     "staged": "device copies of host-side shards (and frozen codes) that gathers read: copied ahead of the gather "
               "(OffloadConfig.copy_ahead_bytes) or by it, alive until the gather is waited for",
     "pooled": "free gradient buffers kept for reuse (CPU only; the caching allocator pools on accelerators)",
+    "gathers_kept": "memory of released gather buffers kept for the next gathers (CPU only; at most the most "
+                    "bytes gathered at once, engine/buffers.py GatherPool)",
     "shards_device": "parameter shards (or frozen codes) on the compute device",
     "shards_cpu": "parameter shards (or frozen codes) and their 16-bit compute copies in CPU memory",
     "shards_nvme": "parameter shards in NVMe swap files",
