@@ -7,8 +7,8 @@ state on NVMe (``OffloadConfig(param="nvme", optimizer="nvme")``), and takes rea
 (``--precision bf16-mixed``: gathered and computed in bf16, ``MixedPrecisionConfig(param_dtype=bf16)``,
 each shard's bf16 compute copy on NVMe as well). Measured in the same run:
   - the training state: bytes per parameter on NVMe (fp32 master, which is the parameter shard, the
-    fp32 gradient and the two Adam moments, and under bf16 the compute copy) and its total against
-    this machine's RAM;
+    fp32 gradient and the two Adam moments, and under bf16 the compute copies the staging memory
+    does not hold: docs/offload.md) and its total against this machine's RAM;
   - per step: wall time, bytes read from and written to the swap files (the swapper's counters),
     per parameter against ZeRO-Infinity's arithmetic for this layout;
   - peak RSS (``ru_maxrss``) against RAM;
@@ -199,7 +199,8 @@ def run_zinf(cfg: GPTConfig, steps: int, nvme_root: Path, bandwidth_bytes: int =
     # ZeRO-Infinity's arithmetic (SC'21, section 4) for this layout: each forward and backward reads every
     # parameter in the gather dtype; the step reads and writes the fp32 master and both moments, and
     # the fp32 gradient shard (written by backward, read by the step); a 16-bit gather dtype adds the
-    # write of the compute copy. Per parameter, against the measured:
+    # write of the compute copy. Gradients and compute copies held in staging memory move nothing, so
+    # the measured is lower while staging holds them. Per parameter, against the measured:
     gathered = (param_dtype or torch.float32).itemsize
     expect_read, expect_written = 2 * gathered + 12 + 4, 12 + 4 + (gathered if gathered < 4 else 0)
     print(f"per parameter            read {read / n_params:.2f} B (arithmetic {expect_read}), "

@@ -102,10 +102,12 @@ class ParamOffload:
 
     def drop(self, group: FlatGroup, read: bool = False) -> None:
         """After the all-gather that :meth:`acquire` (same ``read``) served completed: free what
-        it read; its file is still current."""
+        it read; its file is still current. A compute copy held unwritten stays in memory (for
+        backward's gather and the next forward's)."""
         record = self._source(group, read)
         record.settle_read()
-        record.swap_out(write=False)  # given back now, or once a write behind completes
+        if not record.dirty:
+            record.swap_out(write=False)  # given back now, or once a write behind completes
 
     def will_overwrite(self, group: FlatGroup) -> None:
         """Give the shard memory (without reading: every element is about to be overwritten)."""
@@ -120,8 +122,12 @@ class ParamOffload:
         self._shards[id(group)].swap_out(write=True)
 
     def refresh_copies(self, groups: Iterable[FlatGroup]) -> None:
-        """Rewrite the compute copies of these groups' shards (in memory, modified) from them;
-        written behind. Groups without a copy are skipped."""
+        """Rewrite the compute copies of these groups' shards (in memory, modified) from them.
+        Each is held in staging memory unwritten while there is room to hold it
+        (:meth:`SwapSpace.room_to_hold`), else written behind: the next forward and backward
+        gather it from memory, and it is written only if staging memory is needed for something
+        else first (then read back from its file), so a step costs no write and no reads of the
+        16-bit copies. Groups without a copy are skipped."""
         for group in groups:
             copy = self._copies.get(id(group))
             if copy is None:
@@ -130,14 +136,18 @@ class ParamOffload:
             copy.swap_in(read=False)
             copy.settle()
             group.compute_shard.copy_(group.shard)
-            copy.swap_out(write=True)
+            if self.space.room_to_hold(copy):
+                copy.hold()
+            else:
+                copy.swap_out(write=True)
 
     def settle_all(self) -> None:
         """Complete every transfer in flight, and free shards and copies read ahead for gathers
         that did not happen (the trace changed); their files are current. A shard that is also an
-        optimizer step's master record held by a step in flight is left to that step."""
+        optimizer step's master record held by a step in flight is left to that step, and compute
+        copies held unwritten stay held."""
         for record in [*self._shards.values(), *self._copies.values()]:
-            if record.claimed:
+            if record.claimed or record.dirty:
                 continue
             record.settle()
             if record.resident:
