@@ -68,6 +68,7 @@ from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import Transfers, resolve_device
 from lightning_zinf.engine.units import Unit, UnitStates
+from lightning_zinf.heap import setup_phase
 from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
@@ -159,6 +160,7 @@ class ZeroEngine:
             cannot be made.
     """
 
+    @setup_phase()  # what building frees goes back to the system (lightning_zinf.heap)
     def __init__(
         self,
         module: nn.Module,
@@ -362,6 +364,7 @@ class ZeroEngine:
         self.schedule.add_use(module, owner)
 
     # --- optimizer -------------------------------------------------------------------------------
+    @setup_phase()
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Re-point a freshly built optimizer at this rank's fp32 master shards (in place), and run
         :meth:`after_step` after each of its steps (:meth:`OptimizerSteps.shard_optimizer

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_zinf.engine.construction import ConstructionRecorder, Replayer
+from lightning_zinf.heap import setup_phase
 from lightning_zinf.tiling import LinearTile
 
 __all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "parameter_slots", "parent_modules",
@@ -235,7 +236,7 @@ def meta_parameters(empty_init: bool = False) -> Iterator[None]:
     _ACTIVE = recorder
     recorder.empty_init = empty_init
     try:
-        with recorder.mode():
+        with recorder.mode(), setup_phase():  # its stand-ins' memory goes back (lightning_zinf.heap)
             yield
     finally:
         recorder.empty_init = False
