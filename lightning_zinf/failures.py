@@ -10,6 +10,7 @@ from typing import Callable, Optional, Sequence
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_zinf.comm.exit import mark_failed
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.engine import ZeroEngine
 
@@ -65,7 +66,10 @@ def report_failure(watch: Optional[RankWatch], exception: BaseException) -> None
     error, a divergence or a dead rank, and this rank's error is the consequence: a collective that
     broke or timed out), or this rank's collective failed and the watch knows which ranks were dead
     or elsewhere, add that message to ``exception`` (a note under its traceback, and on stderr)
-    rather than raising another error, so the Trainer still tears down and finalises its loggers."""
+    rather than raising another error, so the Trainer still tears down and finalises its loggers.
+    Any exception (an interrupt too) also keeps the process groups from being released at exit
+    (:func:`~lightning_zinf.comm.exit.mark_failed`: a collective may still wait for a peer)."""
+    mark_failed()
     if watch is None or not isinstance(exception, Exception):
         return
     first = watch.report(exception)

@@ -12,23 +12,27 @@ back, but training then touches the whole freed range again, and a heap that shr
 after every step pays its page faults again at the next (0.2 s a step there).
 
 So around setup (:func:`setup_phase`), blocks of 1 MiB and more are mapped, and unmapped when
-freed; afterwards the thresholds are what glibc's dynamic ones reach under training (blocks up to
-32 MiB from the heap) and the heap is not trimmed below 1 GiB of free top, so training keeps its
-working set: the same run peaks at 1.26-1.40 GB at the same speed. These are process-wide settings
-of glibc (``mallopt``); ``ZINF_HEAP_POLICY=off`` leaves the allocator as it is. Nothing is done
-where the C library is not glibc.
+freed (model code run inside :func:`~lightning_zinf.meta_parameters` included: its large blocks
+then cost fresh page faults); afterwards the thresholds are fixed where glibc's dynamic ones end up
+under training (blocks up to 32 MiB from the heap) and the heap keeps up to 1 GiB free at its top,
+so training keeps its working set. The same run peaked at 1.34-1.40 GB instead of 1.35-1.74 at the
+same step time (RESULTS.md, "Issue 39, session 21"). These are process-wide settings of glibc
+(``mallopt``), kept for the rest of the process (glibc's dynamic thresholds stay off once set);
+``LIGHTNING_ZINF_HEAP=off`` leaves the allocator as it is, and so do a ``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES`` of the user's. Nothing is done where the C library
+is not glibc. Setup runs on one thread (the depth counter has no lock).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import platform
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-__all__ = ["setup_phase", "policy_active"]
+__all__ = ["policy_active", "setup_phase"]
 
 # mallopt parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -43,17 +47,23 @@ TRAINING_TRIM_THRESHOLD = 1 << 30
 _state = {"depth": 0}
 
 
+@functools.cache
 def _glibc() -> Optional[ctypes.CDLL]:
-    if os.environ.get("ZINF_HEAP_POLICY", "on").lower() in ("off", "0", "false"):
+    if os.environ.get("LIGHTNING_ZINF_HEAP", "on").lower() in ("off", "0", "false"):
         return None
+    if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
+        return None  # the user tunes the allocator already
     if platform.libc_ver()[0] != "glibc":
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    libc = ctypes.CDLL(None)  # the process's own C library
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return libc
 
 
 def policy_active() -> bool:
-    """Whether :func:`setup_phase` changes anything here (glibc, and not ``ZINF_HEAP_POLICY=off``)."""
+    """Whether :func:`setup_phase` changes anything here (glibc, and no ``LIGHTNING_ZINF_HEAP=off``
+    nor allocator settings of the user's in the environment)."""
     return _glibc() is not None
 
 
@@ -61,8 +71,8 @@ def policy_active() -> bool:
 def setup_phase() -> Iterator[None]:
     """Inside: host blocks of 1 MiB and more are mapped on their own (freed ones go back to the
     system at once). On leaving the outermost one: training's thresholds (module docstring) and
-    one ``malloc_trim(0)`` of what is left free. Nests; a no-op without glibc or with
-    ``ZINF_HEAP_POLICY=off``."""
+    one ``malloc_trim(0)`` of what is left free. Nests; a no-op where :func:`policy_active` is
+    False."""
     libc = _glibc()
     if libc is None:
         yield

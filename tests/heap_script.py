@@ -1,7 +1,7 @@
 """One process builds a GPT on the meta device, partitions it with parameters and optimizer on NVMe
 under bf16 compute, and takes two AdamW steps; prints glibc's heap accounting (``mallinfo2``) right
 after setup and at the end, and the peak RSS, as JSON. For tests/test_heap.py, which runs it with
-``ZINF_HEAP_POLICY`` on and off.
+``LIGHTNING_ZINF_HEAP`` on and off.
 
     NVME=<folder> python tests/heap_script.py
 """

@@ -73,8 +73,9 @@ def test_gather_pool_moves_released_memory_into_the_next_gather_within_its_bound
     pool.empty(a)
     pool.empty(b)
     assert pool.kept == now["gathers_kept"] == 8000
-    pool.fill(c, 2000)  # no kept buffer of that size: new memory
-    pool.empty(c)  # in use plus kept may not pass 8000: the oldest kept one (a's) is freed for it
+    pool.fill(c, 2000)  # no kept memory of that size: the oldest kept (a's) is freed first, then new memory
+    assert (pool.in_use, pool.kept) == (2000, 4000)  # in use plus kept within the most in use at once
+    pool.empty(c)
     assert pool.kept == now["gathers_kept"] == 6000
     pool.fill(a, 4000)
     assert a.data_ptr() == memory  # b's, kept
@@ -83,6 +84,11 @@ def test_gather_pool_moves_released_memory_into_the_next_gather_within_its_bound
     assert pool.kept == 6000
     pool.new_window()  # two windows without gathers: nothing may be kept
     assert pool.kept == now["gathers_kept"] == 0 and now["gathered"] == 0
+    pool.fill(a, 4000)
+    pool.empty(a)
+    assert pool.kept == 4000
+    pool.clear()  # the end of a loop
+    assert pool.kept == now["gathers_kept"] == 0
 
 
 def test_gather_pool_without_reuse_frees_at_once() -> None:

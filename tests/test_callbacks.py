@@ -17,16 +17,27 @@ UNIT_NUMEL = [16 * 48 + 48, 48 * 48 + 48, 48 * 8 + 8]  # 816, 2352, 392
 SHARD_NUMEL = [-(-n // 32) * 16 for n in UNIT_NUMEL]  # 416, 1184, 208
 
 
+class _KeptAtLog(L.Callback):
+    """The gather memory the CPU keeps when ZeroMonitor (the callback before it) logs the step."""
+
+    kept = 0
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        self.kept = trainer.strategy.engine.gathers.kept
+
+
 def _fit(rank: int, world: int, persistence: int) -> dict:
     lit = TinyLit()
+    kept = _KeptAtLog()
     trainer = L.Trainer(
         strategy=ZeroInfinityStrategy(prefetch={"persistence_threshold": persistence}),
-        accelerator="cpu", devices=world, max_steps=3, callbacks=[ZeroMonitor()],
+        accelerator="cpu", devices=world, max_steps=3, callbacks=[ZeroMonitor(), kept],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(lit)
     engine = trainer.strategy.engine
-    return {**{k: float(v) for k, v in trainer.logged_metrics.items()}, "pooled": engine.pool.pooled_bytes}
+    return {**{k: float(v) for k, v in trainer.logged_metrics.items()}, "pooled": engine.pool.pooled_bytes,
+            "gathers_kept": kept.kept}
 
 
 @pytest.mark.parametrize("persistence", [0, 100_000])
@@ -40,9 +51,11 @@ def test_monitor_counts_match_hand_computed_bytes(persistence: int) -> None:
     assert metrics["zinf/gathered_bytes"] == gathers_per_unit * sum(half)
     assert metrics["zinf/reduce_scattered_bytes"] == sum(half)  # each flat gradient once
     # Resident: fp32 shards (also the masters) + fp32 gradient shards (SGD keeps no state) +
-    # pooled gradient buffers + persistent units' gathered buffers.
+    # pooled gradient buffers + persistent units' gathered buffers + released units' gather memory
+    # the CPU keeps for the next gathers (at most every unit's: the most gathered at once).
     gathered = 2 * sum(half) if persistence else 0  # the padded gather buffers
-    assert metrics["zinf/resident_bytes_device"] == 2 * sum(half) + metrics["pooled"] + gathered
+    assert metrics["gathers_kept"] <= 2 * sum(half) - gathered
+    assert metrics["zinf/resident_bytes_device"] == 2 * sum(half) + metrics["pooled"] + gathered + metrics["gathers_kept"]
     assert metrics["zinf/resident_bytes_cpu"] == metrics["zinf/resident_bytes_nvme"] == 0
     assert metrics["zinf/tokens_per_s"] > 0
 

@@ -17,7 +17,7 @@ MIB = 1 << 20
 
 
 def _run(policy: str, nvme: Path) -> dict:
-    env = dict(os.environ, ZINF_HEAP_POLICY=policy, NVME=str(nvme), OMP_NUM_THREADS="1")
+    env = dict(os.environ, LIGHTNING_ZINF_HEAP=policy, NVME=str(nvme), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -27,11 +27,12 @@ def test_setup_leaves_no_free_heap_behind(tmp_path: Path) -> None:
     """A 17M-parameter GPT built on the meta device and partitioned onto NVMe (bf16 compute), two
     AdamW steps. Without the policy glibc keeps about 200 MiB of what construction and partitioning
     freed as free heap after setup (blocks it served from the heap once its dynamic threshold rose),
-    and the peak RSS carries it; with it, setup leaves almost none, the peak is lower, and the
-    losses are the same."""
+    and still holds more free heap two steps later; with it, setup leaves almost none, and the
+    losses are the same. (The peak RSS of so small a model differs by less than its noise.)"""
     assert policy_active() == (platform.libc_ver()[0] == "glibc")
     on, off = _run("on", tmp_path), _run("off", tmp_path)
     assert on["loss"] == off["loss"]
     assert off["free_after_setup"] > 64 * MIB, off  # the garbage exists here: the test can fail
     assert on["free_after_setup"] < 16 * MIB, on
-    assert on["peak_rss"] < off["peak_rss"] - 32 * MIB, (on, off)
+    # Two steps later the heap still holds less free memory (94 against 234 MiB measured).
+    assert on["free_at_end"] < off["free_at_end"] - 64 * MIB, (on, off)

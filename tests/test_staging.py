@@ -79,6 +79,32 @@ def test_held_records_are_written_only_when_staging_needs_their_room(tmp_path: P
         assert files() == ["k-g0.swp", "k-g2.swp"] and torch.equal(records[1][1], torch.zeros(2048))
 
 
+def test_a_held_record_a_gather_reads_stays_in_memory_under_staging_pressure(tmp_path: Path) -> None:
+    """A held record that a gather has acquired (pinned: the collective or the copy to the device
+    reads its buffer) is not written out and given away when a take needs room: the take fails
+    instead, and the bytes stay where the gather reads them. Once the gather drops it, the same
+    take writes it and gets its buffer. (Before pins, a held compute copy was released under an
+    open gather: the gather then read an empty tensor, or another record's bytes.)"""
+    with NvmeSwapper(tmp_path / "swap") as swapper:
+        space = SwapSpace(swapper, StagingPool(cap=2 * 8192))
+        values = torch.full((2048,), 7.0)
+        record = SwapRecord(space, "copy", [("copy", torch.float32, 2048)])
+        record.bind(values, "copy")
+        record.adopt()
+        record.hold()
+        record.pins += 1  # ParamOffload.acquire
+        other = space.take(8192, "other")
+        with pytest.raises(SwapError, match="staging_bytes"):
+            space.take(8192, "more")
+        assert record.resident and record.dirty and torch.equal(values, torch.full((2048,), 7.0))
+        record.pins -= 1  # ParamOffload.drop
+        assert space.take(8192, "more") is not None and not record.resident  # written, its buffer reused
+        space.pool.give(other)
+        record.swap_in()
+        record.settle()
+        assert torch.equal(values, torch.full((2048,), 7.0))
+
+
 def test_record_round_trip_keeps_identity_and_bytes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     with NvmeSwapper(tmp_path / "swap") as swapper:

@@ -19,8 +19,9 @@ parameters and optimizer state (fp32 masters, gradients, Adam moments) on NVMe, 
 --precision picks what both run in (default 32-true):
   32-true     fp32 throughout. zinf's fp32 parameter shard is also its master (one swap record).
   bf16-mixed  zinf_nvme: Trainer(precision="bf16-mixed"): forward under bf16 autocast, shards
-              gathered in bf16 from a bf16 compute copy of each shard on NVMe (rewritten after each
-              step), fp32 masters, fp32 gradient shards and AdamW state on NVMe.
+              gathered in bf16 from a bf16 compute copy of each shard (rewritten by each step and
+              held in staging memory while it has room, else on NVMe), fp32 masters, fp32 gradient
+              shards (held likewise) and AdamW state on NVMe.
               deepspeed_nvme: DeepSpeed's "bf16": {"enabled": true}: the module's parameters in
               bf16 (swapped to NVMe as bf16), fp32 masters, gradients and Adam moments in its
               NVMe-offloaded optimizer, forward and loss under the same bf16 autocast.

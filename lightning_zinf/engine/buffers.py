@@ -126,9 +126,10 @@ class GatherPool:
     way.
 
     Bound: the pool keeps no more than the gathers held at once (in use plus kept never exceeds the
-    most bytes in use in this window or the one before; a window ends with each backward,
-    :meth:`new_window`), the oldest kept memory freed first. So a spike (every unit gathered for a
-    state dict) is kept for one window at most. Kept bytes are accounted in the ledger under
+    most bytes in use in this window or the one before; a window is a pass, :meth:`new_window`),
+    the oldest kept memory freed first, and a gather that finds no kept memory of its size frees
+    kept memory of other sizes before it allocates. So a spike (every unit gathered for a state
+    dict) is kept for two passes at most, and :meth:`clear` frees everything (``release_all``). Kept bytes are accounted in the ledger under
     ``"gathers_kept"``.
 
     Args:
@@ -159,6 +160,7 @@ class GatherPool:
             self._count_kept(-nbytes)
             storage._swap_data_ptr_(held)
         else:
+            self._trim(max(self._high) - self.in_use - nbytes)  # kept memory of other sizes first
             storage.resize_(nbytes)
         self.in_use += nbytes
         self._high[1] = max(self._high[1], self.in_use)
@@ -181,10 +183,15 @@ class GatherPool:
         self._count_kept(nbytes)
 
     def new_window(self) -> None:
-        """End a window of the bound (call at the end of each backward): the window that ends
+        """End a window of the bound (call at the start of each pass): the window that ends
         becomes the previous one, and kept memory above the new bound is freed."""
         self._high = [self._high[1], self.in_use]
         self._trim(max(self._high) - self.in_use)
+
+    def clear(self) -> None:
+        """Free all kept memory and forget the bound (the end of a loop: nothing is gathered again soon)."""
+        self._high = [0, self.in_use]
+        self._trim(0)
 
     def _trim(self, room: int) -> None:
         # Free the oldest kept memory until at most ``room`` bytes are kept.

@@ -250,8 +250,7 @@ class ZeroEngine:
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
                                  meet=self.agreement.waypoint,
-                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0,
-                                 gathers=self.gathers)
+                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,
@@ -325,6 +324,7 @@ class ZeroEngine:
     def _begin_pass(self, kind: Hashable, check: bool) -> None:
         self.state_dict_hooks.reset()
         self._settle(boundary=True)
+        self.gathers.new_window()
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
@@ -474,6 +474,7 @@ class ZeroEngine:
         for side in (self.offload, self.param_offload):
             if side is not None:
                 side.settle_all()
+        self.gathers.clear()
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model (the parameters stay partitioned)."""

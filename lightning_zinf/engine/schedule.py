@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
-from lightning_zinf.engine.buffers import BufferPool, GatherPool
+from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.negotiation import BACKWARD_END
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.units import RELEASED, Unit, UnitStates
@@ -71,7 +71,6 @@ class Schedule:
         tracer: The trace of unit gathers, which says what comes next.
         comm: The engine's collectives (the end of backward's agreement on received gradients).
         pool: Gradient buffers, prepared before a unit's backward and trimmed after backward.
-        gathers: Gather-buffer memory, whose bound's window ends with each backward (or None).
         prefetch: Bucket budget of units gathered ahead.
         mixed_precision: Whether and how forward inputs are cast.
         param_offload: NVMe parameter offload, or None (its shards are read ahead of gathers).
@@ -91,14 +90,13 @@ class Schedule:
                  states: UnitStates, tracer: Tracer, comm: Collectives, pool: BufferPool, prefetch: PrefetchConfig,
                  mixed_precision: MixedPrecisionConfig, param_offload: Optional[ParamOffload], read_ahead: int,
                  begin_pass: Optional[Callable[[Hashable], None]], meet: Callable[[int], bool],
-                 copy_ahead: int = 0, gathers: Optional[GatherPool] = None) -> None:
+                 copy_ahead: int = 0) -> None:
         self.units = units
         self.groups = [g for u in units for g in u.groups]
         self.states = states
         self.tracer = tracer
         self.comm = comm
         self.pool = pool
-        self.gathers = gathers
         self.bucket_size = prefetch.bucket_size
         self.mixed_precision = mixed_precision
         self.param_offload = param_offload
@@ -399,8 +397,6 @@ class Schedule:
         self.states.drain_reduces()
         self.states.finish_host_grads()
         self.pool.release_free()
-        if self.gathers is not None:
-            self.gathers.new_window()
         self._expose_grads()
         for unit in self.units:
             unit.pending_backward = 0  # uses whose inputs' gradients were never needed

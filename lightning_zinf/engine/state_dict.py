@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_zinf.comm import Collectives
+from lightning_zinf.comm.exit import hold_groups
 from lightning_zinf.engine.units import Unit
 
 __all__ = ["StateDictHooks", "state_dict_options", "UnitAccess"]
@@ -218,11 +219,17 @@ class StateDictHooks:
         chunks = torch.chunk(full, engine.comm.world_size, dim=0)  # fewer than W when dim 0 is short
         return chunks[engine.comm.rank].clone() if engine.comm.rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
 
+    def drop_groups(self) -> None:
+        """Let go of the device mesh (and its process group), for good (at a normal exit:
+        :mod:`lightning_zinf.comm.exit`)."""
+        self._mesh = None
+
     def _as_dtensor(self, local: Tensor, shape: torch.Size, engine: UnitAccess) -> Tensor:
         if engine.comm.world_size == 1:
             return local
         if self._mesh is None:
             self._mesh = DeviceMesh.from_group(engine.comm.group, engine.device.type)
+            hold_groups(self)  # the mesh keeps the group: let go of it at exit
         placement = Replicate() if len(shape) == 0 else Shard(0)
         return DTensor.from_local(local, self._mesh, [placement], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())

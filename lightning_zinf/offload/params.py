@@ -99,6 +99,7 @@ class ParamOffload:
         record = self._source(group, read)
         record.swap_in()
         record.settle_read()  # a write behind (the step's) goes on: the gather only reads the bytes
+        record.pins += 1  # until drop(): a held copy stays in memory under staging pressure
 
     def drop(self, group: FlatGroup, read: bool = False) -> None:
         """After the all-gather that :meth:`acquire` (same ``read``) served completed: free what
@@ -106,6 +107,7 @@ class ParamOffload:
         backward's gather and the next forward's)."""
         record = self._source(group, read)
         record.settle_read()
+        record.pins = max(0, record.pins - 1)
         if not record.dirty:
             record.swap_out(write=False)  # given back now, or once a write behind completes
 

@@ -99,7 +99,8 @@ class SwapSpace:
             if self._writing:
                 self._writing.popleft().settle()
                 continue
-            unclaimed = next((r for r in self._held.values() if not r.claimed), None)  # (claimed: a step's)
+            # (claimed: a step's; pinned: a gather's, which reads it now)
+            unclaimed = next((r for r in self._held.values() if not r.claimed and not r.pins), None)
             if unclaimed is not None and not optional:
                 unclaimed.swap_out()  # a write in flight now, completed next round
                 continue
@@ -190,6 +191,9 @@ class SwapRecord:
         # Held for an optimizer step in flight (offload.stepping): another thread may be reading or
         # writing its memory, so settling the parameter offload must leave it alone.
         self.claimed = False
+        # Gathers reading the record's memory now (ParamOffload.acquire .. drop): staging pressure
+        # must not write a held record out from under them and give its buffer away.
+        self.pins = 0
 
     @property
     def resident(self) -> bool:
