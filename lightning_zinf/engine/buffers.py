@@ -129,8 +129,8 @@ class GatherPool:
     most bytes in use in this window or the one before; a window is a pass, :meth:`new_window`),
     the oldest kept memory freed first, and a gather that finds no kept memory of its size frees
     kept memory of other sizes before it allocates. So a spike (every unit gathered for a state
-    dict) is kept for two passes at most, and :meth:`clear` frees everything (``release_all``). Kept bytes are accounted in the ledger under
-    ``"gathers_kept"``.
+    dict) is kept for two passes at most, and :meth:`clear` frees everything (``release_all``).
+    Kept bytes are accounted in the ledger under ``"gathers_kept"``.
 
     Args:
         device: Where the buffers live.

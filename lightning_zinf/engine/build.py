@@ -146,8 +146,8 @@ class UnitBuilder:
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
-                          transfers=self.transfers, pin_shard=self.param_offload is None, host_copy=self.host_copies, device_copy=self.device_copies,
-                          gathers=self.gathers)
+                          transfers=self.transfers, pin_shard=self.param_offload is None,
+                          host_copy=self.host_copies, device_copy=self.device_copies, gathers=self.gathers)
         if stored_quantized(self.zero_pp, group.trainable):
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
         elif self.param_offload is not None:
