@@ -34,5 +34,6 @@ def test_setup_leaves_no_free_heap_behind(tmp_path: Path) -> None:
     assert on["loss"] == off["loss"]
     assert off["free_after_setup"] > 64 * MIB, off  # the garbage exists here: the test can fail
     assert on["free_after_setup"] < 16 * MIB, on
-    # Two steps later the heap still holds less free memory (94 against 234 MiB measured).
-    assert on["free_at_end"] < off["free_at_end"] - 64 * MIB, (on, off)
+    # Two steps later the heap still holds less free memory: 117-133 against 175-206 MiB measured
+    # here and 131 against 190 in CI (the margin of 64 MiB first asserted failed there once).
+    assert on["free_at_end"] < off["free_at_end"] - 16 * MIB, (on, off)
