@@ -139,6 +139,19 @@ class OffloadConfig:
             (``LOCAL_WORLD_SIZE``, else the world size). What DeepSpeed splits into
             ``buffer_count`` x ``buffer_size`` (per kind) is one budget here; how many buffers are
             in use at once follows ``read_ahead`` (parameters) and ``sub_group_size`` (optimizer).
+        host_bytes: Bytes per rank of ``nvme``-tier state kept in host memory instead of swap files,
+            for whole flat groups, the first ones in the model's order (the forward's, for most
+            models) until the next does not fit: with ``optimizer="nvme"`` a group's fp32 master,
+            the per-element states of the first optimizer sharded (e.g. Adam's two moments), and
+            with ``param="nvme"`` its shard and 16-bit compute copy (gradient shards stay held in
+            staging memory as without); with ``param="nvme"`` alone, its shard and copy. Those
+            bytes are then neither written nor read by any step, forward or backward: they cost
+            host memory (outside ``staging_bytes``, counted in the memory ledger's ``shards_cpu``
+            and ``optimizer``) and take their traffic off the disk: under AdamW at least 12 bytes
+            per parameter read and 12 written per step, the master and two moments
+            (:mod:`lightning_zinf.offload.host`). DeepSpeed's ``offload_optimizer.ratio`` makes the
+            same trade between the device and the CPU. ``0`` (the default): everything on NVMe,
+            as in ZeRO-Infinity.
         pin_memory: Page-lock the staging buffers (faster, asynchronous copies to an accelerator).
             ``None``: on when the compute device is an accelerator, off on the CPU, where pinning
             fails; ``True`` without an accelerator is an error. On CUDA the pool registers buffers
@@ -156,7 +169,8 @@ class OffloadConfig:
 
     Raises:
         ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
-            ``sub_group_size`` or ``staging_bytes``, a negative ``read_ahead`` or ``copy_ahead_bytes``.
+            ``sub_group_size`` or ``staging_bytes``, a negative ``read_ahead``, ``copy_ahead_bytes`` or
+            ``host_bytes``, a ``host_bytes`` with no ``nvme`` tier.
     """
 
     param: str = "none"
@@ -170,6 +184,7 @@ class OffloadConfig:
     activations: bool = False
     aio: AioConfig = AioConfig()
     staging_bytes: Optional[int] = None
+    host_bytes: int = 0
     pin_memory: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -211,6 +226,14 @@ class OffloadConfig:
             self.staging_bytes,
             "None (automatic) or an integer > 0 (bytes per rank, e.g. 4_000_000_000)",
         )
+        _require(isinstance(self.host_bytes, int) and not isinstance(self.host_bytes, bool) and self.host_bytes >= 0,
+                 "OffloadConfig", "host_bytes", self.host_bytes, "an integer >= 0 (bytes per rank, e.g. 2_000_000_000)")
+        if self.host_bytes and "nvme" not in (self.param, self.optimizer):
+            raise ValueError(
+                f"OffloadConfig.host_bytes={self.host_bytes} keeps NVMe-tier state in host memory, but neither param nor "
+                "optimizer is 'nvme' (everything is in memory already). Drop host_bytes, or set param='nvme' or "
+                "optimizer='nvme'."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,7 @@ import torch
 
 from lightning_zinf.offload import NvmeSwapper, SwapError, staging
 from lightning_zinf.offload.aligned import aligned_empty
+from lightning_zinf.offload.files import key_filename
 from lightning_zinf.offload.staging import StagingPool
 from lightning_zinf.offload.swapped import SwapRecord, SwapSpace
 from tests.harness import run_distributed
@@ -376,3 +377,40 @@ def test_a_gather_that_fails_waits_for_its_copies_before_buffers_go_back(tmp_pat
     assert got["at_failure"] and got["at_failure"][-1] == "wait", got["at_failure"]
     assert "give" in got["events"][len(got["at_failure"]):]  # the next pass gave the buffers back
     assert got["loss"] == pytest.approx(got["want"], rel=1e-6)
+
+
+def test_a_record_kept_in_host_memory_leaves_the_disk_and_the_cap(tmp_path: Path) -> None:
+    """``SwapRecord.keep_in_host``: the record's bytes move to a buffer outside the staging cap,
+    its file is deleted, and swaps and staging pressure leave it in memory, unwritten, with its
+    tensors' identity and values; a record created kept never touches the disk."""
+    with NvmeSwapper(tmp_path / "swap") as swapper:
+        space = SwapSpace(swapper, StagingPool(cap=2 * 4096))
+        weights = torch.arange(1000, dtype=torch.float32)
+        kept = SwapRecord(space, "kept", [("w", torch.float32, 1000)])
+        kept.bind(weights, "w")
+        kept.adopt()
+        kept.swap_out()
+        kept.settle()
+        assert weights.numel() == 0 and (tmp_path / "swap" / key_filename("kept")).exists()
+        kept.keep_in_host()  # read back, then kept
+        assert kept.in_host and space.pool.in_use == 0 and space.pool.held == 4096  # its staging buffer kept for reuse
+        assert not (tmp_path / "swap" / key_filename("kept")).exists()
+        assert torch.equal(weights, torch.arange(1000, dtype=torch.float32))
+        weights.add_(1)
+        others = []
+        for k in range(2):  # the whole cap for others: nothing can make room by moving the kept record
+            other = SwapRecord(space, f"o{k}", [("x", torch.float32, 1000)])
+            other.bind(torch.zeros(1000), "x")
+            other.adopt()
+            others.append(other)
+        for op in (kept.swap_out, kept.hold, kept.keep_ahead, kept.drop, lambda: kept.swap_in(ahead=True)):
+            op()
+            kept.settle()
+            assert kept.resident and not kept.dirty and not kept.ahead
+        assert torch.equal(weights, torch.arange(1000, dtype=torch.float32) + 1)
+        assert swapper.bytes_written == 4096  # its one write before it was kept
+        fresh = SwapRecord(space, "fresh", [("v", torch.float32, 10)], in_host=True)
+        fresh.bind(torch.ones(10), "v")
+        fresh.adopt()  # the cap is full: a kept record's buffer is not staging
+        fresh.swap_out()
+        assert fresh.resident and space.pool.in_use == 2 * 4096 and swapper.bytes_written == 4096

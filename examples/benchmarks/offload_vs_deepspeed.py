@@ -16,6 +16,10 @@ parameters and optimizer state (fp32 masters, gradients, Adam moments) on NVMe, 
                   machine (run_deepspeed.py's nvme_config: prefetch and reuse distance 0 against
                   deepspeedai/DeepSpeed#3062, sub_group_size 1e7)
 
+--host-bytes B keeps up to B bytes per rank of zinf's NVMe-tier state in host memory (OffloadConfig.host_bytes:
+the first blocks' shards, compute copies, masters and moments; default 0, everything on NVMe), the trade of
+host memory for disk traffic that DeepSpeed makes only between the device and the CPU.
+
 --precision picks what both run in (default 32-true):
   32-true     fp32 throughout. zinf's fp32 parameter shard is also its master (one swap record).
   bf16-mixed  zinf_nvme: Trainer(precision="bf16-mixed"): forward under bf16 autocast, shards
@@ -43,7 +47,7 @@ The ratios compare zinf_nvme with DeepSpeed: tokens/s (above 1: zinf faster; tar
 the largest per-rank peak RSS (below 1: zinf leaner; target <= 1).
 
     python examples/benchmarks/offload_vs_deepspeed.py [--steps 7] [--only zinf_nvme,deepspeed_nvme]
-        [--precision {32-true,bf16-mixed}] [--nvme-root /tmp]
+        [--precision {32-true,bf16-mixed}] [--host-bytes B] [--nvme-root /tmp]
         [--out examples/benchmarks/results/offload_vs_deepspeed.json (_bf16-mixed.json under bf16-mixed)]
 
 Each contender's rank 0 also prints, at the end of training, the bytes of the swap files by kind
@@ -105,6 +109,9 @@ def main() -> None:
     parser.add_argument("--nvme-root", default="/tmp", help="folder on the disk to swap to (a new folder is made in it)")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
                         help="what both contenders train in (see above; default: %(default)s)")
+    parser.add_argument("--host-bytes", type=int, default=0,
+                        help="zinf_nvme and zinf_nvme+sync: OffloadConfig.host_bytes, bytes per rank of NVMe-tier state "
+                             "kept in host memory (see above; default: %(default)s, everything on NVMe)")
     args = parser.parse_args()
     check_args(parser, args, CONTENDERS)
     if args.out == default_out and args.precision != "32-true":
@@ -115,8 +122,12 @@ def main() -> None:
         swap_dirs = {name: Path(swap_root, name) for name in args.only}
         for path in swap_dirs.values():
             path.mkdir()
-        record = {**setup_record(args), "nvme_root": args.nvme_root, "precision": args.precision}
+        record = {**setup_record(args), "nvme_root": args.nvme_root, "precision": args.precision,
+                  "host_bytes": args.host_bytes}
         script_args = {name: ["--nvme", str(path), "--precision", args.precision] for name, path in swap_dirs.items()}
+        for name in ("zinf_nvme", "zinf_nvme+sync"):
+            if name in script_args:
+                script_args[name] += ["--host-bytes", str(args.host_bytes)]
         script_args["zinf_nvme+sync"] = [*script_args.get("zinf_nvme+sync", []), "--overlap-step", "off"]
         results, ratios = run_all(args, record, "offload_vs_deepspeed", ours="zinf_nvme", script_args=script_args)
     finally:

@@ -1,7 +1,7 @@
 """One rank of a Lightning contender; launched by throughput.py and offload_vs_deepspeed.py.
 
     torchrun --nproc_per_node 2 run_lightning.py {zinf,fsdp2,ddp} --steps N --result-dir DIR
-    torchrun --nproc_per_node 2 run_lightning.py zinf_nvme --nvme DIR [--overlap-step off] --steps N --result-dir DIR
+    torchrun --nproc_per_node 2 run_lightning.py zinf_nvme --nvme DIR [--overlap-step off] [--host-bytes B] --steps N --result-dir DIR
     torchrun --nproc_per_node 2 run_lightning.py {zinf,ddp} --compile {blocks,model} --steps N --result-dir DIR
     (any mode) [--precision {32-true,bf16-mixed}]
 
@@ -111,12 +111,13 @@ class SwapFiles(L.Callback):
             print("swap files:", json.dumps(swap_files(self.root)), flush=True)
 
 
-def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = True):
+def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = True, host_bytes: int = 0):
     if mode in ("zinf", "zinf_nvme"):
         import lightning_zinf  # noqa: F401  (registers the strategy names)
         from lightning_zinf import OffloadConfig, ZeroInfinityStrategy
 
-        offload = (OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path, overlap_step=overlap_step)
+        offload = (OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path, overlap_step=overlap_step,
+                                 host_bytes=host_bytes)
                    if mode == "zinf_nvme" else None)
         return ZeroInfinityStrategy(block_classes=[Block.__name__], offload=offload)
     if mode == "fsdp2":
@@ -141,6 +142,8 @@ def main() -> None:
                         help="the Trainer's precision (default: %(default)s)")
     parser.add_argument("--overlap-step", choices=["on", "off"], default="on",
                         help="zinf_nvme: OffloadConfig.overlap_step (the step in the background; default: %(default)s)")
+    parser.add_argument("--host-bytes", type=int, default=0,
+                        help="zinf_nvme: OffloadConfig.host_bytes (NVMe-tier state kept in host memory; default: %(default)s)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
@@ -151,7 +154,7 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     clock = StepClock()
     trainer = L.Trainer(
-        strategy=make_strategy(args.mode, args.nvme, args.overlap_step == "on"),
+        strategy=make_strategy(args.mode, args.nvme, args.overlap_step == "on", args.host_bytes),
         accelerator="cpu",
         devices=world_size,
         max_steps=args.steps,

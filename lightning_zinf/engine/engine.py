@@ -70,6 +70,7 @@ from lightning_zinf.engine.transfer import Transfers, resolve_device
 from lightning_zinf.engine.units import Unit, UnitStates
 from lightning_zinf.heap import setup_phase
 from lightning_zinf.offload.activations import ActivationOffload
+from lightning_zinf.offload.host import first_that_fit
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.tiling import tile_linear_layers
@@ -230,6 +231,11 @@ class ZeroEngine:
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
             if self.param_offload is not None:
                 self.param_offload.rewrites = self.offload.rewrites
+        if self.param_offload is not None and offload.host_bytes and offload.optimizer != "nvme":
+            # (With the optimizer on NVMe too, its first sharding chooses: OptimizerOffload.plan_host.)
+            costs = [self.param_offload.host_cost(g) for g in self.groups]
+            for group in self.groups[: first_that_fit(costs, offload.host_bytes)]:
+                self.param_offload.keep_in_host(group)
         self.sharded = ShardedOptimizers(self.groups, offload=self.offload, param_offload=self.param_offload,
                                          separate_masters=shards_offloaded,
                                          adding_refused=_NVME_ADDING if offload.optimizer == "nvme" else None)

@@ -97,6 +97,7 @@ class OptimizerSteps:
         :class:`~lightning_zinf.offload.SwapError` before writing any of them if they do not.
         """
         if self.offload is not None and self.offload.nvme:
+            self.offload.plan_host(optimizer)  # (before the preflight: kept groups need no files)
             self.swapper.planned_bytes = ensure_space(
                 self.comm, self._nvme_path, self.offload.planned_bytes(optimizer),
                 "fp32 masters, gradient shards and optimizer states", before=self._swap_file_bytes())

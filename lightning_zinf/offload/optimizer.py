@@ -36,6 +36,7 @@ from lightning_zinf.config import OffloadConfig
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.optim import local_grad_sq_norm
 from lightning_zinf.engine.transfer import is_accelerator
+from lightning_zinf.offload.host import first_that_fit
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.offload.stepping import StepPipeline
 from lightning_zinf.offload.swapped import SwapRecord, SwapSpace, record_layout
@@ -78,6 +79,8 @@ class OptimizerOffload:
         self._generation = 0
         self._shared: set[int] = set()  # groups whose master is their parameter shard's record
         self._resident_blocks: set[int] = set()  # groups held in memory by a resident() block
+        self._host: set[int] = set()  # groups whose records stay in host memory (plan_host)
+        self._host_planned = False
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
         self._pipeline: Optional[StepPipeline] = None  # the step in flight (overlap_step)
@@ -115,11 +118,39 @@ class OptimizerOffload:
                 self._place_master(i, group, cpu)
         self.settle_all()
 
+    def plan_host(self, optimizer: torch.optim.Optimizer) -> None:
+        """(``nvme``; the first optimizer sharded, before it is planned and its masters placed.)
+        Choose the groups whose records stay in host memory (``OffloadConfig.host_bytes``;
+        :func:`~lightning_zinf.offload.host.first_that_fit`): trainable groups in order, each
+        costing its master record (or, shared, the parameter shard's), its shard and compute
+        copy when parameters are on NVMe too, and the per-element states ``optimizer`` keeps for
+        it (:func:`_per_element_states`). Later optimizers and groups unfrozen later do not
+        change the choice."""
+        if self._host_planned or not self.nvme or not self.config.host_bytes:
+            return
+        self._host_planned = True
+        states = _per_element_states(optimizer)
+        index_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        costs = []
+        for i in self.trainable:
+            group = self.groups[i]
+            cost = self.params.host_cost(group) if self.params is not None else 0
+            if not self._shares_master(group):
+                cost += record_layout(_fp32_regions("master", group))[1]
+            if states is not None and (regions := _state_regions(group, states, index_of)):
+                cost += record_layout(regions)[1]
+            costs.append(cost)
+        self._host = set(self.trainable[: first_that_fit(costs, self.config.host_bytes)])
+        log.info("lightning_zinf: OffloadConfig.host_bytes=%d keeps %d of %d groups' NVMe-tier state (%d bytes) in "
+                 "host memory.", self.config.host_bytes, len(self._host), len(costs), sum(costs[: len(self._host)]))
+
     def _place_master(self, i: int, group: FlatGroup, cpu: torch.device) -> None:
         group.make_master(state_device=cpu, separate=True, swapped=self.nvme)
         if not self.nvme:
             return
         group.swapped_optimizer = True
+        if i in self._host and self.params is not None:
+            self.params.keep_in_host(group)  # in memory: inside shard_resident
         if self._shares_master(group):
             # An fp32 shard holds exactly the master's values: one record serves both, which
             # saves writing the shard after every step (ZeRO-Infinity keeps one fp32 copy too).
@@ -128,8 +159,8 @@ class OptimizerOffload:
                 record.attach(tensor, "shard", offset)
             self._shared.add(i)
         else:
-            record = self._record(f"g{i}.master", group, "master")
-            record.swap_out()
+            record = self._record(f"g{i}.master", group, "master", in_host=i in self._host)
+            record.swap_out()  # (kept in host memory: nothing to write)
             record.settle()  # written now: placing every master must not fill memory with writes
         self._masters[i] = record
 
@@ -141,27 +172,24 @@ class OptimizerOffload:
         param groups hold the model's parameters) adds: each trainable group's fp32 master (unless
         it shares the parameter shard's record) and gradient shard, placed once, and one record per
         group of the per-element states ``optimizer`` keeps (:func:`_per_element_states`), laid
-        out as :meth:`_collect_states` lays them out.
+        out as :meth:`_collect_states` lays them out; none of a group kept in host memory
+        (:meth:`plan_host`) but its gradient shard's.
         """
         total = 0
         for i in self.trainable:
             group = self.groups[i]
             if group.master is None:  # placed by the first optimizer attached, with the gradient record
-                total += 0 if self._shares_master(group) else record_layout(_fp32_regions("master", group))[1]
+                if not (self._shares_master(group) or i in self._host):
+                    total += record_layout(_fp32_regions("master", group))[1]
                 total += record_layout(_fp32_regions("grad", group))[1]
         states = _per_element_states(optimizer)
         if states is None:
             return total
         index_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for i in self.trainable:
-            group = self.groups[i]
-            regions: dict[str, torch.dtype] = {}
-            for p, (lo, hi) in zip(group.params, group.owned_ranges()):
-                if id(p) in index_of and hi > lo:  # an empty fragment keeps no state in the record
-                    for name, dtype in states[index_of[id(p)]]:
-                        regions.setdefault(f"{name}.{dtype}", dtype)
-            if regions:
-                total += record_layout([(key, dtype, group.shard_numel) for key, dtype in regions.items()])[1]
+            regions = _state_regions(self.groups[i], states, index_of)
+            if regions and i not in self._host:
+                total += record_layout(regions)[1]
         return total
 
     # --- gradients during backward ----------------------------------------------------------------
@@ -440,9 +468,9 @@ class OptimizerOffload:
                     size = n
         return out
 
-    def _record(self, key: str, group: FlatGroup, which: str) -> SwapRecord:
+    def _record(self, key: str, group: FlatGroup, which: str, in_host: bool = False) -> SwapRecord:
         """A record holding ``group``'s master or gradient shard, its fragments bound into it."""
-        record = SwapRecord(self.space, key, _fp32_regions(which, group))
+        record = SwapRecord(self.space, key, _fp32_regions(which, group), in_host=in_host)
         for tensor, offset in group.layout(which):
             record.bind(tensor, which, offset)
         record.adopt()
@@ -573,7 +601,8 @@ class OptimizerOffload:
             regions.setdefault(f"{name}.{state[name].dtype}", state[name].dtype)
         self._generation += 1
         record = SwapRecord(self.space, f"g{i}.o{o}.state{self._generation}",
-                            [(region, dtype, group.shard_numel) for region, dtype in regions.items()])
+                            [(region, dtype, group.shard_numel) for region, dtype in regions.items()],
+                            in_host=i in self._host)
         for state, name, lo in found:
             value = state[name]
             if value._base is not None or value.device.type != "cpu":
@@ -624,6 +653,19 @@ def _worker(device: torch.device) -> ThreadPoolExecutor:
 def _fp32_regions(which: str, group: FlatGroup) -> list[tuple[str, torch.dtype, int]]:
     """The one region of ``group``'s master or gradient record."""
     return [(which, torch.float32, group.shard_numel)]
+
+
+def _state_regions(group: FlatGroup, states: list[list[tuple[str, torch.dtype]]],
+                   index_of: dict[int, int]) -> list[tuple[str, torch.dtype, int]]:
+    """The regions of ``group``'s state record (as :meth:`OptimizerOffload._collect_states` lays
+    it out) for an optimizer keeping ``states`` per param group (:func:`_per_element_states`),
+    whose param groups hold the parameters ``index_of`` maps (by id) to their param group."""
+    regions: dict[str, torch.dtype] = {}
+    for p, (lo, hi) in zip(group.params, group.owned_ranges()):
+        if id(p) in index_of and hi > lo:  # an empty fragment keeps no state in the record
+            for name, dtype in states[index_of[id(p)]]:
+                regions.setdefault(f"{name}.{dtype}", dtype)
+    return [(key, dtype, group.shard_numel) for key, dtype in regions.items()]
 
 
 def _per_element_states(optimizer: torch.optim.Optimizer) -> Optional[list[list[tuple[str, torch.dtype]]]]:

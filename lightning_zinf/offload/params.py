@@ -76,6 +76,21 @@ class ParamOffload:
             copy.swap_out()
         record.swap_out()
 
+    def host_cost(self, group: FlatGroup) -> int:
+        """Bytes that keeping ``group``'s shard and compute copy in host memory takes
+        (:meth:`keep_in_host`); 0 for a group this offload does not swap (frozen codes)."""
+        return sum(r.nbytes for r in self._records_of(group))
+
+    def keep_in_host(self, group: FlatGroup) -> None:
+        """Keep ``group``'s shard and compute copy in host memory for good, their files deleted
+        (:meth:`SwapRecord.keep_in_host`; ``OffloadConfig.host_bytes``): its gathers read no
+        disk, and a changed shard is not written. Nothing for a group this offload does not swap."""
+        for record in self._records_of(group):
+            record.keep_in_host()
+
+    def _records_of(self, group: FlatGroup) -> list[SwapRecord]:
+        return [r for r in (self._shards.get(id(group)), self._copies.get(id(group))) if r is not None]
+
     def record(self, group: FlatGroup) -> SwapRecord:
         """The swap record holding ``group``'s shard (region ``"shard"``)."""
         return self._shards[id(group)]

@@ -158,14 +158,27 @@ class StagingPool:
                 self._trim(self.held + size - self.cap)
                 if self.held + size > self.cap:
                     return None
-            if self._registered:
-                buffer = registered_empty(size, self._device_index)
-            else:
-                buffer = aligned_empty(size, torch.uint8, pin_memory=self.pin_memory)
+            buffer = self._new(size)
             self.held += size
         self.in_use += size
         self.peak = max(self.peak, self.in_use)
         return buffer
+
+    def outside(self, nbytes: int) -> Tensor:
+        """A buffer like :meth:`take`'s (aligned, page-locked with ``pin_memory``) that is neither
+        counted against the cap nor given back: for records kept in host memory for good
+        (:meth:`SwapRecord.keep_in_host <lightning_zinf.offload.swapped.SwapRecord.keep_in_host>`);
+        freed when its last view is dropped.
+
+        Raises:
+            RuntimeError: page-locking it failed (:func:`registered_empty`).
+        """
+        return self._new(round_up(max(nbytes, 1), ALIGNMENT))
+
+    def _new(self, size: int) -> Tensor:
+        if self._registered:
+            return registered_empty(size, self._device_index)
+        return aligned_empty(size, torch.uint8, pin_memory=self.pin_memory)
 
     def give(self, buffer: Tensor) -> None:
         """Return a buffer from :meth:`take`, no longer read or written by any transfer (the caller

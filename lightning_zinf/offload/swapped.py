@@ -168,16 +168,20 @@ class SwapRecord:
 
     States: in memory (a staging buffer, maybe a write in flight, or held unwritten with bytes the
     file lacks: :meth:`hold`) or out (no buffer; the file holds the bytes), maybe with a read in
-    flight after :meth:`swap_in`.
+    flight after :meth:`swap_in`; or kept in host memory for good (:attr:`in_host`): a buffer of
+    its own outside the staging cap, no file, every swap a no-op.
 
     Args:
         space: The rank's :class:`SwapSpace`.
         key: The swap file's key.
         regions: ``(name, dtype, numel)`` per region, in file order.
+        in_host: Create the record kept in host memory (:meth:`keep_in_host`).
     """
 
-    def __init__(self, space: SwapSpace, key: str, regions: list[tuple[str, torch.dtype, int]]) -> None:
+    def __init__(self, space: SwapSpace, key: str, regions: list[tuple[str, torch.dtype, int]],
+                 in_host: bool = False) -> None:
         self.space, self.key = space, key
+        self._in_host = in_host
         offsets, self.nbytes = record_layout(regions)  # whole O_DIRECT blocks: no bounced tail
         self._regions = {name: (offsets[name], dtype, numel) for name, dtype, numel in regions}
         self._bindings: list[tuple[Tensor, str, int, torch.Size]] = []
@@ -194,6 +198,37 @@ class SwapRecord:
         # Gathers reading the record's memory now (ParamOffload.acquire .. drop): staging pressure
         # must not write a held record out from under them and give its buffer away.
         self.pins = 0
+
+    @property
+    def in_host(self) -> bool:
+        """Kept in host memory for good (:meth:`keep_in_host`): never written, read or given back."""
+        return self._in_host
+
+    def keep_in_host(self) -> None:
+        """Move the record to host memory for good: its current bytes (read back if out, a write
+        in flight completed) into a buffer of its own outside the staging cap
+        (:meth:`StagingPool.outside`), its staging buffer given back and its file deleted. From
+        then on swaps do nothing: the bound tensors stay views of that buffer, which is the only
+        copy of the values (``OffloadConfig.host_bytes``: state placed on the host tier instead of
+        NVMe). Idempotent.
+
+        Raises:
+            SwapError: reading the bytes back failed.
+        """
+        if self._in_host:
+            return
+        self.swap_in()
+        self.settle()
+        buffer = self.space.pool.outside(self.nbytes)
+        staged, self._buffer = self._buffer, buffer
+        buffer.copy_(staged[: buffer.numel()])
+        self.dirty = False  # the bytes are where they stay now: nothing to write
+        self.ahead = self._kept = False
+        self._in_host = True
+        self._point()
+        self.space.pool.give(staged)
+        self.space.swapper.remove(self.key)
+        self._on_disk = False
 
     @property
     def resident(self) -> bool:
@@ -238,7 +273,7 @@ class SwapRecord:
         """Move the bound tensors' current values into a staging buffer and point them there (the
         record is in memory and unwritten afterwards; their old memory is freed once unreferenced)."""
         assert self._buffer is None, f"swap record {self.key!r} adopted twice"
-        self._buffer = self.space.take(self.nbytes, self.key)
+        self._buffer = self.space.pool.outside(self.nbytes) if self._in_host else self.space.take(self.nbytes, self.key)
         for tensor, region, offset, _ in self._bindings:
             self.view(region)[offset : offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
         self._point()
@@ -246,9 +281,10 @@ class SwapRecord:
     def swap_out(self, write: bool = True) -> None:
         """Start writing the record (``write``) and give its buffer back once written (:meth:`settle`);
         without ``write`` the buffer is given back at once (the file is current), or once a write
-        still in flight completes. A record held unwritten (:meth:`hold`) is written either way."""
+        still in flight completes. A record held unwritten (:meth:`hold`) is written either way;
+        one kept in host memory (:attr:`in_host`) stays as it is."""
         self._kept = False
-        if self._buffer is None or self._write is not None:
+        if self._buffer is None or self._write is not None or self._in_host:
             return
         if self._read is not None:
             self.settle()
@@ -334,9 +370,10 @@ class SwapRecord:
         """Keep the record in memory, modified, instead of writing it now: it is written when
         staging memory is needed (:class:`SwapSpace`'s back-pressure) or when it is swapped out,
         and never if :meth:`drop` comes first (a gradient shard the next step consumes in memory:
-        no write, no read back). The record must be in memory with no transfer in flight."""
+        no write, no read back). The record must be in memory with no transfer in flight. A record
+        kept in host memory (:attr:`in_host`) is not held: it stays anyway."""
         assert self._buffer is not None and self._write is None and self._read is None, self.key
-        self.dirty = True
+        self.dirty = not self._in_host
 
     def drop(self) -> None:
         """Give the buffer back without writing, whatever the bytes in memory are (they are no longer
@@ -347,8 +384,8 @@ class SwapRecord:
     def keep_ahead(self) -> None:
         """Keep a record that is in memory (or being written) there, as if read ahead of need: a
         write in flight goes on (the buffer stays after it), and the record is given up first under
-        staging pressure."""
-        if self._buffer is None:
+        staging pressure. (Not one kept in host memory: it is never given up.)"""
+        if self._buffer is None or self._in_host:
             return
         if self._write is not None:
             self._kept = True
@@ -382,7 +419,8 @@ class SwapRecord:
                 for tensor, region, _, _ in self._bindings:
                     if tensor.numel() and lo <= tensor.data_ptr() < lo + self.nbytes:
                         tensor.data = torch.empty(0, dtype=self._regions[region][1])
-            self.space.pool.give(self._buffer)
+            if not self._in_host:  # (a buffer of its own is freed with its last view)
+                self.space.pool.give(self._buffer)
             self._buffer = None
         self.space.swapper.remove(self.key)
 
