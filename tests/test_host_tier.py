@@ -44,9 +44,10 @@ def _log_requests(engine: ZeroEngine) -> list[tuple[str, str, int]]:
 
 
 def _files(engine: ZeroEngine) -> dict[str, int]:
-    """The swap files in this rank's swap folder, by key (``k-`` + the quoted key; the folder's
-    lock and probe files start with a dot): bytes."""
-    return {unquote(p.name[2:]): p.stat().st_size for p in engine.swapper.folder.iterdir() if p.name.startswith("k-")}
+    """The swap files in this rank's swap folder, by key (``k-`` + the quoted key + ``.swp``; the
+    folder's lock and probe files start with a dot): bytes."""
+    return {unquote(p.name[2:-4]): p.stat().st_size for p in engine.swapper.folder.iterdir()
+            if p.name.startswith("k-") and p.name.endswith(".swp")}
 
 
 def _train(rank: int, world: int, offload: dict, bf16: bool, ckpt: str, load: bool) -> dict:
@@ -128,6 +129,8 @@ def test_state_kept_in_host_memory_leaves_the_disk_and_changes_no_bit(tmp_path: 
     gone = {name: size for name, size in on_disk.items() if name not in part["files"]}
     groups_gone = sorted({int(name[1:].split(".")[0]) for name in gone if name.startswith("g")})
     assert groups_gone and groups_gone == list(range(len(groups_gone))), sorted(gone)
+    # (parameter shards are named by creation order, which is the engine's order here)
+    assert sorted({int(name[1:].split(".")[0]) for name in gone if name.startswith("p")}) == groups_gone
     assert not any(name.endswith(".grad") for name in gone)
     assert 0 < sum(gone.values()) <= 250_000, gone
     for rank, nvme in zip(runs[250_000], runs[0]):
@@ -154,10 +157,13 @@ def test_a_checkpoint_moves_between_placements(tmp_path: Path) -> None:
         _same_training(got, runs[saved], since=SAVED + 1)
 
 
-def test_parameters_alone_on_nvme_kept_in_host_memory(tmp_path: Path) -> None:
-    """``param="nvme"`` with the optimizer on the ``cpu`` tier: kept shards and compute copies make
-    no read; the run is the one with every shard on NVMe, bit for bit."""
-    runs = _runs(tmp_path, {"param": "nvme", "optimizer": "cpu"}, [0, ALL], bf16=True)
+@pytest.mark.parametrize("param, optimizer", [("nvme", "cpu"), ("cpu", "nvme"), ("none", "nvme")])
+def test_one_tier_on_nvme_kept_in_host_memory(tmp_path: Path, param: str, optimizer: str) -> None:
+    """Only the parameters on NVMe (the optimizer on the ``cpu`` tier: kept shards and compute
+    copies), or only the optimizer (masters that are records of their own, beside host or device
+    shards): everything kept makes no I/O request; the run is the one with all of that tier on
+    NVMe, bit for bit."""
+    runs = _runs(tmp_path, {"param": param, "optimizer": optimizer}, [0, ALL], bf16=True)
     _same_training(runs[ALL], runs[0])
     assert all(r["requests"] == [] and r["storage"] == (0, 0) for r in runs[ALL])
     assert all(r["requests"] for r in runs[0])
@@ -174,13 +180,87 @@ def test_bad_host_bytes_name_the_fix(fields: dict, words: list[str]) -> None:
     assert all(word in str(caught.value) for word in words), caught.value
 
 
+def _fit(rank: int, world: int, strategy) -> dict:
+    import lightning.pytorch as pl
+
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    class SwapFolder(pl.Callback):
+        """The swap files of this rank when training ends (before the strategy removes them)."""
+
+        files: dict = {}
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            engine = trainer.strategy.engine
+            SwapFolder.files = _files(engine) if engine.swapper is not None else {}
+
+    chosen = strategy if isinstance(strategy, str) else ZeroInfinityStrategy(offload=strategy)
+    lit = LitGPT(GLOBAL_BATCH // world)
+    trainer = _trainer(chosen, world, callbacks=[SwapFolder()])
+    trainer.fit(lit)
+    return {"losses": lit.train_losses, "offload": trainer.strategy.options.offload, "files": SwapFolder.files}
+
+
 def test_the_trainer_takes_host_bytes_from_a_mapping(tmp_path: Path) -> None:
     """``ZeroInfinityStrategy(offload={...})`` as a LightningCLI YAML gives it: a fit (clipping, LR
-    schedule, validation) with part of the NVMe tier in host memory trains as without offload."""
-    from tests.test_offload import _trainer_losses
-
-    base = run_distributed(_trainer_losses, 2, "zero_infinity", init_pg=False)[0]
+    schedule, validation) with part of the NVMe tier in host memory trains as without offload, and
+    leaves fewer swap files than the same fit with everything on NVMe."""
+    base = run_distributed(_fit, 2, "zero_infinity", init_pg=False)[0]
     offload = {"param": "nvme", "optimizer": "nvme", "nvme_path": str(tmp_path), "host_bytes": 100_000}
-    got = run_distributed(_trainer_losses, 2, offload, init_pg=False)[0]
+    got = run_distributed(_fit, 2, offload, init_pg=False)[0]
     assert got["offload"].host_bytes == 100_000
     assert got["losses"] == base["losses"]
+    nvme = run_distributed(_fit, 2, {**offload, "host_bytes": 0}, init_pg=False)[0]
+    assert nvme["losses"] == base["losses"]
+    assert 0 < len(got["files"]) < len(nvme["files"]), (got["files"], nvme["files"])
+
+
+def _two_optimizers(rank: int, world: int, nvme: str, budget: int) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(d=64)
+    is_matrix = {n: p.dim() >= 2 for n, p in model.named_parameters()}  # (partitioning flattens them)
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme, host_bytes=budget))
+    matrices = [p for n, p in model.named_parameters() if is_matrix[n]]
+    vectors = [p for n, p in model.named_parameters() if not is_matrix[n]]
+    first = engine.shard_optimizer(torch.optim.AdamW(matrices, lr=1e-2))
+    second = engine.shard_optimizer(torch.optim.AdamW(vectors, lr=1e-3))
+    losses = []
+    for step in range(3):
+        x, y = models.make_batch("gpt", step, BATCH)
+        loss = models.loss_fn(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        second.step()  # (the second optimizer steps first: its states are created first)
+        first.step()
+        first.zero_grad()
+        second.zero_grad()
+    engine.release_all()
+    files = _files(engine)
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights, "files": files}
+
+
+def test_the_budget_counts_the_states_of_the_first_optimizer_only(tmp_path: Path) -> None:
+    """Two optimizers over the same groups (matrices; norms and biases), the second sharded
+    stepping first: a budget of exactly the first three groups' shards and first-optimizer states
+    (the third, a block, has states of both) keeps those off the disk and nothing more (the
+    second optimizer's states stay on NVMe: kept too, they would exceed the budget), and training
+    is the same bit for bit."""
+    def run(budget: int) -> dict:
+        folder = tmp_path / str(budget)
+        folder.mkdir()
+        return run_distributed(_two_optimizers, 1, str(folder), budget)[0]
+
+    nvme = run(0)
+    # States are named by the order optimizers first step: o1 is the first one sharded here.
+    cost = [sum(n for k, n in nvme["files"].items() if k == f"p{g}" or k.startswith(f"g{g}.o1.state")) for g in (0, 1, 2)]
+    assert any(k.startswith("g2.o0.state") for k in nvme["files"])  # the second optimizer's, for a kept group
+    budget = sum(cost)
+    kept = run(budget)
+    assert kept["losses"] == nvme["losses"]
+    assert all(torch.equal(kept["weights"][n], w) for n, w in nvme["weights"].items())
+    gone = {k: n for k, n in nvme["files"].items() if k not in kept["files"]}
+    assert sum(gone.values()) == budget and all(k.startswith(("p0", "p1", "p2", "g0.o1", "g1.o1", "g2.o1")) for k in gone), gone

@@ -414,3 +414,6 @@ def test_a_record_kept_in_host_memory_leaves_the_disk_and_the_cap(tmp_path: Path
         fresh.adopt()  # the cap is full: a kept record's buffer is not staging
         fresh.swap_out()
         assert fresh.resident and space.pool.in_use == 2 * 4096 and swapper.bytes_written == 4096
+        fresh.discard()  # its buffer is its own: not given to the pool
+        assert not fresh.resident and space.pool.held == 2 * 4096 and space.pool.in_use == 2 * 4096
+        assert sum(len(kept) for kept in space.pool._free.values()) == 0

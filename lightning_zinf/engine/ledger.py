@@ -32,7 +32,8 @@ CATEGORIES = {
     "optimizer": "fp32 master shards separate from the parameter shards, and optimizer states (resident bytes)",
     "optimizer_nvme": "fp32 masters, gradient shards and optimizer states in NVMe swap files",
     "staging": "host staging buffers holding records swapped in from or out to NVMe (the resident part of "
-               "shards_cpu, grad_shards and optimizer under NVMe offload lives in them: they overlap)",
+               "shards_cpu, grad_shards and optimizer under NVMe offload lives in them: they overlap; not the "
+               "records OffloadConfig.host_bytes keeps in host memory, which have buffers of their own)",
     "device_total": "all of the above that lives on the compute device (the peak of the sum)",
 }
 

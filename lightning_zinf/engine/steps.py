@@ -169,8 +169,8 @@ class OptimizerSteps:
         return [[index[id(g)] for g in unit.groups] for unit in dict.fromkeys(ordered)]
 
     def _swap_file_bytes(self) -> int:
-        """Bytes of this rank's swap files now (records written, in memory or not)."""
-        return sum(n for part in (self.param_offload, self.offload) if part is not None for n in part.tier_bytes().values())
+        """Bytes of this rank's swap files now (records with a file, in memory or not)."""
+        return sum(part.file_bytes() for part in (self.param_offload, self.offload) if part is not None)
 
     @phased("zinf.before_step")
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:

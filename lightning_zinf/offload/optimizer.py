@@ -80,7 +80,7 @@ class OptimizerOffload:
         self._shared: set[int] = set()  # groups whose master is their parameter shard's record
         self._resident_blocks: set[int] = set()  # groups held in memory by a resident() block
         self._host: set[int] = set()  # groups whose records stay in host memory (plan_host)
-        self._host_planned = False
+        self._host_optimizer: Optional[torch.optim.Optimizer] = None  # whose states they keep there
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
         self._pipeline: Optional[StepPipeline] = None  # the step in flight (overlap_step)
@@ -124,11 +124,12 @@ class OptimizerOffload:
         :func:`~lightning_zinf.offload.host.first_that_fit`): trainable groups in order, each
         costing its master record (or, shared, the parameter shard's), its shard and compute
         copy when parameters are on NVMe too, and the per-element states ``optimizer`` keeps for
-        it (:func:`_per_element_states`). Later optimizers and groups unfrozen later do not
-        change the choice."""
-        if self._host_planned or not self.nvme or not self.config.host_bytes:
+        it (:func:`_per_element_states`). Once masters are placed the choice stays: later
+        optimizers keep their states for those groups on NVMe, and groups unfrozen later are
+        placed there too."""
+        if not self.nvme or not self.config.host_bytes or any(g.master is not None for g in self.groups):
             return
-        self._host_planned = True
+        self._host_optimizer = optimizer
         states = _per_element_states(optimizer)
         index_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         costs = []
@@ -143,6 +144,11 @@ class OptimizerOffload:
         self._host = set(self.trainable[: first_that_fit(costs, self.config.host_bytes)])
         log.info("lightning_zinf: OffloadConfig.host_bytes=%d keeps %d of %d groups' NVMe-tier state (%d bytes) in "
                  "host memory.", self.config.host_bytes, len(self._host), len(costs), sum(costs[: len(self._host)]))
+
+    def _keeps_states(self, optimizer: torch.optim.Optimizer, i: int) -> bool:
+        """Whether ``optimizer``'s per-element states for group ``i`` stay in host memory
+        (:meth:`plan_host` chose the group, with this optimizer's states counted)."""
+        return i in self._host and optimizer is self._host_optimizer
 
     def _place_master(self, i: int, group: FlatGroup, cpu: torch.device) -> None:
         group.make_master(state_device=cpu, separate=True, swapped=self.nvme)
@@ -188,7 +194,7 @@ class OptimizerOffload:
         index_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         for i in self.trainable:
             regions = _state_regions(self.groups[i], states, index_of)
-            if regions and i not in self._host:
+            if regions and not self._keeps_states(optimizer, i):
                 total += record_layout(regions)[1]
         return total
 
@@ -300,13 +306,15 @@ class OptimizerOffload:
         which waits for those sub-groups first. Reads ahead of need: given up first under staging
         pressure; wasted if no step follows (gradient accumulation), and then kept for the step.
         The gradients are not read: backward is writing them, and what is still in memory then
-        stays for the step (:meth:`keep_resident`)."""
+        stays for the step (:meth:`keep_resident`). Sub-groups kept in host memory
+        (:meth:`plan_host`) need no read: the two read are the first that do."""
         if not (self.nvme and self.config.overlap_step and self.config.overlap) or self._pipeline is not None:
             return
         subgroups = self._subgroups(_ordered_units(order, set(self.trainable)), split_units=True)
         if not subgroups or not self._room_to_overlap(subgroups):
             return
-        for members in subgroups[:2]:
+        on_disk = [members for members in subgroups if not all(i in self._host for i in members)]
+        for members in on_disk[:2]:
             for i in members:
                 for record in (self._masters.get(i), *self._states.get(i, [])):
                     if record is not None:
@@ -321,7 +329,8 @@ class OptimizerOffload:
         if not self.nvme or self.space.pool.cap is None:
             return True
         largest = max((max(16 * sum(self.groups[i].shard_numel for i in members),
-                           sum(r.nbytes for i in members for r in self._records(i))) for members in subgroups), default=0)
+                           sum(r.nbytes for i in members for r in self._records(i) if not r.in_host))
+                       for members in subgroups), default=0)
         if 4 * largest > self.space.pool.cap:
             if not self._warned_room:
                 log.info("lightning_zinf: NVMe staging_bytes=%d holds fewer than four optimizer sub-groups of %d bytes: "
@@ -602,7 +611,7 @@ class OptimizerOffload:
         self._generation += 1
         record = SwapRecord(self.space, f"g{i}.o{o}.state{self._generation}",
                             [(region, dtype, group.shard_numel) for region, dtype in regions.items()],
-                            in_host=i in self._host)
+                            in_host=self._keeps_states(optimizer, i))
         for state, name, lo in found:
             value = state[name]
             if value._base is not None or value.device.type != "cpu":
@@ -618,6 +627,12 @@ class OptimizerOffload:
         self._state_of[(o, i)] = (record, {id(state[name]) for state, name, _ in found})
 
     # --- accounting -------------------------------------------------------------------------------
+    def file_bytes(self) -> int:
+        """(``nvme``) Bytes of the records that have swap files (written or not yet): all but
+        those kept in host memory and the masters counted by the parameter offload."""
+        return sum(record.nbytes for i in self.trainable for record in self._records(i)
+                   if not record.in_host and not (record is self._masters.get(i) and i in self._shared))
+
     def tier_bytes(self) -> dict[str, int]:
         """Bytes of offloaded state in staging memory now and in swap files (``cpu``, ``nvme``)."""
         cpu = nvme = 0

@@ -85,6 +85,7 @@ class ParamOffload:
         """Keep ``group``'s shard and compute copy in host memory for good, their files deleted
         (:meth:`SwapRecord.keep_in_host`; ``OffloadConfig.host_bytes``): its gathers read no
         disk, and a changed shard is not written. Nothing for a group this offload does not swap."""
+        group.transfers.host_wait_h2d()  # a copy made ahead may still read the staging buffer given back
         for record in self._records_of(group):
             record.keep_in_host()
 
@@ -191,6 +192,11 @@ class ParamOffload:
                     record.swap_out(write=write_back)
                 for record in records:
                     record.settle()
+
+    def file_bytes(self) -> int:
+        """Bytes of the shards and compute copies that have swap files (all but those kept in host
+        memory)."""
+        return sum(r.nbytes for r in [*self._shards.values(), *self._copies.values()] if not r.in_host)
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes of parameter shards and compute copies in CPU memory now and in swap files."""
