@@ -144,7 +144,8 @@ class OffloadConfig:
             models) until the next does not fit: with ``optimizer="nvme"`` a group's fp32 master,
             the per-element states of the first optimizer sharded (e.g. Adam's two moments), and
             with ``param="nvme"`` its shard and 16-bit compute copy (gradient shards stay held in
-            staging memory as without); with ``param="nvme"`` alone, its shard and copy. Those
+            staging memory as without); a frozen group (a LoRA base), and any group with
+            ``param="nvme"`` alone, its shard and copy, read at every forward and backward. Those
             bytes are then neither written nor read by any step, forward or backward: they cost
             host memory (outside ``staging_bytes``, counted in the memory ledger's ``shards_cpu``
             and ``optimizer``) and take their traffic off the disk: under AdamW at least 12 bytes

@@ -264,3 +264,43 @@ def test_the_budget_counts_the_states_of_the_first_optimizer_only(tmp_path: Path
     assert all(torch.equal(kept["weights"][n], w) for n, w in nvme["weights"].items())
     gone = {k: n for k, n in nvme["files"].items() if k not in kept["files"]}
     assert sum(gone.values()) == budget and all(k.startswith(("p0", "p1", "p2", "g0.o1", "g1.o1", "g2.o1")) for k in gone), gone
+
+
+def _lora(rank: int, world: int, nvme: str, budget: int) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(d=64, lora_rank=4)  # adapters trainable, everything else frozen
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+                        offload=OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme, host_bytes=budget),
+                        mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    losses, requests = [], []
+    for step in range(4):
+        if step == WARMUP:
+            engine.release_all()
+            requests = _log_requests(engine)
+        x, y = models.make_batch("gpt", step, BATCH)
+        loss = models.loss_fn(model, x, y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    engine.release_all()
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights, "requests": requests}
+
+
+def test_a_frozen_base_kept_in_host_memory_is_read_from_memory(tmp_path: Path) -> None:
+    """LoRA (adapters trainable, the base frozen) with parameters and optimizer on NVMe: the frozen
+    base's shards and 16-bit copies, which every forward and backward gathers, count in the budget
+    like trainable groups; everything kept, a step makes no I/O request at all (with everything on
+    NVMe its gathers read the base's files), and training is the same bit for bit."""
+    runs = {}
+    for budget in (0, ALL):
+        folder = tmp_path / str(budget)
+        folder.mkdir()
+        runs[budget] = run_distributed(_lora, 1, str(folder), budget)[0]
+    assert runs[ALL]["losses"] == runs[0]["losses"]
+    assert all(torch.equal(runs[ALL]["weights"][n], w) for n, w in runs[0]["weights"].items())
+    assert any(verb == "read" and key.startswith("p") for verb, key, _ in runs[0]["requests"])
+    assert runs[ALL]["requests"] == [], runs[ALL]["requests"][:4]

@@ -81,6 +81,7 @@ class OptimizerOffload:
         self._resident_blocks: set[int] = set()  # groups held in memory by a resident() block
         self._host: set[int] = set()  # groups whose records stay in host memory (plan_host)
         self._host_optimizer: Optional[torch.optim.Optimizer] = None  # whose states they keep there
+        self._host_frozen: list[int] = []  # frozen groups plan_host chose, moved by place_masters
         self._optimizers: list[torch.optim.Optimizer] = []
         self.clip_coef: Optional[Tensor] = None
         self._pipeline: Optional[StepPipeline] = None  # the step in flight (overlap_step)
@@ -109,6 +110,9 @@ class OptimizerOffload:
             indices: Only these groups (by index), trainable or not (default: the trainable ones).
         """
         self.wait_all()
+        for i in self._host_frozen:  # (the choice is final now: masters follow)
+            self.params.keep_in_host(self.groups[i])
+        self._host_frozen = []
         cpu = torch.device("cpu")
         for i in self.trainable if indices is None else indices:
             group = self.groups[i]
@@ -121,29 +125,37 @@ class OptimizerOffload:
     def plan_host(self, optimizer: torch.optim.Optimizer) -> None:
         """(``nvme``; the first optimizer sharded, before it is planned and its masters placed.)
         Choose the groups whose records stay in host memory (``OffloadConfig.host_bytes``;
-        :func:`~lightning_zinf.offload.host.first_that_fit`): trainable groups in order, each
-        costing its master record (or, shared, the parameter shard's), its shard and compute
-        copy when parameters are on NVMe too, and the per-element states ``optimizer`` keeps for
-        it (:func:`_per_element_states`). Once masters are placed the choice stays: later
-        optimizers keep their states for those groups on NVMe, and groups unfrozen later are
-        placed there too."""
+        :func:`~lightning_zinf.offload.host.first_that_fit`): the groups with records on NVMe in
+        order, a trainable one costing its master record (or, shared, the parameter shard's), its
+        shard and compute copy when parameters are on NVMe too, and the per-element states
+        ``optimizer`` keeps for it (:func:`_per_element_states`); a frozen one (a LoRA base) its
+        shard and compute copy, which its gathers read at every forward and backward. They move
+        when the masters are placed (:meth:`place_masters`); until then the choice is remade at
+        each call. After it stays: later optimizers keep their states for those groups on NVMe,
+        and groups unfrozen later are placed there too."""
         if not self.nvme or not self.config.host_bytes or any(g.master is not None for g in self.groups):
             return
         self._host_optimizer = optimizer
         states = _per_element_states(optimizer)
         index_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        costs = []
-        for i in self.trainable:
-            group = self.groups[i]
+        trainable = set(self.trainable)
+        indices, costs = [], []
+        for i, group in enumerate(self.groups):
             cost = self.params.host_cost(group) if self.params is not None else 0
-            if not self._shares_master(group):
-                cost += record_layout(_fp32_regions("master", group))[1]
-            if states is not None and (regions := _state_regions(group, states, index_of)):
-                cost += record_layout(regions)[1]
+            if i in trainable:
+                if not self._shares_master(group):
+                    cost += record_layout(_fp32_regions("master", group))[1]
+                if states is not None and (regions := _state_regions(group, states, index_of)):
+                    cost += record_layout(regions)[1]
+            elif not cost:
+                continue  # frozen with nothing on NVMe (parameters elsewhere, frozen codes)
+            indices.append(i)
             costs.append(cost)
-        self._host = set(self.trainable[: first_that_fit(costs, self.config.host_bytes)])
+        chosen = indices[: first_that_fit(costs, self.config.host_bytes)]
+        self._host = {i for i in chosen if i in trainable}
+        self._host_frozen = [i for i in chosen if i not in trainable]
         log.info("lightning_zinf: OffloadConfig.host_bytes=%d keeps %d of %d groups' NVMe-tier state (%d bytes) in "
-                 "host memory.", self.config.host_bytes, len(self._host), len(costs), sum(costs[: len(self._host)]))
+                 "host memory.", self.config.host_bytes, len(chosen), len(costs), sum(costs[: len(chosen)]))
 
     def _keeps_states(self, optimizer: torch.optim.Optimizer, i: int) -> bool:
         """Whether ``optimizer``'s per-element states for group ``i`` stay in host memory
