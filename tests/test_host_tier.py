@@ -85,7 +85,7 @@ def _train(rank: int, world: int, offload: dict, bf16: bool, ckpt: str, load: bo
     states = {(i, k): v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()
               if isinstance(v, torch.Tensor)}
     return {"losses": losses, "weights": weights, "states": states, "requests": requests, "storage": (read, written),
-            "files": files, "memory": memory}
+            "files": files, "memory": memory, "written_in_all": engine.swapper.bytes_written}
 
 
 def _runs(tmp_path: Path, tier: dict, budgets: list[int], bf16: bool) -> dict[int, list[dict]]:
@@ -160,11 +160,13 @@ def test_a_checkpoint_moves_between_placements(tmp_path: Path) -> None:
 @pytest.mark.parametrize("param, optimizer", [("nvme", "cpu"), ("cpu", "nvme"), ("none", "nvme")])
 def test_one_tier_on_nvme_kept_in_host_memory(tmp_path: Path, param: str, optimizer: str) -> None:
     """Only the parameters on NVMe (the optimizer on the ``cpu`` tier: kept shards and compute
-    copies), or only the optimizer (masters that are records of their own, beside host or device
+    copies, never written, not even when the model is partitioned), or only the optimizer (masters that are records of their own, beside host or device
     shards): everything kept makes no I/O request; the run is the one with all of that tier on
     NVMe, bit for bit."""
     runs = _runs(tmp_path, {"param": param, "optimizer": optimizer}, [0, ALL], bf16=True)
     _same_training(runs[ALL], runs[0])
+    if optimizer != "nvme":  # shards kept as they are made: not written even once at construction
+        assert all(r["written_in_all"] == 0 for r in runs[ALL]), [r["written_in_all"] for r in runs[ALL]]
     assert all(r["requests"] == [] and r["storage"] == (0, 0) for r in runs[ALL])
     assert all(r["requests"] for r in runs[0])
 

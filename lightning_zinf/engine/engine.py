@@ -70,7 +70,6 @@ from lightning_zinf.engine.transfer import Transfers, resolve_device
 from lightning_zinf.engine.units import Unit, UnitStates
 from lightning_zinf.heap import setup_phase
 from lightning_zinf.offload.activations import ActivationOffload
-from lightning_zinf.offload.host import first_that_fit
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.tiling import tile_linear_layers
@@ -211,7 +210,10 @@ class ZeroEngine:
                    if offload.param == "nvme" else 0)
         self.space = make_swap_space(offload, self.comm, self.device, swapped)
         self.swapper = self.space.swapper if self.space is not None else None
-        self.param_offload = ParamOffload(self.space) if offload.param == "nvme" else None
+        # host_bytes: kept as shards are made, unless the optimizer is on NVMe too (then its first
+        # sharding chooses, with the optimizer's state counted: OptimizerOffload.plan_host).
+        self.param_offload = (ParamOffload(self.space, offload.host_bytes if offload.optimizer != "nvme" else 0)
+                              if offload.param == "nvme" else None)
         self.gathers = GatherPool(self.device, self.ledger)
         self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=shard_device,
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
@@ -231,11 +233,6 @@ class ZeroEngine:
             self.offload = OptimizerOffload(self.groups, offload, self.space, self.param_offload)
             if self.param_offload is not None:
                 self.param_offload.rewrites = self.offload.rewrites
-        if self.param_offload is not None and offload.host_bytes and offload.optimizer != "nvme":
-            # (With the optimizer on NVMe too, its first sharding chooses: OptimizerOffload.plan_host.)
-            costs = [self.param_offload.host_cost(g) for g in self.groups]
-            for group in self.groups[: first_that_fit(costs, offload.host_bytes)]:
-                self.param_offload.keep_in_host(group)
         self.sharded = ShardedOptimizers(self.groups, offload=self.offload, param_offload=self.param_offload,
                                          separate_masters=shards_offloaded,
                                          adding_refused=_NVME_ADDING if offload.optimizer == "nvme" else None)

@@ -14,7 +14,10 @@ The groups chosen are the first ones in the engine's order (modules in registrat
 is the forward's for most models), whole groups, until the next one does not fit: the step in the
 background runs in that order (:mod:`lightning_zinf.offload.stepping`), so the next forward's first
 units find their step done without waiting for the disk, and the disk has the rest of the forward
-for the others.
+for the others. With the optimizer on NVMe the first sharding chooses, with its states counted
+(:meth:`OptimizerOffload.plan_host <lightning_zinf.offload.optimizer.OptimizerOffload.plan_host>`);
+with parameters alone on NVMe each shard is kept as it is made, never written
+(:meth:`ParamOffload.add <lightning_zinf.offload.params.ParamOffload.add>`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ the optimizer on NVMe it is the master itself (one record for both).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -38,10 +38,14 @@ class ParamOffload:
 
     Args:
         space: The rank's swapper and staging pool.
+        host_bytes: Bytes of shards and compute copies :meth:`add` keeps in host memory instead
+            (``OffloadConfig.host_bytes`` when the optimizer is not on NVMe: the groups added
+            first, until the next does not fit; :meth:`keep_in_host` moves more later).
     """
 
-    def __init__(self, space: SwapSpace) -> None:
+    def __init__(self, space: SwapSpace, host_bytes: int = 0) -> None:
         self.space = space
+        self._host_room: Optional[int] = host_bytes  # None once a group did not fit (a prefix)
         self._shards: dict[int, SwapRecord] = {}
         self._copies: dict[int, SwapRecord] = {}  # compute copies, by group
         # Whether an optimizer step in flight will rewrite a group's shard (offload.stepping): a
@@ -63,14 +67,19 @@ class ParamOffload:
     def add(self, group: FlatGroup, key: str) -> None:
         """Take over ``group``'s shard, and make its compute copy where
         :func:`~lightning_zinf.engine.flat.keeps_compute_copy` says so: write them out and free
-        their memory (at construction, so the model never has all of its shards in memory)."""
-        record = self._shards[id(group)] = SwapRecord(self.space, key, _regions("shard", group.dtype, group.shard_numel))
+        their memory (at construction, so the model never has all of its shards in memory), or,
+        while the ``host_bytes`` left hold them, keep them in host memory unwritten."""
+        cost = self.planned_bytes([(group.dtype, group.compute_dtype, group.shard_numel)])
+        in_host = self._host_room is not None and cost <= self._host_room
+        self._host_room = self._host_room - cost if in_host else None
+        record = self._shards[id(group)] = SwapRecord(self.space, key, _regions("shard", group.dtype, group.shard_numel),
+                                                      in_host=in_host)
         record.bind(group.shard, "shard")
         record.adopt()
         if keeps_compute_copy(group.dtype, group.compute_dtype):
             group.compute_shard = group.shard.to(group.compute_dtype)
             copy = self._copies[id(group)] = SwapRecord(
-                self.space, f"{key}.copy", _regions("copy", group.compute_dtype, group.shard_numel))
+                self.space, f"{key}.copy", _regions("copy", group.compute_dtype, group.shard_numel), in_host=in_host)
             copy.bind(group.compute_shard, "copy")
             copy.adopt()
             copy.swap_out()
