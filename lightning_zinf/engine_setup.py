@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -18,8 +19,9 @@ from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_ful
 from lightning_zinf.config import MixedPrecisionConfig
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.options import ZeroOptions
+from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 
-__all__ = ["build_engine", "checkpointed_layers"]
+__all__ = ["build_engine", "checkpointed_layers", "memory_plan"]
 
 
 def build_engine(
@@ -53,7 +55,8 @@ def build_engine(
         The :class:`~lightning_zinf.engine.ZeroEngine` (also ``module._zinf_engine``).
 
     Raises:
-        ValueError: fp16 loss scaling with NVMe optimizer offload.
+        ValueError: fp16 loss scaling with NVMe optimizer offload; see :func:`memory_plan`.
+        BudgetError: ``options.memory_budget`` fits no placement (:func:`memory_plan`).
         CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model, or (a
             mapping) a prefix names no submodule of ``module``, or none of a checkpoint's keys names a
             parameter or buffer under its prefix.
@@ -62,6 +65,11 @@ def build_engine(
         UserWarning: ``options.activation_checkpointing`` is set but the model already checkpoints
             some layers itself (:func:`checkpointed_layers`); the option is then ignored.
     """
+    plan = memory_plan(module, options, device=device, precision=options.mixed_precision or precision,
+                       loss_scaling=loss_scaling)
+    if plan is not None:
+        rank_zero_info(plan.describe())
+        options = dataclasses.replace(options, offload=plan.offload_config(options.offload), prefetch=plan.prefetch)
     if loss_scaling and options.offload.optimizer == "nvme":
         raise ValueError(
             "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
@@ -84,9 +92,39 @@ def build_engine(
         timeout=timeout,
         preloaded=preloaded,
     )
+    engine.memory_plan = plan
     if parts:
         _load_full_weights(engine, parts, preloaded)
     return engine
+
+
+def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device, precision: MixedPrecisionConfig,
+                loss_scaling: bool = False, world: Optional[int] = None) -> Optional[MemoryPlan]:
+    """The placement ``options.memory_budget`` gives ``module`` over this process group's ranks
+    (:func:`~lightning_zinf.planning.plan_memory`), or ``None`` without a budget. The model may
+    be on the meta device; nothing is built or moved. ``world``: the ranks it will be sharded over
+    (default: the process group's, else 1). With fp16 loss scaling (``loss_scaling``)
+    the optimizer state stays off NVMe, where the scaler could not check the gradients.
+
+    Raises:
+        BudgetError: no placement fits the budget (the message names the smallest that would).
+        ValueError: the budget is combined with ZeRO++'s hpZ or qwZ, whose extra partitions and
+            quantized shards the planner does not count yet.
+    """
+    if options.memory_budget is None:
+        return None
+    if options.zero_pp.hpz or options.zero_pp.qwz:
+        raise ValueError(
+            "memory_budget does not plan ZeRO++'s hpZ or qwZ yet (their secondary partitions and quantized shards are "
+            "not counted): leave memory_budget unset and choose the offload tiers yourself, or turn hpz and qwz off."
+        )
+    if world is None:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    inventory = Inventory.of(module, world=world, block_classes=options.block_classes, mixed_precision=precision,
+                             persistence_threshold=options.prefetch.persistence_threshold)
+    return plan_memory(inventory, options.memory_budget, accelerator=device.type != "cpu", offload=options.offload,
+                       prefetch=options.prefetch, host_budget=options.host_memory_budget,
+                       optimizer_on_nvme=not loss_scaling)
 
 
 def checkpointed_layers(module: nn.Module) -> list[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from lightning_zinf.checkpoint import overlapping_prefixes
+from lightning_zinf.planning.sizes import parse_bytes
 from lightning_zinf.config import (
     MixedPrecisionConfig,
     OffloadConfig,
@@ -53,6 +54,8 @@ class ZeroOptions:
     exclude_frozen_parameters: bool = False
     state_dict_type: str = "sharded"
     preemption: PreemptionConfig = PreemptionConfig()
+    memory_budget: Optional[Union[int, str]] = None
+    host_memory_budget: Optional[Union[int, str]] = None
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
@@ -75,6 +78,12 @@ class ZeroOptions:
             "activation_checkpointing": classes(self.activation_checkpointing),
             "preemption": coerce_config(PreemptionConfig, self.preemption),
         }
+        for name in ("memory_budget", "host_memory_budget"):
+            value = getattr(self, name)
+            coerced[name] = None if value is None else parse_bytes(value, name)
+        if coerced["host_memory_budget"] is not None and coerced["memory_budget"] is None:
+            raise ValueError("host_memory_budget caps what a memory plan puts in host memory: give memory_budget too "
+                             "(the compute device's bytes per rank), or leave both unset to choose the tiers yourself.")
         if isinstance(self.load_full_weights, Mapping):
             coerced["load_full_weights"] = _weight_prefixes(self.load_full_weights, self.load_prefix)
         for name, value in coerced.items():

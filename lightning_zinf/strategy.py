@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -48,7 +48,8 @@ from lightning_zinf.finetuning import present_parameters_to_finetuning
 from lightning_zinf.comm.watch import RankWatch
 from lightning_zinf.checkpoint_entries import module_buffers, optimizer_hyperparameters, restore_hyperparameters
 from lightning_zinf.distributed import RankLayout, all_reduce, barrier, broadcast, init_distributed
-from lightning_zinf.engine_setup import build_engine
+from lightning_zinf.engine_setup import build_engine, memory_plan
+from lightning_zinf.planning import MemoryPlan
 from lightning_zinf.failures import finish_run, report_failure, start_watch
 from lightning_zinf.options import ZeroOptions, register_presets
 from lightning_zinf.preemption_exit import mark_script_launcher
@@ -173,6 +174,20 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             ``last.ckpt``) and exit with 128 + the signal's number, ready for
             ``trainer.fit(..., ckpt_path="last")`` to resume exactly (see ``docs/checkpoints.md``, "Preemption").
             Lightning's own SIGTERM handling is not used under this strategy.
+        memory_budget: Bytes per rank (an integer, or a string such as ``"40GiB"``, ``"12GB"``)
+            that the engine's memory may reach at its peak, on the compute device (on a CPU
+            device: the process's memory, where every tier but NVMe lives). At setup a planner
+            chooses the offload tiers, the records kept in host memory instead of NVMe, the NVMe
+            staging cap and, if it must, a smaller prefetch bucket: the fastest placement whose
+            predicted peak fits (:mod:`lightning_zinf.planning`). ``offload`` then only gives
+            ``nvme_path`` (NVMe is considered only with one), ``read_ahead``, ``aio`` and
+            ``copy_ahead_bytes``. The plan is logged at setup and kept as
+            ``strategy.engine.memory_plan``; :meth:`memory_plan` prints it without training.
+            Activations are not in the budget yet. Default ``None``: the tiers you give.
+            Raises :class:`~lightning_zinf.planning.BudgetError` at setup, naming the smallest
+            budget that fits, when none does.
+        host_memory_budget: With ``memory_budget`` on an accelerator: bytes per rank of host
+            memory the plan may use (host tiers, NVMe staging, records kept); default no cap.
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -209,6 +224,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         exclude_frozen_parameters: bool = False,
         state_dict_type: str = "sharded",
         preemption: Optional[PreemptionConfig] = None,
+        memory_budget: Optional[int | str] = None,
+        host_memory_budget: Optional[int | str] = None,
     ) -> None:
         refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
@@ -223,7 +240,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing,
             load_full_weights=load_full_weights, load_prefix=load_prefix,
             exclude_frozen_parameters=exclude_frozen_parameters, state_dict_type=state_dict_type,
-            preemption=preemption,
+            preemption=preemption, memory_budget=memory_budget, host_memory_budget=host_memory_budget,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -231,6 +248,24 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self._successors = Successors()  # what partitioning put in place of the model's parameters
         self._watch: Optional[RankWatch] = None
         self._preemption: Optional[Preemption] = None
+
+    def memory_plan(self, model: nn.Module) -> MemoryPlan:
+        """The placement ``memory_budget`` gives ``model`` (the LightningModule, real or built on
+        the meta device) on this strategy's devices, without building or training anything:
+        ``print(strategy.memory_plan(model).describe())``. Call it once the Trainer is built
+        (it sets the devices and precision).
+
+        Raises:
+            ValueError: no ``memory_budget`` was given.
+            BudgetError: no placement fits (the message names the smallest budget that would).
+        """
+        if self.options.memory_budget is None:
+            raise ValueError("memory_plan() needs memory_budget: ZeroInfinityStrategy(memory_budget='40GiB').")
+        plan = memory_plan(model, self.options, device=self.root_device, precision=policy_for(self.precision_plugin),
+                           loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
+                           world=self.num_nodes * self.num_processes)
+        assert plan is not None
+        return plan
 
     # --- topology --------------------------------------------------------------------------------
     @property

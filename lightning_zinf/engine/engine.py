@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 from datetime import timedelta
-from typing import Collection, Hashable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Collection, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.tiling import tile_linear_layers
+
+if TYPE_CHECKING:
+    from lightning_zinf.planning import MemoryPlan
 
 __all__ = ["ZeroEngine", "Unit"]
 
@@ -147,6 +150,8 @@ class ZeroEngine:
         freezing: The :class:`~lightning_zinf.engine.freezing.Freezing`: ``requires_grad`` changes.
         state_dict_hooks: The :class:`~lightning_zinf.engine.state_dict.StateDictHooks` that make
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
+        memory_plan: The :class:`~lightning_zinf.planning.MemoryPlan` the strategy's
+            ``memory_budget`` chose this engine's placement with, or ``None``.
 
     Raises:
         ValueError: the model has no parameters; a module made on the meta device has no
@@ -184,6 +189,7 @@ class ZeroEngine:
                 "(`module._zinf_engine`) instead of building a second one over empty parameters."
             )
         self.module = module
+        self.memory_plan: Optional["MemoryPlan"] = None  # set by the strategies' build_engine
         self.device = resolve_device(device)
         self.transfers = Transfers(self.device)
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1

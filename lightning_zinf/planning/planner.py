@@ -1,0 +1,226 @@
+"""One memory budget instead of tiers: the placement a run fits in, chosen before it starts.
+
+The user gives a per-rank budget; the planner walks the placements the engine supports from the
+fastest to the most frugal and takes the first whose predicted peak (:func:`~lightning_zinf.planning.cost.predict`)
+fits. On an accelerator the order is ZeRO-3 on the device, ZeRO-Offload (optimizer state on the
+host, Ren et al., ATC'21), parameters and optimizer state on the host, then the NVMe tiers of
+ZeRO-Infinity (Rajbhandari et al., SC'21, §5); on a CPU device, where the host tiers are the same
+memory, only the NVMe steps free any. Placement is partial where the engine allows it: an NVMe
+placement keeps as many of the first groups' records in host memory as the budget leaves room for
+(``OffloadConfig.host_bytes``), each kept byte a byte the disk no longer reads and writes every
+step, and gives the rest to the staging cap. When nothing fits at the user's prefetch bucket, the
+bucket shrinks to the next unit alone. A refusal names the smallest budget that would fit and
+what would then be placed where.
+
+DeepSpeed and FSDP2 leave every tier to the user (DeepSpeed's one partial knob is
+``offload_optimizer.ratio``); DeepSpeed's DeepCompile plans activation offload under ``torch.compile``.
+Activations are not part of this plan yet: the budget covers the engine's ledger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_zinf.config import OffloadConfig, PrefetchConfig
+from lightning_zinf.offload.aligned import ALIGNMENT, round_up
+from lightning_zinf.offload.host import first_that_fit
+from lightning_zinf.planning.cost import Placement, Prediction, host_costs, predict
+from lightning_zinf.planning.inventory import Inventory
+from lightning_zinf.planning.sizes import format_bytes
+
+__all__ = ["BudgetError", "MemoryPlan", "plan_memory"]
+
+#: Optimizer sub-groups the staging cap holds at least: the step reads the next ones ahead of the
+#: one it runs and writes the last ones behind it (below four it runs synchronously).
+_SUB_GROUPS = 4
+
+
+class BudgetError(ValueError):
+    """No placement fits the memory budget; the message names the smallest budget that would."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The placement chosen for a budget, and what it is predicted to cost.
+
+    Attributes:
+        budget: The per-rank budget in bytes (``memory_budget``).
+        host_budget: The per-rank host-memory cap in bytes, or ``None``.
+        accelerator: The compute device is an accelerator (else the budget covers host and device
+            together: they are one memory).
+        placement: The tiers chosen.
+        prediction: Its predicted peaks and traffic.
+        prefetch: The prefetch settings to run with (the given ones, or a smaller bucket).
+        sub_group_size: ``OffloadConfig.sub_group_size`` to run with.
+        declined: The faster placements that did not fit, with their predicted peak.
+    """
+
+    budget: int
+    host_budget: Optional[int]
+    accelerator: bool
+    placement: Placement
+    prediction: Prediction
+    prefetch: PrefetchConfig
+    sub_group_size: int
+    declined: tuple[tuple[Placement, int], ...] = ()
+
+    def offload_config(self, given: OffloadConfig) -> OffloadConfig:
+        """``given`` (its ``nvme_path``, ``aio``, ``read_ahead``...) with the planned tiers and sizes."""
+        fields = dict(param=self.placement.param, optimizer=self.placement.optimizer,
+                      host_bytes=self.placement.host_bytes, sub_group_size=self.sub_group_size,
+                      staging_bytes=self.placement.staging_bytes or None)
+        if self.placement.read_ahead is not None:
+            fields["read_ahead"] = self.placement.read_ahead
+        return dataclasses.replace(given, **fields)
+
+    def describe(self) -> str:
+        """The plan as the strategy logs it: the budget, the placement, the predicted peak per
+        ledger category and in total, the bytes a step moves, and what did not fit."""
+        p = self.prediction
+        where = "device and host together (one memory)" if not self.accelerator else "device"
+        lines = [f"lightning_zinf memory plan: budget {format_bytes(self.budget)} per rank ({where})"
+                 + (f", host {format_bytes(self.host_budget)}" if self.host_budget is not None else ""),
+                 f"  placement: {self.placement.describe()}, bucket_size={self.prefetch.bucket_size}, "
+                 f"sub_group_size={self.sub_group_size}"]
+        if self.placement.host_bytes:
+            lines.append(f"  groups kept in host memory instead of NVMe: {p.kept_groups}")
+        lines.append(f"  predicted peak: device {format_bytes(p.device)}, host {format_bytes(p.host)}, "
+                     f"total {format_bytes(p.total(self.accelerator))}")
+        for category, nbytes in sorted(p.categories.items(), key=lambda kv: -kv[1]):
+            if nbytes and category != "device_total":
+                lines.append(f"    {category:<15} {format_bytes(nbytes)}")
+        lines.append(f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link")
+        for placement, peak in self.declined:
+            lines.append(f"  did not fit: {placement.describe()} (predicted {format_bytes(peak)})")
+        return "\n".join(lines)
+
+
+def _candidates(accelerator: bool, nvme: bool, optimizer_on_nvme: bool) -> list[tuple[str, str]]:
+    if accelerator:
+        order = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("none", "nvme"), ("cpu", "nvme"), ("nvme", "nvme")]
+    else:
+        order = [("none", "none"), ("none", "nvme"), ("nvme", "nvme")]
+    return [(p, o) for p, o in order if (nvme or "nvme" not in (p, o)) and (optimizer_on_nvme or o != "nvme")]
+
+
+def _min_staging(inventory: Inventory, param: str, optimizer: str, state_bytes: int, read_ahead: int,
+                 sub_groups: int) -> int:
+    """The staging cap a placement runs with: ``sub_groups`` optimizer sub-groups (master, states
+    and gradient of the largest group; four overlap the step, and at least two are needed) and, with
+    parameters on NVMe, the shards of the units read ahead plus the one gathered."""
+    need = 0
+    trainable = [g.shard_numel for g in inventory.groups if g.trainable]
+    if optimizer == "nvme" and trainable:
+        s = max(trainable)
+        # Master, gradient and states records, each aligned, the states' regions each aligned too;
+        # two sub-groups at least: the one stepped and the one whose records are written or made.
+        per_sub_group = 2 * round_up(4 * s, ALIGNMENT) + round_up(state_bytes * s, ALIGNMENT) + 2 * ALIGNMENT
+        need += max(sub_groups, 2) * per_sub_group
+    if param == "nvme":
+        per_unit: dict[int, int] = {}
+        for g in inventory.groups:
+            per_unit[g.unit] = per_unit.get(g.unit, 0) + g.shard_numel * (g.storage_bytes + g.compute_bytes)
+        need += (read_ahead + 2) * (max(per_unit.values()) + 2 * ALIGNMENT)
+    return need
+
+
+def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload: OffloadConfig = OffloadConfig(),
+                prefetch: PrefetchConfig = PrefetchConfig(), host_budget: Optional[int] = None,
+                state_bytes: int = 8, optimizer_on_nvme: bool = True) -> MemoryPlan:
+    """Choose the fastest placement whose predicted per-rank peak fits ``budget``.
+
+    Args:
+        inventory: The model's flat groups (:meth:`Inventory.of`).
+        budget: Bytes per rank of the compute device's memory; on a CPU device, of the process's
+            memory (device and host tiers are the same memory there).
+        accelerator: The compute device is an accelerator.
+        offload: The user's offload settings: their ``nvme_path`` (NVMe placements are considered
+            only with one), ``read_ahead``, ``aio`` and ``copy_ahead_bytes`` are kept.
+        prefetch: The user's prefetch settings; the bucket shrinks when nothing fits with it.
+        host_budget: Bytes per rank of host memory the plan may use besides (an accelerator's);
+            ``None``: no cap.
+        state_bytes: Optimizer state bytes per trainable element (AdamW: 8).
+        optimizer_on_nvme: Placements may put the optimizer state on NVMe (not under fp16 loss
+            scaling, whose scaler reads every gradient between backward and the step).
+
+    Returns:
+        The :class:`MemoryPlan`.
+
+    Raises:
+        BudgetError: no placement fits; the message gives the smallest budget that fits and its
+            placement, or, when only NVMe would fit and no ``nvme_path`` is set, asks for one.
+    """
+    declined: list[tuple[Placement, int]] = []
+    buckets = [prefetch.bucket_size] + ([0] if prefetch.bucket_size else [])
+    smallest: Optional[tuple[int, Placement, int]] = None
+    candidates = _candidates(accelerator, offload.nvme_path is not None, optimizer_on_nvme)
+    # NVMe placements at full overlap first, then with the least staging (a synchronous step).
+    tries = [(c, _SUB_GROUPS) for c in candidates] + [(c, 1) for c in candidates if "nvme" in c]
+    for bucket in buckets:
+        for (param, optimizer), sub_groups in tries:
+            placement, prediction = _fit(inventory, param, optimizer, budget, host_budget, accelerator=accelerator,
+                                         offload=offload, bucket=bucket, state_bytes=state_bytes, sub_groups=sub_groups)
+            peak = prediction.total(accelerator)
+            if peak <= budget and (host_budget is None or not accelerator or prediction.host <= host_budget):
+                return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
+                                  dataclasses.replace(prefetch, bucket_size=bucket),
+                                  _sub_group_size(inventory, offload, placement), tuple(declined))
+            if bucket == prefetch.bucket_size:
+                declined.append((placement, peak))
+            if smallest is None or peak < smallest[0]:
+                smallest = (peak, placement, bucket)
+    assert smallest is not None
+    peak, placement, bucket = smallest
+    message = (f"memory_budget={format_bytes(budget)} per rank is less than this model needs in any placement the "
+               f"engine has: the least is {format_bytes(peak)} ({placement.describe()}, "
+               f"bucket_size={bucket}). Raise memory_budget to at least {peak} bytes")
+    if offload.nvme_path is None:
+        message += (", or set offload.nvme_path to a folder on a fast disk so that the plan may put parameters "
+                    "and optimizer state on NVMe")
+    if accelerator and host_budget is not None:
+        message += f", or raise host_memory_budget (now {format_bytes(host_budget)})"
+    raise BudgetError(message + ".")
+
+
+def _sub_group_size(inventory: Inventory, offload: OffloadConfig, placement: Placement) -> int:
+    # Each trainable group its own sub-group when the optimizer is on NVMe: the staging cap then
+    # holds several of them, and the step overlaps (_min_staging counts four).
+    if placement.optimizer != "nvme":
+        return offload.sub_group_size
+    return min(offload.sub_group_size, max((g.shard_numel for g in inventory.groups if g.trainable), default=1))
+
+
+def _fit(inventory: Inventory, param: str, optimizer: str, budget: int, host_budget: Optional[int], *,
+         accelerator: bool, offload: OffloadConfig, bucket: int, state_bytes: int,
+         sub_groups: int) -> tuple[Placement, Prediction]:
+    """The placement ``(param, optimizer)`` sized to the budget: with NVMe, the staging of
+    ``sub_groups`` optimizer sub-groups, then as many records kept in host memory as the room left holds, then the
+    rest of the room as staging (up to the bytes on NVMe)."""
+    def run(placement: Placement) -> Prediction:
+        return predict(inventory, placement, bucket_size=bucket, state_bytes=state_bytes, accelerator=accelerator,
+                       copy_ahead_bytes=offload.copy_ahead_bytes)
+
+    placement = Placement(param=param, optimizer=optimizer)
+    if not placement.nvme:
+        return placement, run(placement)
+    read_ahead = offload.read_ahead if sub_groups > 1 else 0  # the least staging reads no unit ahead
+    if param == "nvme" and read_ahead != offload.read_ahead:
+        placement = dataclasses.replace(placement, read_ahead=read_ahead)
+    staging = _min_staging(inventory, param, optimizer, state_bytes, read_ahead, sub_groups)
+    base = run(dataclasses.replace(placement, staging_bytes=staging))
+    # Room for host memory: on a CPU device the budget minus everything; on an accelerator the host cap.
+    if accelerator:
+        room = (host_budget - base.host) if host_budget is not None else sum(host_costs(inventory, placement, state_bytes))
+    else:
+        room = budget - base.total(accelerator)
+    if room <= 0:
+        return dataclasses.replace(placement, staging_bytes=staging), base
+    costs = host_costs(inventory, placement, state_bytes)
+    used = sum(costs[: first_that_fit(costs, room)])  # the kept groups' bytes (whole groups, in order)
+    prediction = run(dataclasses.replace(placement, staging_bytes=staging, host_bytes=used))
+    on_disk = prediction.categories.get("shards_nvme", 0) + prediction.categories.get("optimizer_nvme", 0)
+    staging += max(0, min(room - used, on_disk - staging))
+    final = dataclasses.replace(placement, staging_bytes=staging, host_bytes=used)
+    return final, run(final)

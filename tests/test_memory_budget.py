@@ -1,0 +1,181 @@
+"""One memory budget instead of tiers (``memory_budget``, :mod:`lightning_zinf.planning`).
+
+The planner predicts, for a placement, the peak of each category of the engine's memory ledger;
+these tests hold the prediction against the ledger of real 2-rank runs (every category at or below
+its prediction, the device total within 30% of it), then sweep budgets and check that the run
+stays inside each (the ledger, the staging pool, and the process's RSS as an observer outside the
+engine), and that a budget too small is refused on every rank with a size that then fits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters
+from lightning_zinf.engine_setup import memory_plan
+from lightning_zinf.options import ZeroOptions
+from lightning_zinf.planning import BudgetError, Inventory, Placement, parse_bytes, plan_memory, predict
+from tests import models
+from tests.harness import run_distributed
+
+BF16 = MixedPrecisionConfig(param_dtype="bf16")
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, bytes: what the kernel says it holds, and its peak."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def _steps(model: torch.nn.Module, engine: ZeroEngine, opt: torch.optim.Optimizer, vocab: int, steps: int = 3) -> None:
+    for step in range(steps):
+        engine.reset_memory_peaks()
+        x = models.make_batch("gpt", step, 4)[0] % vocab
+        models.loss_fn(model, x, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _ledger_against_prediction(rank: int, world: int, offload: dict, bf16: bool, nvme_path: str) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(d=128, layers=4, vocab=256, seq=16)
+    mp = BF16 if bf16 else MixedPrecisionConfig()
+    placement = Placement(param=offload.get("param", "none"), optimizer=offload.get("optimizer", "none"),
+                          host_bytes=offload.get("host_bytes", 0), staging_bytes=offload.get("staging_bytes", 0))
+    inventory = Inventory.of(model, world=world, block_classes=["Block"], mixed_precision=mp)
+    predicted = predict(inventory, placement, bucket_size=PrefetchConfig().bucket_size)
+    engine = ZeroEngine(model, block_classes=["Block"], offload=OffloadConfig(**offload, nvme_path=nvme_path),
+                        mixed_precision=mp)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _steps(model, engine, opt, 256)
+    measured = {k: peak for k, (_, peak) in engine.memory().items()}
+    return {"measured": measured, "predicted": predicted.categories, "device": predicted.device}
+
+
+NVME = dict(staging_bytes=8 << 20)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload", [
+    {}, dict(optimizer="cpu"), dict(param="cpu", optimizer="cpu"), dict(param="nvme", optimizer="nvme", **NVME),
+    dict(optimizer="nvme", host_bytes=2 << 20, **NVME), dict(param="nvme", optimizer="nvme", host_bytes=3 << 20, **NVME),
+], ids=["device", "zero-offload", "cpu", "nvme", "optimizer-nvme-kept", "nvme-kept"])
+def test_prediction_bounds_every_ledger_category(offload: dict, bf16: bool, tmp_path) -> None:
+    for result in run_distributed(_ledger_against_prediction, 2, offload, bf16, str(tmp_path)):
+        measured, predicted = result["measured"], result["predicted"]
+        over = {k: (v, predicted.get(k, 0)) for k, v in measured.items() if v > predicted.get(k, 0)}
+        assert not over, f"ledger peaks above the prediction (measured, predicted): {over}"
+        assert measured["device_total"] >= 0.7 * result["device"], (measured["device_total"], result["device"])
+
+
+def _budget_run(rank: int, world: int, budget, nvme_path: str) -> dict:
+    torch.manual_seed(0)
+    open("/proc/self/clear_refs", "w").write("5")  # the peak RSS from here on
+    before = _rss()[0]
+    with meta_parameters():
+        model = models.GPT(d=192, layers=24, vocab=1024, seq=32, heads=4)
+    options = ZeroOptions(block_classes=["Block"], offload=OffloadConfig(nvme_path=nvme_path), memory_budget=budget)
+    try:
+        plan = memory_plan(model, options, device=torch.device("cpu"), precision=MixedPrecisionConfig())
+    except BudgetError as error:
+        return {"refused": str(error)}
+    engine = ZeroEngine(model, block_classes=["Block"], offload=plan.offload_config(options.offload),
+                        prefetch=plan.prefetch)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _steps(model, engine, opt, 1024)
+    memory = engine.memory()
+    return {"placement": plan.placement, "predicted": plan.prediction.total(False),
+            "device_peak": memory["device_total"][1], "predicted_device": plan.prediction.device,
+            "staging_held": engine.space.pool.held if engine.space is not None else 0,
+            "nvme": memory["shards_nvme"][0] + memory["optimizer_nvme"][0], "rss": _rss()[1] - before}
+
+
+def test_budget_sweep_keeps_each_budget_and_refuses_one_too_small(tmp_path) -> None:
+    """Budgets of 100%, 60%, 40% and 25% of the unplanned peak, and one too small, on 2 ranks."""
+    with meta_parameters():
+        model = models.GPT(d=192, layers=24, vocab=1024, seq=32, heads=4)
+    unplanned = predict(Inventory.of(model, world=2, block_classes=["Block"]), Placement(),
+                        bucket_size=PrefetchConfig().bucket_size).total(False)
+    runs = {}
+    for share in (1.0, 0.6, 0.4, 0.25):
+        budget = int(share * unplanned)
+        results = run_distributed(_budget_run, 2, budget, str(tmp_path))
+        print(share, [(r["placement"].describe(), r["rss"], r["predicted"]) for r in results])
+        for r in results:
+            assert r["predicted"] <= budget
+            assert r["device_peak"] <= r["predicted_device"]  # the ledger keeps the plan's device part
+            assert r["staging_held"] <= r["placement"].staging_bytes  # and its staging cap
+        runs[share] = results[0]
+    assert runs[1.0]["placement"] == Placement()
+    assert runs[0.25]["nvme"] > 0 and runs[0.6]["nvme"] < runs[0.25]["nvme"]  # less budget, more on the disk
+    # The process itself (RSS, outside the engine) holds less under a smaller budget: at least half of
+    # the planned difference shows.
+    assert runs[1.0]["rss"] - runs[0.25]["rss"] >= 0.5 * 0.75 * unplanned, {s: r["rss"] for s, r in runs.items()}
+    refused = run_distributed(_budget_run, 2, unplanned // 20, str(tmp_path))
+    smallest = []
+    for r in refused:
+        assert "Raise memory_budget to at least" in r["refused"], r
+        smallest.append(int(r["refused"].split("at least ")[1].split(" bytes")[0]))
+    assert smallest[0] == smallest[1] > unplanned // 20
+    fits = run_distributed(_budget_run, 2, smallest[0], str(tmp_path))  # the size the refusal names fits
+    assert all("placement" in r and r["predicted"] <= smallest[0] for r in fits)
+
+
+def test_parse_bytes_and_bad_budgets() -> None:
+    assert parse_bytes("40GiB") == 40 << 30
+    assert parse_bytes("12GB") == 12_000_000_000
+    assert parse_bytes("512 mib") == 512 << 20
+    assert parse_bytes(12e9) == 12_000_000_000
+    for bad in ("12 parsecs", "-1GB", 0, True, "GB", None):
+        with pytest.raises(ValueError, match="memory_budget=.*positive number of bytes"):
+            parse_bytes(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="give memory_budget too"):
+        ZeroOptions(host_memory_budget="1GiB")
+
+
+def test_plan_order_and_nvme_path() -> None:
+    """The fastest placement that fits; without ``nvme_path`` a budget only NVMe meets asks for one."""
+    with meta_parameters():
+        model = models.GPT(d=192, layers=24, vocab=1024, seq=32, heads=4)
+    inventory = Inventory.of(model, world=2, block_classes=["Block"])
+    everything = predict(inventory, Placement(), bucket_size=10_000_000)
+    assert plan_memory(inventory, everything.total(False), accelerator=False).placement == Placement()
+    with pytest.raises(BudgetError, match="set offload.nvme_path"):
+        plan_memory(inventory, everything.total(False) // 2, accelerator=False)
+    on_gpu = plan_memory(inventory, everything.device - everything.categories["optimizer"] // 2, accelerator=True)
+    assert (on_gpu.placement.param, on_gpu.placement.optimizer) == ("none", "cpu")  # ZeRO-Offload first
+    nvme = plan_memory(inventory, everything.total(False) // 2, accelerator=False,
+                       offload=OffloadConfig(nvme_path="/tmp"))
+    assert nvme.placement.optimizer == "nvme" and nvme.prediction.total(False) <= everything.total(False) // 2
+
+
+def _fit(rank: int, world: int, budget, nvme_path: str) -> dict:
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    strategy = ZeroInfinityStrategy(memory_budget=budget, offload={"nvme_path": nvme_path})
+    lit = LitGPT(GLOBAL_BATCH // world)
+    trainer = _trainer(strategy, world)
+    try:
+        trainer.fit(lit)
+    except BudgetError as error:
+        return {"refused": str(error)}
+    plan = trainer.strategy.engine.memory_plan
+    return {"losses": lit.train_losses, "plan": plan.placement, "offload": trainer.strategy.engine.offload is not None}
+
+
+def test_the_trainer_plans_from_a_budget_string(tmp_path) -> None:
+    """``ZeroInfinityStrategy(memory_budget=...)`` (a string, as a YAML config gives it): the plan
+    moves state to NVMe under a tight budget, and the fit's losses are those of the unplanned fit
+    (placement changes no value); a budget too small is refused on every rank, at setup."""
+    unplanned = predict(Inventory.of(models.GPT(), world=2), Placement(), bucket_size=10_000_000).total(False)
+    refused = run_distributed(_fit, 2, "1KiB", str(tmp_path), init_pg=False)
+    assert all("Raise memory_budget to at least" in r["refused"] for r in refused)
+    smallest = int(refused[0]["refused"].split("at least ")[1].split(" bytes")[0])
+    assert smallest < unplanned
+    roomy = run_distributed(_fit, 2, f"{unplanned * 2}B", str(tmp_path), init_pg=False)
+    tight = run_distributed(_fit, 2, f"{smallest}B", str(tmp_path), init_pg=False)
+    assert roomy[0]["plan"] == Placement() and not roomy[0]["offload"]
+    assert tight[0]["plan"].optimizer == "nvme" and tight[0]["offload"]
+    assert tight[0]["losses"] == roomy[0]["losses"]
