@@ -1,9 +1,11 @@
-"""The ``zinf`` command: Lightning's CLI with this package imported.
+"""The ``zinf`` command: Lightning's CLI with this package imported, and ``zinf plan``.
 
 ``zinf fit --config examples/configs/gpt_stdlib.yaml`` is ``LightningCLI`` with one difference:
 ``lightning_zinf`` is imported first, so a YAML file may say ``strategy: zero_infinity`` (a plain
 ``LightningCLI`` only knows that name once something has imported the package). The class-path form,
 ``strategy: {class_path: lightning_zinf.ZeroInfinityStrategy, init_args: {...}}``, works in both.
+``zinf plan --config run.yaml`` prints the placement the config's ``memory_budget`` gives
+(:func:`plan`), without training.
 
 A configuration error ends the command as argparse ends it (usage, the error, exit status 2), and
 its last line is the cause: jsonargparse reports a value it cannot fit as a tree of every type it
@@ -30,7 +32,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_zinf  # noqa: F401  (registers the "zero_infinity" strategy name)
 
-__all__ = ["main", "config_error_cause"]
+__all__ = ["main", "plan", "config_error_cause"]
 
 # The lines of a jsonargparse error that are its structure, not a cause: the tree of union members
 # tried, the value given, and the trivial members (a strategy *name*, ``None``) that a mapping fails.
@@ -152,7 +154,8 @@ class _Parser(LightningArgumentParser):
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Run ``LightningCLI`` (subcommands ``fit``, ``validate``, ``test``, ``predict``).
+    """Run ``LightningCLI`` (subcommands ``fit``, ``validate``, ``test``, ``predict``), or, for
+    ``plan``, print the memory plan of the configured run (:func:`plan`).
 
     Models and data modules are given by class path in the config. The current directory is put on
     ``sys.path``, as ``python -m`` does, so class paths into a checkout (``examples.gpt...``) import.
@@ -169,7 +172,40 @@ def main(args: Optional[list[str]] = None) -> None:
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    given = sys.argv[1:] if args is None else list(args)
+    if given[:1] == ["plan"]:
+        plan(given[1:])
+        return
     LightningCLI(args=args, save_config_kwargs={"overwrite": True}, parser_class=_Parser)
+
+
+def plan(args: list[str]) -> None:
+    """``zinf plan --config run.yaml``: print the memory plan the run's ``memory_budget`` gives
+    (:meth:`~lightning_zinf.ZeroInfinityStrategy.memory_plan`) without training or starting the
+    other ranks: the Trainer and the model are built from the same arguments as ``zinf fit``
+    takes, the model's parameters on the meta device (no memory, no initialisation).
+
+    Raises:
+        SystemExit: status 2 when the configuration is invalid, its strategy is not this package's
+            or has no ``memory_budget``, or no placement fits (the message names the smallest
+            budget that would).
+    """
+    from lightning_zinf.engine import meta_parameters
+    from lightning_zinf.planning import BudgetError
+    from lightning_zinf.strategy import ZeroInfinityStrategy
+
+    cli = LightningCLI(args=args, run=False, parser_class=_Parser, save_config_callback=None)
+    strategy = cli.trainer.strategy
+    if not isinstance(strategy, ZeroInfinityStrategy) or strategy.options.memory_budget is None:
+        cli.parser.error("zinf plan needs the strategy lightning_zinf.ZeroInfinityStrategy with a memory_budget: "
+                         "trainer.strategy: {class_path: lightning_zinf.ZeroInfinityStrategy, init_args: "
+                         "{memory_budget: 12GiB, offload: {nvme_path: /local_nvme}}}")
+    with meta_parameters():
+        cli.model.configure_model()
+    try:
+        print(strategy.memory_plan(cli.model).describe())
+    except BudgetError as error:
+        cli.parser.error(str(error))
 
 
 if __name__ == "__main__":

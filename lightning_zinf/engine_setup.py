@@ -19,7 +19,9 @@ from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_ful
 from lightning_zinf.config import MixedPrecisionConfig
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.options import ZeroOptions
+from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
+from lightning_zinf.planning.activations import ActivationPlan
 
 __all__ = ["build_engine", "checkpointed_layers", "memory_plan"]
 
@@ -93,6 +95,13 @@ def build_engine(
         preloaded=preloaded,
     )
     engine.memory_plan = plan
+    if plan is not None and not options.activation_checkpointing and not checkpointed_layers(module):
+        blocks = _blocks(module, options.block_classes)
+        if blocks:
+            engine.activation_plan = ActivationPlan(blocks, plan.budget, plan.prediction.total(plan.accelerator),
+                                                    engine.states.holds_storage_of)
+            if auto_pass:  # Fabric: the model's forward is the training forward
+                engine.activation_plan.scope_every_forward(module)
     if parts:
         _load_full_weights(engine, parts, preloaded)
     return engine
@@ -125,6 +134,19 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
     return plan_memory(inventory, options.memory_budget, accelerator=device.type != "cpu", offload=options.offload,
                        prefetch=options.prefetch, host_budget=options.host_memory_budget,
                        optimizer_on_nvme=not loss_scaling)
+
+
+def _blocks(module: nn.Module, block_classes: Sequence[Union[str, type]]) -> list[tuple[str, nn.Module]]:
+    """The instances of ``block_classes`` in ``module``, outermost only, in module order: what a
+    memory plan may checkpoint (:class:`~lightning_zinf.planning.activations.ActivationPlan`)."""
+    if not block_classes:
+        return []
+    classes, names = resolve_block_classes(block_classes)
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if matches_classes(sub, classes, names) is not None and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, sub))
+    return found
 
 
 def checkpointed_layers(module: nn.Module) -> list[str]:

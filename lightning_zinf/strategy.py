@@ -494,12 +494,15 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a train trace pass, then run the LightningModule's step (with its saved
-        activations in CPU memory under ``OffloadConfig(activations=True)``)."""
+        activations in CPU memory under ``OffloadConfig(activations=True)``; under
+        ``memory_budget``, the first step's activations measured: ``engine.activation_plan``)."""
         self.engine.begin_pass("train")
-        if not self.options.offload.activations:
-            return self._step_end(super().training_step(*args, **kwargs))
-        with self.engine.offload_activations():
-            return self._step_end(super().training_step(*args, **kwargs))
+        plan = self.engine.activation_plan
+        with plan.scope() if plan is not None else nullcontext():
+            if not self.options.offload.activations:
+                return self._step_end(super().training_step(*args, **kwargs))
+            with self.engine.offload_activations():
+                return self._step_end(super().training_step(*args, **kwargs))
 
     def _step_end(self, output: Any) -> Any:
         """After the LightningModule's step: ranks that ran different modules in it meet."""

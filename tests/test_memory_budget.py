@@ -179,3 +179,161 @@ def test_the_trainer_plans_from_a_budget_string(tmp_path) -> None:
     assert roomy[0]["plan"] == Placement() and not roomy[0]["offload"]
     assert tight[0]["plan"].optimizer == "nvme" and tight[0]["offload"]
     assert tight[0]["losses"] == roomy[0]["losses"]
+
+
+_PLAN_CONFIG = """trainer:
+  strategy:
+    class_path: lightning_zinf.ZeroInfinityStrategy
+    init_args:
+      block_classes: [Block]
+      memory_budget: {budget}
+      offload: {{nvme_path: {nvme}}}
+  accelerator: cpu
+  devices: 2
+  logger: false
+model:
+  class_path: examples.pretrain.GPTPretrain
+  init_args: {{d_model: 256, n_layers: 4, n_heads: 4, seq_len: 128}}
+data:
+  class_path: examples.pretrain.StdlibBytes
+  init_args: {{seq_len: 128, batch_size: 16}}
+"""
+
+
+@pytest.mark.parametrize("budget", ["40MiB", "1MiB"])
+def test_zinf_plan_prints_the_plan_without_training(budget: str, tmp_path) -> None:
+    """``zinf plan --config run.yaml`` on the main example's model: the plan the fit would log (the
+    same as the strategy's ``memory_plan``), or the refusal with exit status 2; nothing trains."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    config = tmp_path / "run.yaml"
+    config.write_text(_PLAN_CONFIG.format(budget=budget, nvme=tmp_path))
+    done = subprocess.run([sys.executable, "-m", "lightning_zinf.cli", "plan", "--config", str(config)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    if budget == "1MiB":
+        assert done.returncode == 2 and "Raise memory_budget to at least" in done.stderr.splitlines()[-1], done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    from examples.pretrain import GPTPretrain
+
+    with meta_parameters():
+        lit = GPTPretrain(d_model=256, n_layers=4, n_heads=4, seq_len=128)
+        lit.configure_model()
+    expected = plan_memory(Inventory.of(lit, world=2, block_classes=["Block"]), parse_bytes(budget), accelerator=False,
+                           offload=OffloadConfig(nvme_path=str(tmp_path)))
+    assert expected.placement.optimizer == "nvme"  # 40 MiB is less than this model's unplanned peak
+    assert expected.describe() in done.stdout
+    assert not list(tmp_path.glob("**/*.swp"))  # no engine was built
+
+
+def _fit_deep(rank: int, world: int, budget) -> dict:
+    import lightning.pytorch as pl
+
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    class Deep(LitGPT):
+        def configure_model(self) -> None:
+            if self.model is None:
+                torch.manual_seed(0)
+                self.model = models.GPT(d=64, layers=6, heads=2)
+
+    class Saved(pl.Callback):
+        """Bytes of storage autograd keeps for backward in the last training step, seen by hooks of
+        the test's own around the whole batch (checkpointed blocks hide theirs behind their own)."""
+
+        nbytes = 0
+
+        def on_train_batch_start(self, trainer, *args) -> None:
+            self.seen: set[int] = set()
+            self.count = 0
+            params = {p.untyped_storage().data_ptr() for p in trainer.lightning_module.parameters()}
+
+            def pack(t):
+                s = t.untyped_storage()
+                if s.nbytes() and s.data_ptr() not in self.seen and s.data_ptr() not in params \
+                        and not trainer.strategy.engine.states.holds_storage_of(t):
+                    self.seen.add(s.data_ptr())
+                    self.count += s.nbytes()
+                return t
+
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self.hooks.__enter__()
+
+        def on_train_batch_end(self, *args) -> None:
+            self.hooks.__exit__(None, None, None)
+            Saved.nbytes = self.count
+
+    strategy = ZeroInfinityStrategy(block_classes=["Block"], memory_budget=budget)
+    lit = Deep(GLOBAL_BATCH // world)
+    trainer = _trainer(strategy, world, callbacks=[Saved()], gradient_clip_val=None)
+    trainer.fit(lit)
+    plan = trainer.strategy.engine.activation_plan
+    return {"losses": lit.train_losses, "measured": plan.measured, "outside": plan.outside, "inputs": plan.inputs,
+            "kept": plan.kept, "checkpointed": plan.checkpointed, "planned": plan.planned, "saved": Saved.nbytes}
+
+
+def test_activations_of_some_blocks_kept_within_the_budget() -> None:
+    """The first step measures a block's activations; a budget with room for two of six blocks
+    keeps those two and checkpoints four (what the test's own saved-tensor hooks see in the last
+    step: the blocks kept and what is outside them), with the losses of a run that keeps all."""
+    roomy = run_distributed(_fit_deep, 2, "1GiB", init_pg=False)[0]
+    assert len(roomy["kept"]) == 6 and roomy["measured"]["Block"] > 0
+    block = roomy["measured"]["Block"]
+    budget = roomy["planned"] + roomy["outside"] + roomy["inputs"] + block + 2 * block + block // 2
+    tight = run_distributed(_fit_deep, 2, budget, init_pg=False)
+    for r in tight:
+        assert r["kept"] == ["model.blocks.0", "model.blocks.1"] and len(r["checkpointed"]) == 4, r
+        assert r["saved"] <= budget - r["planned"] - r["inputs"]
+        assert r["saved"] >= r["outside"] + 2 * block * 0.9  # the two blocks' activations are kept
+    assert tight[0]["losses"] == roomy["losses"]
+
+
+FABRIC_GPT = dict(d=64, layers=4)
+
+
+def _fabric_across_plans(rank: int, world: int, folder: str, nvme_path: str, roomy: int, tight: int) -> dict:
+    from lightning_zinf import ZeroInfinityFabricStrategy
+    from tests.test_fabric import _fabric, _train
+
+    def _build(fabric):
+        torch.manual_seed(0)
+        with fabric.init_module():
+            model = models.GPT(**FABRIC_GPT)
+        return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    def strategy(budget: int) -> ZeroInfinityFabricStrategy:
+        return ZeroInfinityFabricStrategy(block_classes=["Block"], memory_budget=budget,
+                                          offload={"nvme_path": nvme_path})
+
+    fabric = _fabric(strategy(roomy))
+    model, optimizer = _build(fabric)
+    _train(fabric, model, optimizer, range(2))
+    fabric.save(folder, {"model": model, "optimizer": optimizer})
+    straight, _ = _train(fabric, model, optimizer, range(2, 5))
+    first = fabric.strategy.engine.memory_plan.placement
+
+    fabric = _fabric(strategy(tight))  # another budget: another placement, the same checkpoint
+    model, optimizer = _build(fabric)
+    fabric.load(folder, {"model": model, "optimizer": optimizer})
+    resumed, _ = _train(fabric, model, optimizer, range(2, 5))
+    engine = fabric.strategy.engine
+    return {"straight": straight, "resumed": resumed, "first": first, "second": engine.memory_plan.placement,
+            "activations": (engine.activation_plan.decided, len(engine.activation_plan.checkpointed))}
+
+
+def test_fabric_budget_and_a_checkpoint_loaded_under_another_plan(tmp_path) -> None:
+    """``ZeroInfinityFabricStrategy(memory_budget=...)``: a checkpoint saved under one plan (all
+    on the device) resumes bit for bit under another (NVMe, blocks checkpointed): placement is not
+    part of a checkpoint's meaning."""
+    unplanned = predict(Inventory.of(models.GPT(**FABRIC_GPT), world=2, block_classes=["Block"]), Placement(),
+                        bucket_size=10_000_000).total(False)
+    out = run_distributed(_fabric_across_plans, 2, str(tmp_path / "ckpt"), str(tmp_path), 4 * unplanned,
+                          int(0.9 * unplanned), init_pg=False)
+    for r in out:
+        assert r["first"] == Placement() and r["second"].optimizer == "nvme"
+        assert r["activations"][0] and r["activations"][1] > 0  # the room left is too small for some blocks
+        assert r["resumed"] == r["straight"]

@@ -76,6 +76,7 @@ from lightning_zinf.tiling import tile_linear_layers
 
 if TYPE_CHECKING:
     from lightning_zinf.planning import MemoryPlan
+    from lightning_zinf.planning.activations import ActivationPlan
 
 __all__ = ["ZeroEngine", "Unit"]
 
@@ -152,6 +153,9 @@ class ZeroEngine:
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
         memory_plan: The :class:`~lightning_zinf.planning.MemoryPlan` the strategy's
             ``memory_budget`` chose this engine's placement with, or ``None``.
+        activation_plan: The :class:`~lightning_zinf.planning.activations.ActivationPlan` that
+            chooses, after the first training step, which blocks keep their activations under
+            ``memory_budget``, or ``None``; :meth:`begin_pass` consults it.
 
     Raises:
         ValueError: the model has no parameters; a module made on the meta device has no
@@ -190,6 +194,7 @@ class ZeroEngine:
             )
         self.module = module
         self.memory_plan: Optional["MemoryPlan"] = None  # set by the strategies' build_engine
+        self.activation_plan: Optional["ActivationPlan"] = None  # likewise
         self.device = resolve_device(device)
         self.transfers = Transfers(self.device)
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -343,6 +348,8 @@ class ZeroEngine:
         decision = self.agreement.begin_pass(kind, check, self.freezing.prepare() if training else None)
         if decision is not None:  # every rank is at a training pass, together
             self.freezing.apply(decision)
+            if self.activation_plan is not None:
+                self.activation_plan.at_training_pass(self.comm)
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using (at a pass

@@ -209,6 +209,9 @@ def _fit(inventory: Inventory, param: str, optimizer: str, budget: int, host_bud
     if param == "nvme" and read_ahead != offload.read_ahead:
         placement = dataclasses.replace(placement, read_ahead=read_ahead)
     staging = _min_staging(inventory, param, optimizer, state_bytes, read_ahead, sub_groups)
+    # More staging than the records on NVMe buys nothing (all of them fit at once already).
+    on_disk = _on_disk(run(placement))
+    staging = min(staging, max(on_disk, _min_staging(inventory, param, optimizer, state_bytes, 0, 2)))
     base = run(dataclasses.replace(placement, staging_bytes=staging))
     # Room for host memory: on a CPU device the budget minus everything; on an accelerator the host cap.
     if accelerator:
@@ -220,7 +223,10 @@ def _fit(inventory: Inventory, param: str, optimizer: str, budget: int, host_bud
     costs = host_costs(inventory, placement, state_bytes)
     used = sum(costs[: first_that_fit(costs, room)])  # the kept groups' bytes (whole groups, in order)
     prediction = run(dataclasses.replace(placement, staging_bytes=staging, host_bytes=used))
-    on_disk = prediction.categories.get("shards_nvme", 0) + prediction.categories.get("optimizer_nvme", 0)
-    staging += max(0, min(room - used, on_disk - staging))
+    staging += max(0, min(room - used, _on_disk(prediction) - staging))
     final = dataclasses.replace(placement, staging_bytes=staging, host_bytes=used)
     return final, run(final)
+
+
+def _on_disk(prediction: Prediction) -> int:
+    return prediction.categories.get("shards_nvme", 0) + prediction.categories.get("optimizer_nvme", 0)

@@ -1,0 +1,218 @@
+"""Activations under a memory budget: which blocks keep theirs for backward, chosen from the
+first training step.
+
+What autograd keeps depends on the batch, which setup does not see, so the state is placed first
+(:mod:`lightning_zinf.planning.planner`) and the activations are planned with what the first
+training step measures. During that step every block (an instance of ``block_classes``) runs under
+non-reentrant activation checkpointing (Chen et al., 2016; ZeRO-Infinity §5.1.2) but the first of
+each class, whose saved tensors are counted; so are the tensors saved outside the blocks and the
+inputs each checkpointed block keeps. Counting uses saved-tensor hooks, by storage, and leaves out
+parameters and views of gathered parameter buffers (the re-gather restores those; they are in the
+ledger). At the start of the next training pass the plan keeps the activations of as many blocks
+as the budget has room for, in forward order, and checkpoints the rest:
+
+    budget >= planned peak + saved outside the blocks + inputs of every block
+              + activations of the kept blocks + those of one checkpointed block (its recompute)
+
+Every rank takes the smallest count any rank found (the gathers of backward follow it). When
+even every block checkpointed does not fit, a warning gives the bytes over. DeepSpeed's DeepCompile
+plans activations against a budget inside ``torch.compile`` on CUDA; FSDP2 and DeepSpeed's ZeRO
+leave checkpointing to the user.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_zinf.comm import Collectives
+from lightning_zinf.planning.sizes import format_bytes
+
+__all__ = ["ActivationPlan"]
+
+log = logging.getLogger(__name__)
+
+
+class _Count:
+    """Bytes of the storages saved for backward, each once, but parameters and gathered buffers."""
+
+    def __init__(self, is_gathered: Callable[[Tensor], bool]) -> None:
+        self.is_gathered = is_gathered
+        self.seen: set[int] = set()
+        self.nbytes = 0
+
+    def add(self, tensor: Tensor) -> None:
+        if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided or self.is_gathered(tensor):
+            return
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.nbytes += storage.nbytes()
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        self.add(tensor)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Tensor) -> Tensor:
+        return tensor
+
+
+class ActivationPlan:
+    """Per-block activation checkpointing for ``memory_budget``, decided after the first training step.
+
+    The driver runs each training forward inside :meth:`scope` (the Trainer's strategy around
+    ``training_step``; Fabric's through :meth:`scope_every_forward`) and calls
+    :meth:`at_training_pass` at the start of each training pass (the engine's ``begin_pass``).
+
+    Args:
+        blocks: ``(qualified name, module)`` of the blocks in forward (module) order.
+        budget: The per-rank budget in bytes.
+        planned: The placement's predicted peak in bytes (the ledger's, activations excluded).
+        is_gathered: Whether a tensor is a view of a gathered parameter buffer (the engine's).
+
+    Attributes:
+        measured: Block class name -> bytes one block of it saved in the first step.
+        outside: Bytes saved outside the blocks in the first step.
+        inputs: Bytes of the blocks' inputs kept by checkpointing (all blocks, per step).
+        kept: Names of the blocks whose activations are kept (not checkpointed) once decided.
+        checkpointed: Names of the blocks checkpointed once decided.
+        decided: The choice is made (at the second training pass).
+        over: Bytes by which the activations exceed the budget with every block checkpointed (0 if none).
+    """
+
+    def __init__(self, blocks: list[tuple[str, nn.Module]], budget: int, planned: int,
+                 is_gathered: Callable[[Tensor], bool]) -> None:
+        self.blocks, self.budget, self.planned = blocks, budget, planned
+        self.is_gathered = is_gathered
+        self.measured: dict[str, int] = {}
+        self.outside = 0
+        self.inputs = 0
+        self.kept: list[str] = []
+        self.checkpointed: list[str] = []
+        self.decided = False
+        self.over = 0
+        self._stepped = False
+        self._inputs: dict[str, int] = {}
+        self._originals: dict[str, Callable[..., Any]] = {}
+        seen_classes: set[str] = set()
+        for name, module in blocks:
+            original = module.forward
+            self._originals[name] = original
+            cls = type(module).__name__
+            if cls not in seen_classes:
+                seen_classes.add(cls)
+                module.forward = self._measured(original, cls, name)  # type: ignore[method-assign]
+            else:
+                module.forward = self._checkpointed(original, name)  # type: ignore[method-assign]
+
+    # --- the first training step -------------------------------------------------------------------
+    def _measuring(self) -> bool:
+        return not self.decided and torch.is_grad_enabled()
+
+    def _measured(self, forward: Callable[..., Any], cls: str, name: str) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self._measuring():
+                return forward(*args, **kwargs)
+            count = _Count(self.is_gathered)
+            with torch.autograd.graph.saved_tensors_hooks(count.pack, count.unpack):
+                out = forward(*args, **kwargs)
+            self.measured[cls] = max(self.measured.get(cls, 0), count.nbytes)
+            self._inputs[name] = _tensor_bytes(args, kwargs)
+            return out
+
+        return run
+
+    def _checkpointed(self, forward: Callable[..., Any], name: str) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            if not self.decided:
+                self._inputs[name] = _tensor_bytes(args, kwargs)
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+        return run
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """A training forward (the strategy's ``training_step``): during the first, what is saved
+        outside the blocks is counted."""
+        if not self._measuring():
+            yield
+            return
+        count = _Count(self.is_gathered)  # the blocks' own hooks take over inside them
+        with torch.autograd.graph.saved_tensors_hooks(count.pack, count.unpack):
+            yield
+        self.outside = max(self.outside, count.nbytes)
+        self._stepped = True
+
+    def scope_every_forward(self, module: nn.Module) -> None:
+        """Enter :meth:`scope` around every forward of ``module`` (Fabric's model, whose forward
+        is the training forward)."""
+        scopes = ExitStack()
+        module.register_forward_pre_hook(lambda *_: scopes.enter_context(self.scope()))
+        module.register_forward_hook(lambda *_: scopes.close(), always_call=True)
+
+    # --- the choice ----------------------------------------------------------------------------------
+    def at_training_pass(self, comm: Collectives) -> None:
+        """At the start of a training pass: after the first one, choose the blocks that keep their
+        activations (the same on every rank: the smallest count any rank found) and rewrap them."""
+        if self.decided or not self._stepped:
+            return
+        self.inputs = sum(self._inputs.values())
+        sizes = [self.measured.get(type(m).__name__, 0) for _, m in self.blocks]
+        room = self.budget - self.planned - self.outside - self.inputs - max(sizes, default=0)
+        count = 0
+        for size in sizes:
+            if size > room:
+                break
+            room -= size
+            count += 1
+        counts = comm.all_gather_ints([count])
+        count = min(c[0] for c in counts if c is not None)
+        self.over = max(0, -(self.budget - self.planned - self.outside - self.inputs - max(sizes, default=0)))
+        for index, (name, module) in enumerate(self.blocks):
+            original = self._originals[name]
+            if index < count:
+                module.forward = original  # type: ignore[method-assign]
+                self.kept.append(name)
+            else:
+                module.forward = self._checkpointed(original, name)  # type: ignore[method-assign]
+                self.checkpointed.append(name)
+        self.decided = True
+        log.info("lightning_zinf: %s", self.describe())
+        if self.over:
+            warnings.warn(
+                f"memory_budget={format_bytes(self.budget)}: with every block checkpointed the activations of this "
+                f"micro-batch ({format_bytes(self.outside)} outside the blocks, {format_bytes(self.inputs)} of block "
+                f"inputs, {format_bytes(max(sizes, default=0))} to recompute one block) and the planned "
+                f"{format_bytes(self.planned)} exceed the budget by {format_bytes(self.over)}. Lower the batch size "
+                "per device or raise memory_budget.", RuntimeWarning, stacklevel=2)
+
+    def describe(self) -> str:
+        """What the first step measured and what is kept: one line for the log."""
+        classes = ", ".join(f"{cls} {format_bytes(n)}" for cls, n in self.measured.items())
+        return (f"activations per block ({classes}), outside the blocks {format_bytes(self.outside)}, block inputs "
+                f"{format_bytes(self.inputs)}: {len(self.kept)} of {len(self.blocks)} blocks keep their activations, "
+                f"{len(self.checkpointed)} are checkpointed")
+
+
+def _tensor_bytes(args: tuple, kwargs: dict) -> int:
+    seen: set[int] = set()
+    total = 0
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
