@@ -22,6 +22,7 @@ from lightning_zinf.options import ZeroOptions
 from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 from lightning_zinf.planning.activations import ActivationPlan
+from lightning_zinf.planning.bandwidth import measure_bandwidths
 
 __all__ = ["build_engine", "checkpointed_layers", "memory_plan"]
 
@@ -68,7 +69,7 @@ def build_engine(
             some layers itself (:func:`checkpointed_layers`); the option is then ignored.
     """
     plan = memory_plan(module, options, device=device, precision=options.mixed_precision or precision,
-                       loss_scaling=loss_scaling)
+                       loss_scaling=loss_scaling, ranks_per_node=ranks_per_node)
     if plan is not None:
         rank_zero_info(plan.describe())
         options = dataclasses.replace(options, offload=plan.offload_config(options.offload), prefetch=plan.prefetch)
@@ -108,11 +109,13 @@ def build_engine(
 
 
 def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device, precision: MixedPrecisionConfig,
-                loss_scaling: bool = False, world: Optional[int] = None) -> Optional[MemoryPlan]:
+                loss_scaling: bool = False, world: Optional[int] = None, ranks_per_node: int = 1) -> Optional[MemoryPlan]:
     """The placement ``options.memory_budget`` gives ``module`` over this process group's ranks
     (:func:`~lightning_zinf.planning.plan_memory`), or ``None`` without a budget. The model may
     be on the meta device; nothing is built or moved. ``world``: the ranks it will be sharded over
-    (default: the process group's, else 1). With fp16 loss scaling (``loss_scaling``)
+    (default: the process group's, else 1). The disk and host link are measured on rank 0
+    (:func:`~lightning_zinf.planning.bandwidth.measure_bandwidths`), which every rank then uses,
+    the disk's shared among the ``ranks_per_node`` ranks of a node. With fp16 loss scaling (``loss_scaling``)
     the optimizer state stays off NVMe, where the scaler could not check the gradients.
 
     Raises:
@@ -127,13 +130,24 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
             "memory_budget does not plan ZeRO++'s hpZ or qwZ yet (their secondary partitions and quantized shards are "
             "not counted): leave memory_budget unset and choose the offload tiers yourself, or turn hpz and qwz off."
         )
+    distributed = dist.is_available() and dist.is_initialized()
     if world is None:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = dist.get_world_size() if distributed else 1
+    bandwidths = measure_bandwidths(device, options.offload.nvme_path, options.offload.aio) \
+        if not distributed or dist.get_rank() == 0 else None
+    if distributed and dist.get_world_size() > 1:
+        shared = [bandwidths]  # rank 0's: every rank must make the same plan
+        dist.broadcast_object_list(shared, src=0)
+        bandwidths = shared[0]
+    assert bandwidths is not None
+    if bandwidths.disk:  # the ranks of a node share its disk
+        bandwidths = dataclasses.replace(bandwidths, disk=bandwidths.disk / max(ranks_per_node, 1))
     inventory = Inventory.of(module, world=world, block_classes=options.block_classes, mixed_precision=precision,
                              persistence_threshold=options.prefetch.persistence_threshold)
     return plan_memory(inventory, options.memory_budget, accelerator=device.type != "cpu", offload=options.offload,
                        prefetch=options.prefetch, host_budget=options.host_memory_budget,
-                       optimizer_on_nvme=not loss_scaling)
+                       optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
+                       activation_bytes=options.activation_memory or 0)
 
 
 def _blocks(module: nn.Module, block_classes: Sequence[Union[str, type]]) -> list[tuple[str, nn.Module]]:

@@ -56,6 +56,7 @@ class ZeroOptions:
     preemption: PreemptionConfig = PreemptionConfig()
     memory_budget: Optional[Union[int, str]] = None
     host_memory_budget: Optional[Union[int, str]] = None
+    activation_memory: Optional[Union[int, str]] = None
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
@@ -78,12 +79,17 @@ class ZeroOptions:
             "activation_checkpointing": classes(self.activation_checkpointing),
             "preemption": coerce_config(PreemptionConfig, self.preemption),
         }
-        for name in ("memory_budget", "host_memory_budget"):
+        for name in ("memory_budget", "host_memory_budget", "activation_memory"):
             value = getattr(self, name)
             coerced[name] = None if value is None else parse_bytes(value, name)
-        if coerced["host_memory_budget"] is not None and coerced["memory_budget"] is None:
-            raise ValueError("host_memory_budget caps what a memory plan puts in host memory: give memory_budget too "
-                             "(the compute device's bytes per rank), or leave both unset to choose the tiers yourself.")
+        for name in ("host_memory_budget", "activation_memory"):
+            if coerced[name] is not None and coerced["memory_budget"] is None:
+                raise ValueError(f"{name} is part of a memory plan: give memory_budget too (the compute device's bytes "
+                                 "per rank), or leave both unset to choose the tiers yourself.")
+        budget, reserve = coerced["memory_budget"], coerced["activation_memory"]
+        if budget is not None and reserve is not None and reserve >= budget:
+            raise ValueError(f"activation_memory={reserve} leaves nothing of memory_budget={budget} for the parameters, "
+                             "gradients and optimizer state: give activation_memory less than memory_budget.")
         if isinstance(self.load_full_weights, Mapping):
             coerced["load_full_weights"] = _weight_prefixes(self.load_full_weights, self.load_prefix)
         for name, value in coerced.items():

@@ -188,6 +188,12 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             budget that fits, when none does.
         host_memory_budget: With ``memory_budget`` on an accelerator: bytes per rank of host
             memory the plan may use (host tiers, NVMe staging, records kept); default no cap.
+        activation_memory: With ``memory_budget``: bytes of it (per rank, as ``memory_budget``)
+            that the placement leaves to activations. Setup cannot see the batch, so by default
+            (``None``: 0) the placement may take the whole budget and the first training step's
+            activations get what it leaves: every block then runs checkpointed but those that fit
+            (``strategy.engine.activation_plan``). Give what a step's activations need (the log
+            line of the first step says) to keep them.
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -226,6 +232,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         preemption: Optional[PreemptionConfig] = None,
         memory_budget: Optional[int | str] = None,
         host_memory_budget: Optional[int | str] = None,
+        activation_memory: Optional[int | str] = None,
     ) -> None:
         refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
@@ -241,6 +248,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             load_full_weights=load_full_weights, load_prefix=load_prefix,
             exclude_frozen_parameters=exclude_frozen_parameters, state_dict_type=state_dict_type,
             preemption=preemption, memory_budget=memory_budget, host_memory_budget=host_memory_budget,
+            activation_memory=activation_memory,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -263,7 +271,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             raise ValueError("memory_plan() needs memory_budget: ZeroInfinityStrategy(memory_budget='40GiB').")
         plan = memory_plan(model, self.options, device=self.root_device, precision=policy_for(self.precision_plugin),
                            loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
-                           world=self.num_nodes * self.num_processes)
+                           world=self.num_nodes * self.num_processes, ranks_per_node=self.num_processes)
         assert plan is not None
         return plan
 

@@ -225,7 +225,9 @@ def test_zinf_plan_prints_the_plan_without_training(budget: str, tmp_path) -> No
     expected = plan_memory(Inventory.of(lit, world=2, block_classes=["Block"]), parse_bytes(budget), accelerator=False,
                            offload=OffloadConfig(nvme_path=str(tmp_path)))
     assert expected.placement.optimizer == "nvme"  # 40 MiB is less than this model's unplanned peak
-    assert expected.describe() in done.stdout
+    lines = expected.describe().splitlines()
+    assert lines[1] in done.stdout.splitlines() and lines[2] in done.stdout.splitlines()  # placement, peak
+    assert "s at the measured disk" in done.stdout  # the traffic timed at this disk's bandwidth
     assert not list(tmp_path.glob("**/*.swp"))  # no engine was built
 
 
@@ -337,3 +339,24 @@ def test_fabric_budget_and_a_checkpoint_loaded_under_another_plan(tmp_path) -> N
         assert r["first"] == Placement() and r["second"].optimizer == "nvme"
         assert r["activations"][0] and r["activations"][1] > 0  # the room left is too small for some blocks
         assert r["resumed"] == r["straight"]
+
+
+def test_activation_memory_is_left_out_of_the_placement() -> None:
+    """``activation_memory`` is the part of the budget the placement leaves free: a plan with it
+    fits the rest, names it, and a refusal counts it; it needs a budget, and less than it."""
+    with meta_parameters():
+        model = models.GPT(d=192, layers=24, vocab=1024, seq=32, heads=4)
+    inventory = Inventory.of(model, world=2, block_classes=["Block"])
+    everything = predict(inventory, Placement(), bucket_size=10_000_000).total(False)
+    nvme = OffloadConfig(nvme_path="/tmp")
+    plain = plan_memory(inventory, everything, accelerator=False, offload=nvme)
+    reserved = plan_memory(inventory, everything, accelerator=False, offload=nvme, activation_bytes=everything // 3)
+    assert plain.placement == Placement() and reserved.placement.optimizer == "nvme"
+    assert reserved.prediction.total(False) <= everything - everything // 3
+    assert "left to activations" in reserved.describe()
+    with pytest.raises(BudgetError, match="of it activation_memory"):
+        plan_memory(inventory, everything // 3, accelerator=False, offload=nvme, activation_bytes=everything // 4)
+    with pytest.raises(ValueError, match="give memory_budget too"):
+        ZeroOptions(activation_memory="1GiB")
+    with pytest.raises(ValueError, match="less than memory_budget"):
+        ZeroOptions(memory_budget="1GiB", activation_memory="2GiB")

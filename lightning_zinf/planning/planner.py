@@ -1,20 +1,23 @@
 """One memory budget instead of tiers: the placement a run fits in, chosen before it starts.
 
-The user gives a per-rank budget; the planner walks the placements the engine supports from the
-fastest to the most frugal and takes the first whose predicted peak (:func:`~lightning_zinf.planning.cost.predict`)
-fits. On an accelerator the order is ZeRO-3 on the device, ZeRO-Offload (optimizer state on the
-host, Ren et al., ATC'21), parameters and optimizer state on the host, then the NVMe tiers of
-ZeRO-Infinity (Rajbhandari et al., SC'21, §5); on a CPU device, where the host tiers are the same
-memory, only the NVMe steps free any. Placement is partial where the engine allows it: an NVMe
-placement keeps as many of the first groups' records in host memory as the budget leaves room for
-(``OffloadConfig.host_bytes``), each kept byte a byte the disk no longer reads and writes every
-step, and gives the rest to the staging cap. When nothing fits at the user's prefetch bucket, the
-bucket shrinks to the next unit alone. A refusal names the smallest budget that would fit and
-what would then be placed where.
+The user gives a per-rank budget; the planner weighs the placements the engine supports
+(:func:`~lightning_zinf.planning.cost.predict` gives each one's peak and traffic) and takes, among
+those that fit, the one whose step moves the fewest bytes over the disk and the host link, timed at
+the bandwidths measured on this machine (:mod:`~lightning_zinf.planning.bandwidth`; ZeRO-Infinity
+§4.2 sizes its tiers by the same bandwidths). On an accelerator the placements are ZeRO-3 on the
+device, ZeRO-Offload (optimizer state on the host, Ren et al., ATC'21), parameters and optimizer
+state on the host, and the NVMe tiers of ZeRO-Infinity (Rajbhandari et al., SC'21, §5); on a CPU
+device, where the host tiers are the same memory, only the NVMe ones free any. Placement is partial
+where the engine allows it: an NVMe placement keeps as many of the first groups' records in host
+memory as the budget leaves room for (``OffloadConfig.host_bytes``), each kept byte a byte the disk
+no longer reads and writes every step, and gives the rest to the staging cap. Placements whose
+step overlaps come first; then NVMe ones with the least staging (a synchronous step); then all of
+them with the prefetch bucket shrunk to the next unit. A refusal names the smallest budget that
+would fit and what would then be placed where.
 
 DeepSpeed and FSDP2 leave every tier to the user (DeepSpeed's one partial knob is
 ``offload_optimizer.ratio``); DeepSpeed's DeepCompile plans activation offload under ``torch.compile``.
-Activations are not part of this plan yet: the budget covers the engine's ledger.
+Activations are planned from the first training step (:mod:`~lightning_zinf.planning.activations`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Optional
 from lightning_zinf.config import OffloadConfig, PrefetchConfig
 from lightning_zinf.offload.aligned import ALIGNMENT, round_up
 from lightning_zinf.offload.host import first_that_fit
+from lightning_zinf.planning.bandwidth import Bandwidths
 from lightning_zinf.planning.cost import Placement, Prediction, host_costs, predict
 from lightning_zinf.planning.inventory import Inventory
 from lightning_zinf.planning.sizes import format_bytes
@@ -54,7 +58,10 @@ class MemoryPlan:
         prediction: Its predicted peaks and traffic.
         prefetch: The prefetch settings to run with (the given ones, or a smaller bucket).
         sub_group_size: ``OffloadConfig.sub_group_size`` to run with.
-        declined: The faster placements that did not fit, with their predicted peak.
+        bandwidths: The bandwidths the traffic was timed with.
+        considered: Every placement weighed at the user's bucket: ``(placement, predicted peak
+            bytes, seconds of traffic per step)``.
+        activation_bytes: Bytes of the budget left to activations (``activation_memory``).
     """
 
     budget: int
@@ -64,7 +71,9 @@ class MemoryPlan:
     prediction: Prediction
     prefetch: PrefetchConfig
     sub_group_size: int
-    declined: tuple[tuple[Placement, int], ...] = ()
+    bandwidths: Bandwidths = Bandwidths()
+    considered: tuple[tuple[Placement, int, float], ...] = ()
+    activation_bytes: int = 0
 
     def offload_config(self, given: OffloadConfig) -> OffloadConfig:
         """``given`` (its ``nvme_path``, ``aio``, ``read_ahead``...) with the planned tiers and sizes."""
@@ -77,7 +86,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """The plan as the strategy logs it: the budget, the placement, the predicted peak per
-        ledger category and in total, the bytes a step moves, and what did not fit."""
+        ledger category and in total, the bytes a step moves (and their time at the measured
+        bandwidths), and the other placements weighed."""
         p = self.prediction
         where = "device and host together (one memory)" if not self.accelerator else "device"
         lines = [f"lightning_zinf memory plan: budget {format_bytes(self.budget)} per rank ({where})"
@@ -87,13 +97,23 @@ class MemoryPlan:
         if self.placement.host_bytes:
             lines.append(f"  groups kept in host memory instead of NVMe: {p.kept_groups}")
         lines.append(f"  predicted peak: device {format_bytes(p.device)}, host {format_bytes(p.host)}, "
-                     f"total {format_bytes(p.total(self.accelerator))}")
+                     f"total {format_bytes(p.total(self.accelerator))}"
+                     + (f", and {format_bytes(self.activation_bytes)} left to activations" if self.activation_bytes else ""))
         for category, nbytes in sorted(p.categories.items(), key=lambda kv: -kv[1]):
             if nbytes and category != "device_total":
                 lines.append(f"    {category:<15} {format_bytes(nbytes)}")
-        lines.append(f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link")
-        for placement, peak in self.declined:
-            lines.append(f"  did not fit: {placement.describe()} (predicted {format_bytes(peak)})")
+        traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link"
+        b = self.bandwidths
+        if b.disk or b.link:
+            measured = ", ".join(f"{name} {value / 1e9:.2f} GB/s" for name, value in (("disk", b.disk), ("link", b.link))
+                                 if value)
+            traffic += f": {b.seconds(p.disk_bytes, p.link_bytes):.3f} s at the measured {measured} per rank"
+        lines.append(traffic)
+        for placement, peak, seconds in self.considered:
+            if placement != self.placement:
+                fits = "fits" if peak + self.activation_bytes <= self.budget else "does not fit"
+                lines.append(f"  weighed: {placement.describe()}: peak {format_bytes(peak)} ({fits})"
+                             + (f", traffic {seconds:.3f} s" if b.disk or b.link else ""))
         return "\n".join(lines)
 
 
@@ -128,8 +148,14 @@ def _min_staging(inventory: Inventory, param: str, optimizer: str, state_bytes: 
 
 def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload: OffloadConfig = OffloadConfig(),
                 prefetch: PrefetchConfig = PrefetchConfig(), host_budget: Optional[int] = None,
-                state_bytes: int = 8, optimizer_on_nvme: bool = True) -> MemoryPlan:
-    """Choose the fastest placement whose predicted per-rank peak fits ``budget``.
+                state_bytes: int = 8, optimizer_on_nvme: bool = True,
+                bandwidths: Bandwidths = Bandwidths(), activation_bytes: int = 0) -> MemoryPlan:
+    """Choose the placement whose predicted per-rank peak fits ``budget`` with the least traffic.
+
+    Among the placements that fit, the one whose step moves the fewest bytes over the disk and the
+    host link (in seconds at ``bandwidths``) wins, ties going to the faster tiers; a step that
+    overlaps (NVMe staging of four sub-groups) before a synchronous one, the user's prefetch
+    bucket before the bucket of one unit.
 
     Args:
         inventory: The model's flat groups (:meth:`Inventory.of`).
@@ -144,6 +170,11 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
         state_bytes: Optimizer state bytes per trainable element (AdamW: 8).
         optimizer_on_nvme: Placements may put the optimizer state on NVMe (not under fp16 loss
             scaling, whose scaler reads every gradient between backward and the step).
+        bandwidths: This machine's disk and host-link bandwidths per rank
+            (:func:`~lightning_zinf.planning.bandwidth.measure_bandwidths`), which time each
+            placement's traffic; unmeasured, the bytes themselves are compared.
+        activation_bytes: Bytes of ``budget`` left to activations (``activation_memory``); the
+            placement fits in the rest.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -152,29 +183,44 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
         BudgetError: no placement fits; the message gives the smallest budget that fits and its
             placement, or, when only NVMe would fit and no ``nvme_path`` is set, asks for one.
     """
-    declined: list[tuple[Placement, int]] = []
+    state_budget = budget - activation_bytes  # the placement's share; the rest is the activations'
+    considered: list[tuple[Placement, int, float]] = []
     buckets = [prefetch.bucket_size] + ([0] if prefetch.bucket_size else [])
     smallest: Optional[tuple[int, Placement, int]] = None
     candidates = _candidates(accelerator, offload.nvme_path is not None, optimizer_on_nvme)
-    # NVMe placements at full overlap first, then with the least staging (a synchronous step).
-    tries = [(c, _SUB_GROUPS) for c in candidates] + [(c, 1) for c in candidates if "nvme" in c]
+    # Placements with a step that overlaps first, then NVMe ones with the least staging (a
+    # synchronous step); all of it at the user's bucket before the bucket of one unit.
+    phases = [[(c, _SUB_GROUPS) for c in candidates], [(c, 1) for c in candidates if "nvme" in c]]
     for bucket in buckets:
-        for (param, optimizer), sub_groups in tries:
-            placement, prediction = _fit(inventory, param, optimizer, budget, host_budget, accelerator=accelerator,
-                                         offload=offload, bucket=bucket, state_bytes=state_bytes, sub_groups=sub_groups)
-            peak = prediction.total(accelerator)
-            if peak <= budget and (host_budget is None or not accelerator or prediction.host <= host_budget):
+        for phase in phases:
+            fitting = []
+            for order, ((param, optimizer), sub_groups) in enumerate(phase):
+                placement, prediction = _fit(inventory, param, optimizer, state_budget, host_budget,
+                                             accelerator=accelerator,
+                                             offload=offload, bucket=bucket, state_bytes=state_bytes,
+                                             sub_groups=sub_groups)
+                peak = prediction.total(accelerator)
+                seconds = bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
+                if bucket == prefetch.bucket_size:
+                    considered.append((placement, peak, seconds))
+                if peak <= state_budget and (host_budget is None or not accelerator or prediction.host <= host_budget):
+                    # The least traffic, timed at the measured bandwidths (bytes if none), then the faster tiers.
+                    cost = seconds if bandwidths.disk or bandwidths.link else prediction.disk_bytes + prediction.link_bytes
+                    fitting.append((cost, order, placement, prediction))
+                if smallest is None or peak < smallest[0]:
+                    smallest = (peak, placement, bucket)
+            if fitting:
+                _, _, placement, prediction = min(fitting, key=lambda f: (f[0], f[1]))
                 return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
                                   dataclasses.replace(prefetch, bucket_size=bucket),
-                                  _sub_group_size(inventory, offload, placement), tuple(declined))
-            if bucket == prefetch.bucket_size:
-                declined.append((placement, peak))
-            if smallest is None or peak < smallest[0]:
-                smallest = (peak, placement, bucket)
+                                  _sub_group_size(inventory, offload, placement), bandwidths, tuple(considered),
+                                  activation_bytes)
     assert smallest is not None
     peak, placement, bucket = smallest
+    peak += activation_bytes
+    reserved = f", {format_bytes(activation_bytes)} of it activation_memory" if activation_bytes else ""
     message = (f"memory_budget={format_bytes(budget)} per rank is less than this model needs in any placement the "
-               f"engine has: the least is {format_bytes(peak)} ({placement.describe()}, "
+               f"engine has: the least is {format_bytes(peak)}{reserved} ({placement.describe()}, "
                f"bucket_size={bucket}). Raise memory_budget to at least {peak} bytes")
     if offload.nvme_path is None:
         message += (", or set offload.nvme_path to a folder on a fast disk so that the plan may put parameters "
