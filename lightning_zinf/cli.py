@@ -172,18 +172,20 @@ def main(args: Optional[list[str]] = None) -> None:
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    given = sys.argv[1:] if args is None else list(args)
-    if given[:1] == ["plan"]:
-        plan(given[1:])
+    if (sys.argv[1:2] if args is None else list(args)[:1]) == ["plan"]:
+        if args is None:
+            del sys.argv[1]  # LightningCLI reads the rest from sys.argv
+        plan(None if args is None else list(args)[1:])
         return
     LightningCLI(args=args, save_config_kwargs={"overwrite": True}, parser_class=_Parser)
 
 
-def plan(args: list[str]) -> None:
+def plan(args: Optional[list[str]] = None) -> None:
     """``zinf plan --config run.yaml``: print the memory plan the run's ``memory_budget`` gives
     (:meth:`~lightning_zinf.ZeroInfinityStrategy.memory_plan`) without training or starting the
     other ranks: the Trainer and the model are built from the same arguments as ``zinf fit``
-    takes, the model's parameters on the meta device (no memory, no initialisation).
+    takes, the model's parameters on the meta device (no memory, no initialisation). ``args``:
+    the arguments after ``plan``; ``None`` reads ``sys.argv``.
 
     Raises:
         SystemExit: status 2 when the configuration is invalid, its strategy is not this package's

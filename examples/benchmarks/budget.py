@@ -17,7 +17,8 @@ Then, at 100%, 60%, 40% and 25% of the unplanned peak:
   hand     every configuration of today's options a user would write that fits B by the same
            measure (predicted state + measured activations): param/optimizer tiers none/none,
            none/nvme, nvme/nvme, activation checkpointing of every block off or on, host_bytes 0
-           or as much as fits, staging_bytes 16 or 64 MiB.
+           or as much as fits, staging_bytes 16 or 64 MiB, sub_group_size 1e6 (about a block's
+           shard; the default 2.5e7 is the whole model here, which 16 MiB of staging cannot hold).
 Each run: 6 steps, the mean of the last 4 timed on rank 0. Printed per budget: tokens/s planned
 and of the best hand configuration, their ratio (goal >= 0.9), and the planned run's predicted
 step time against its measured one (goal within 20%): the reference forward, backward and step,
@@ -37,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -56,6 +58,7 @@ from lightning_zinf.planning.cost import host_costs  # noqa: E402
 CFG = GPTConfig(vocab_size=4096, d_model=384, n_layers=12, n_heads=6, seq_len=128)
 BATCH, STEPS, WARMUP, WORLD = 4, 6, 2, 2
 BUCKET = 10_000_000
+HAND_SUB_GROUP = 1_000_000
 
 
 def _saved_bytes(model: torch.nn.Module, engine) -> "tuple[object, list[int]]":
@@ -76,6 +79,14 @@ def _saved_bytes(model: torch.nn.Module, engine) -> "tuple[object, list[int]]":
 
 
 def _rank(rank: int, port: int, job: dict, out: str) -> None:
+    try:
+        _train(rank, port, job, out)
+    except BaseException:  # a configuration that fails is a result: say why, on this rank
+        traceback.print_exc()
+        os._exit(1)  # no collective may follow: the other rank may be elsewhere
+
+
+def _train(rank: int, port: int, job: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
@@ -161,8 +172,9 @@ def hand_configs(inventory: Inventory, room: int) -> list[dict]:
         for placement in dict.fromkeys(candidates):
             if predict(inventory, placement, bucket_size=BUCKET).total(False) <= room:
                 offload = {"param": placement.param, "optimizer": placement.optimizer}
-                if placement.nvme:
-                    offload.update(staging_bytes=placement.staging_bytes, host_bytes=placement.host_bytes)
+                if placement.nvme:  # sub-groups of about one block's shard, as a DeepSpeed user tunes them
+                    offload.update(staging_bytes=placement.staging_bytes, host_bytes=placement.host_bytes,
+                                   sub_group_size=HAND_SUB_GROUP)
                 configs.append(offload)
     return configs
 
@@ -203,8 +215,8 @@ def main() -> None:
             for offload in hand_configs(inventory, budget - acts):
                 measured = run({"offload": offload, "ckpt": ckpt}, args.nvme_root)
                 hand.append({"offload": offload, "ckpt": ckpt, **measured})
-                print(f"  {share:.0%} hand {offload} ckpt={ckpt}: {measured.get('s_step', float('nan')):.2f} s/step",
-                      flush=True)
+                print(f"  {share:.0%} hand {offload} ckpt={ckpt}: "
+                      f"{measured['s_step']:.2f} s/step" if "s_step" in measured else f"failed ({measured})", flush=True)
         ok = [h for h in hand if "s_step" in h]
         best = min(ok, key=lambda h: h["s_step"]) if ok else None
         cell = {"share": share, "budget": budget, "planned": planned, "hand": hand, "best": best}

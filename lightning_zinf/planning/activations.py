@@ -11,8 +11,8 @@ parameters and views of gathered parameter buffers (the re-gather restores those
 ledger). At the start of the next training pass the plan keeps the activations of as many blocks
 as the budget has room for, in forward order, and checkpoints the rest:
 
-    budget >= planned peak + saved outside the blocks + inputs of every block
-              + activations of the kept blocks + those of one checkpointed block (its recompute)
+    budget >= planned peak + saved outside the blocks + activations of the kept blocks
+              + inputs of the checkpointed blocks + those of one checkpointed block (its recompute)
 
 Every rank takes the smallest count any rank found (the gathers of backward follow it). When
 even every block checkpointed does not fit, a warning gives the bytes over. DeepSpeed's DeepCompile
@@ -170,16 +170,19 @@ class ActivationPlan:
             return
         self.inputs = sum(self._inputs.values())
         sizes = [self.measured.get(type(m).__name__, 0) for _, m in self.blocks]
-        room = self.budget - self.planned - self.outside - self.inputs - max(sizes, default=0)
-        count = 0
-        for size in sizes:
-            if size > room:
-                break
-            room -= size
-            count += 1
+        inputs = [self._inputs.get(name, 0) for name, _ in self.blocks]
+        room = self.budget - self.planned
+
+        def need(kept: int) -> int:
+            # The first ``kept`` blocks hold their activations; each checkpointed one its input, and
+            # backward recomputes one checkpointed block at a time.
+            return (self.outside + sum(sizes[:kept]) + sum(inputs[kept:])
+                    + max(sizes[kept:], default=0))
+
+        count = max((k for k in range(len(sizes) + 1) if need(k) <= room), default=0)
         counts = comm.all_gather_ints([count])
         count = min(c[0] for c in counts if c is not None)
-        self.over = max(0, -(self.budget - self.planned - self.outside - self.inputs - max(sizes, default=0)))
+        self.over = max(0, need(0) - room)
         for index, (name, module) in enumerate(self.blocks):
             original = self._originals[name]
             if index < count:

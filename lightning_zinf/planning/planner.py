@@ -11,9 +11,9 @@ device, where the host tiers are the same memory, only the NVMe ones free any. P
 where the engine allows it: an NVMe placement keeps as many of the first groups' records in host
 memory as the budget leaves room for (``OffloadConfig.host_bytes``), each kept byte a byte the disk
 no longer reads and writes every step, and gives the rest to the staging cap. Placements whose
-step overlaps come first; then NVMe ones with the least staging (a synchronous step); then all of
-them with the prefetch bucket shrunk to the next unit. A refusal names the smallest budget that
-would fit and what would then be placed where.
+step overlaps come first; then, if none fits, NVMe ones with the least staging (a synchronous
+step); then all of them with the prefetch bucket shrunk to the next unit. A refusal names the
+smallest budget that would fit and what would then be placed where.
 
 DeepSpeed and FSDP2 leave every tier to the user (DeepSpeed's one partial knob is
 ``offload_optimizer.ratio``); DeepSpeed's DeepCompile plans activation offload under ``torch.compile``.
@@ -128,16 +128,17 @@ def _candidates(accelerator: bool, nvme: bool, optimizer_on_nvme: bool) -> list[
 def _min_staging(inventory: Inventory, param: str, optimizer: str, state_bytes: int, read_ahead: int,
                  sub_groups: int) -> int:
     """The staging cap a placement runs with: ``sub_groups`` optimizer sub-groups (master, states
-    and gradient of the largest group; four overlap the step, and at least two are needed) and, with
+    and gradient of the largest group; four overlap the step, and at least three are needed) and, with
     parameters on NVMe, the shards of the units read ahead plus the one gathered."""
     need = 0
     trainable = [g.shard_numel for g in inventory.groups if g.trainable]
     if optimizer == "nvme" and trainable:
         s = max(trainable)
         # Master, gradient and states records, each aligned, the states' regions each aligned too;
-        # two sub-groups at least: the one stepped and the one whose records are written or made.
+        # three sub-groups at least: the one stepped, the one whose records are written or made,
+        # and the gradient shards held from backward (measured: two run out with parameters on NVMe).
         per_sub_group = 2 * round_up(4 * s, ALIGNMENT) + round_up(state_bytes * s, ALIGNMENT) + 2 * ALIGNMENT
-        need += max(sub_groups, 2) * per_sub_group
+        need += max(sub_groups, 3) * per_sub_group
     if param == "nvme":
         per_unit: dict[int, int] = {}
         for g in inventory.groups:
@@ -188,33 +189,33 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     buckets = [prefetch.bucket_size] + ([0] if prefetch.bucket_size else [])
     smallest: Optional[tuple[int, Placement, int]] = None
     candidates = _candidates(accelerator, offload.nvme_path is not None, optimizer_on_nvme)
-    # Placements with a step that overlaps first, then NVMe ones with the least staging (a
-    # synchronous step); all of it at the user's bucket before the bucket of one unit.
+    # Placements whose step overlaps first (NVMe staging of four sub-groups), weighed by their
+    # traffic; then NVMe ones with the least staging (a synchronous step); all of it at the user's
+    # bucket before the bucket of one unit.
     phases = [[(c, _SUB_GROUPS) for c in candidates], [(c, 1) for c in candidates if "nvme" in c]]
-    for bucket in buckets:
-        for phase in phases:
-            fitting = []
-            for order, ((param, optimizer), sub_groups) in enumerate(phase):
-                placement, prediction = _fit(inventory, param, optimizer, state_budget, host_budget,
-                                             accelerator=accelerator,
-                                             offload=offload, bucket=bucket, state_bytes=state_bytes,
-                                             sub_groups=sub_groups)
-                peak = prediction.total(accelerator)
-                seconds = bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
-                if bucket == prefetch.bucket_size:
-                    considered.append((placement, peak, seconds))
-                if peak <= state_budget and (host_budget is None or not accelerator or prediction.host <= host_budget):
-                    # The least traffic, timed at the measured bandwidths (bytes if none), then the faster tiers.
-                    cost = seconds if bandwidths.disk or bandwidths.link else prediction.disk_bytes + prediction.link_bytes
-                    fitting.append((cost, order, placement, prediction))
-                if smallest is None or peak < smallest[0]:
-                    smallest = (peak, placement, bucket)
-            if fitting:
-                _, _, placement, prediction = min(fitting, key=lambda f: (f[0], f[1]))
-                return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
-                                  dataclasses.replace(prefetch, bucket_size=bucket),
-                                  _sub_group_size(inventory, offload, placement), bandwidths, tuple(considered),
-                                  activation_bytes)
+    for bucket, tries in ((b, p) for b in buckets for p in phases):
+        fitting = []
+        for order, ((param, optimizer), sub_groups) in enumerate(tries):
+            placement, prediction = _fit(inventory, param, optimizer, state_budget, host_budget,
+                                         accelerator=accelerator,
+                                         offload=offload, bucket=bucket, state_bytes=state_bytes,
+                                         sub_groups=sub_groups)
+            peak = prediction.total(accelerator)
+            seconds = bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
+            if bucket == prefetch.bucket_size:
+                considered.append((placement, peak, seconds))
+            if peak <= state_budget and (host_budget is None or not accelerator or prediction.host <= host_budget):
+                # The least traffic, timed at the measured bandwidths (bytes if none), then the faster tiers.
+                cost = seconds if bandwidths.disk or bandwidths.link else prediction.disk_bytes + prediction.link_bytes
+                fitting.append((cost, order, placement, prediction))
+            if smallest is None or peak < smallest[0]:
+                smallest = (peak, placement, bucket)
+        if fitting:
+            _, _, placement, prediction = min(fitting, key=lambda f: (f[0], f[1]))
+            return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
+                              dataclasses.replace(prefetch, bucket_size=bucket),
+                              _sub_group_size(inventory, offload, placement), bandwidths, tuple(considered),
+                              activation_bytes)
     assert smallest is not None
     peak, placement, bucket = smallest
     peak += activation_bytes
