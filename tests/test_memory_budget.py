@@ -9,11 +9,14 @@ engine), and that a budget too small is refused on every rank with a size that t
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters
 from lightning_zinf.engine_setup import memory_plan
+from lightning_zinf.offload import SwapError
 from lightning_zinf.options import ZeroOptions
 from lightning_zinf.planning import BudgetError, Inventory, Placement, parse_bytes, plan_memory, predict
 from tests import models
@@ -360,3 +363,25 @@ def test_activation_memory_is_left_out_of_the_placement() -> None:
         ZeroOptions(activation_memory="1GiB")
     with pytest.raises(ValueError, match="less than memory_budget"):
         ZeroOptions(memory_budget="1GiB", activation_memory="2GiB")
+
+
+def _plan_or_refusal(rank: int, world: int, nvme_path: str) -> Optional[str]:
+    with meta_parameters():
+        model = models.GPT(d=64, layers=2)
+    options = ZeroOptions(block_classes=["Block"], offload=OffloadConfig(nvme_path=nvme_path), memory_budget="1GiB")
+    try:
+        memory_plan(model, options, device=torch.device("cpu"), precision=MixedPrecisionConfig())
+    except SwapError as error:
+        return str(error)
+    return None
+
+
+def test_a_disk_rank_0_cannot_measure_is_refused_on_every_rank(tmp_path) -> None:
+    """The disk is measured on rank 0 alone: when it cannot be (``nvme_path`` is a file), every
+    rank raises the same error naming the path and the fix, instead of rank 0 raising while the
+    others wait in the broadcast of its result."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    refusals = run_distributed(_plan_or_refusal, 2, str(not_a_folder), timeout=120)
+    assert refusals[0] is not None and refusals[0] == refusals[1], refusals
+    assert str(not_a_folder) in refusals[0] and "nvme_path" in refusals[0], refusals[0]

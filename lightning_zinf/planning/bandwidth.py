@@ -19,6 +19,7 @@ import torch
 
 from lightning_zinf.offload.aio import AioConfig
 from lightning_zinf.offload.aligned import aligned_empty
+from lightning_zinf.offload.errors import SwapError
 from lightning_zinf.offload.swapper import NvmeSwapper
 
 __all__ = ["Bandwidths", "measure_bandwidths"]
@@ -47,7 +48,15 @@ class Bandwidths:
 def _disk(nvme_path: str, aio: AioConfig, nbytes: int) -> float:
     buffer = aligned_empty(nbytes, torch.uint8)
     buffer.fill_(1)
-    with tempfile.TemporaryDirectory(prefix=".zinf-probe-", dir=nvme_path) as folder:
+    try:
+        probe = tempfile.TemporaryDirectory(prefix=".zinf-probe-", dir=nvme_path)
+    except OSError as error:
+        raise SwapError(
+            f"memory_budget measures the disk under offload.nvme_path={nvme_path!r}, but making a folder there "
+            f"failed: {error.strerror or error}. Point nvme_path at an existing folder this process may write, on "
+            "a local disk."
+        ) from error
+    with probe as folder:
         with NvmeSwapper(os.path.join(folder, "swap"), aio) as swapper:
             start = time.perf_counter()
             swapper.write("probe", buffer).wait()
@@ -76,7 +85,8 @@ def measure_bandwidths(device: torch.device, nvme_path: Optional[str], aio: AioC
     ``device`` (if an accelerator), each from one ``nbytes`` transfer each way.
 
     Raises:
-        SwapError: the folder cannot be written (:class:`~lightning_zinf.offload.NvmeSwapper`).
+        SwapError: ``nvme_path`` is not a folder this process can write, or the disk is full (the
+            message names the path and the fix).
     """
     return Bandwidths(disk=_disk(nvme_path, aio, nbytes) if nvme_path else None,
                       link=_link(device, nbytes) if device.type != "cpu" else None)
