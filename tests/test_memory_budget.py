@@ -40,23 +40,40 @@ def _steps(model: torch.nn.Module, engine: ZeroEngine, opt: torch.optim.Optimize
         opt.zero_grad()
 
 
-def _ledger_against_prediction(rank: int, world: int, offload: dict, bf16: bool, nvme_path: str) -> dict:
+def _ledger_against_prediction(rank: int, world: int, model_name: str, offload: dict, bf16: bool,
+                               nvme_path: str) -> dict:
     torch.manual_seed(0)
-    model = models.GPT(d=128, layers=4, vocab=256, seq=16)
+    kwargs, blocks, prefetch = LEDGER_MODELS[model_name]
+    model = models.GPT(**kwargs)
     mp = BF16 if bf16 else MixedPrecisionConfig()
     placement = Placement(param=offload.get("param", "none"), optimizer=offload.get("optimizer", "none"),
                           host_bytes=offload.get("host_bytes", 0), staging_bytes=offload.get("staging_bytes", 0))
-    inventory = Inventory.of(model, world=world, block_classes=["Block"], mixed_precision=mp)
-    predicted = predict(inventory, placement, bucket_size=PrefetchConfig().bucket_size)
-    engine = ZeroEngine(model, block_classes=["Block"], offload=OffloadConfig(**offload, nvme_path=nvme_path),
-                        mixed_precision=mp)
-    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    _steps(model, engine, opt, 256)
+    inventory = Inventory.of(model, world=world, block_classes=blocks, mixed_precision=mp,
+                             persistence_threshold=prefetch.persistence_threshold)
+    predicted = predict(inventory, placement, bucket_size=prefetch.bucket_size)
+    engine = ZeroEngine(model, block_classes=blocks, offload=OffloadConfig(**offload, nvme_path=nvme_path),
+                        mixed_precision=mp, prefetch=prefetch)
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    _steps(model, engine, opt, kwargs["vocab"])
     measured = {k: peak for k, (_, peak) in engine.memory().items()}
     return {"measured": measured, "predicted": predicted.categories, "device": predicted.device}
 
 
 NVME = dict(staging_bytes=8 << 20)
+
+# The models the ledger test runs: the small GPT in blocks; the same with LoRA adapters (frozen base
+# groups beside tiny trainable ones, whose records host_bytes keeps); one unit per module, of odd sizes
+# (padded shards and buffers), with a tied embedding gathered from its first use to the head and a
+# prefetch bucket that ends mid-model (qkv, proj, up, down: backward's window at up, proj and qkv ahead,
+# is larger than any of forward's); and most units persistent, re-gathered together after each step
+# (their transient buffers outgrow the window).
+LEDGER_MODELS = {
+    "gpt": (dict(d=128, layers=4, vocab=256, seq=16), ["Block"], PrefetchConfig()),
+    "lora": (dict(d=128, layers=4, vocab=256, seq=16, lora_rank=4), ["Block"], PrefetchConfig()),
+    "odd-units": (dict(d=100, layers=3, vocab=400, heads=2, seq=16), [],
+                  PrefetchConfig(bucket_size=50_000, persistence_threshold=1_000)),
+    "persistent-units": (dict(d=128, layers=4, vocab=1024, seq=16), [], PrefetchConfig()),
+}
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -64,12 +81,16 @@ NVME = dict(staging_bytes=8 << 20)
     {}, dict(optimizer="cpu"), dict(param="cpu", optimizer="cpu"), dict(param="nvme", optimizer="nvme", **NVME),
     dict(optimizer="nvme", host_bytes=2 << 20, **NVME), dict(param="nvme", optimizer="nvme", host_bytes=3 << 20, **NVME),
 ], ids=["device", "zero-offload", "cpu", "nvme", "optimizer-nvme-kept", "nvme-kept"])
-def test_prediction_bounds_every_ledger_category(offload: dict, bf16: bool, tmp_path) -> None:
-    for result in run_distributed(_ledger_against_prediction, 2, offload, bf16, str(tmp_path)):
+@pytest.mark.parametrize("model_name", list(LEDGER_MODELS))
+def test_prediction_bounds_every_ledger_category(model_name: str, offload: dict, bf16: bool, tmp_path) -> None:
+    for result in run_distributed(_ledger_against_prediction, 2, model_name, offload, bf16, str(tmp_path)):
         measured, predicted = result["measured"], result["predicted"]
         over = {k: (v, predicted.get(k, 0)) for k, v in measured.items() if v > predicted.get(k, 0)}
         assert not over, f"ledger peaks above the prediction (measured, predicted): {over}"
-        assert measured["device_total"] >= 0.7 * result["device"], (measured["device_total"], result["device"])
+        # Not far above either: within 30% in blocks; one unit per module, of many sizes, leaves the CPU
+        # gradient pool more ways to keep free buffers than it takes, and its bound is the looser.
+        tight = 0.7 if model_name in ("gpt", "lora") else 0.5
+        assert measured["device_total"] >= tight * result["device"], (measured["device_total"], result["device"])
 
 
 def _budget_run(rank: int, world: int, budget, nvme_path: str) -> dict:
@@ -153,12 +174,21 @@ def test_plan_order_and_nvme_path() -> None:
     assert nvme.placement.optimizer == "nvme" and nvme.prediction.total(False) <= everything.total(False) // 2
 
 
+FIT_GPT = dict(d=64, layers=6, heads=2)
+
+
 def _fit(rank: int, world: int, budget, nvme_path: str) -> dict:
     from lightning_zinf import ZeroInfinityStrategy
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
 
+    class Larger(LitGPT):  # large enough for NVMe to save more than its records' 4 KiB blocks take
+        def configure_model(self) -> None:
+            if self.model is None:
+                torch.manual_seed(0)
+                self.model = models.GPT(**FIT_GPT)
+
     strategy = ZeroInfinityStrategy(memory_budget=budget, offload={"nvme_path": nvme_path})
-    lit = LitGPT(GLOBAL_BATCH // world)
+    lit = Larger(GLOBAL_BATCH // world)
     trainer = _trainer(strategy, world)
     try:
         trainer.fit(lit)
@@ -172,7 +202,7 @@ def test_the_trainer_plans_from_a_budget_string(tmp_path) -> None:
     """``ZeroInfinityStrategy(memory_budget=...)`` (a string, as a YAML config gives it): the plan
     moves state to NVMe under a tight budget, and the fit's losses are those of the unplanned fit
     (placement changes no value); a budget too small is refused on every rank, at setup."""
-    unplanned = predict(Inventory.of(models.GPT(), world=2), Placement(), bucket_size=10_000_000).total(False)
+    unplanned = predict(Inventory.of(models.GPT(**FIT_GPT), world=2), Placement(), bucket_size=10_000_000).total(False)
     refused = run_distributed(_fit, 2, "1KiB", str(tmp_path), init_pg=False)
     assert all("Raise memory_budget to at least" in r["refused"] for r in refused)
     smallest = int(refused[0]["refused"].split("at least ")[1].split(" bytes")[0])
@@ -385,3 +415,26 @@ def test_a_disk_rank_0_cannot_measure_is_refused_on_every_rank(tmp_path) -> None
     refusals = run_distributed(_plan_or_refusal, 2, str(not_a_folder), timeout=120)
     assert refusals[0] is not None and refusals[0] == refusals[1], refusals
     assert str(not_a_folder) in refusals[0] and "nvme_path" in refusals[0], refusals[0]
+
+
+def _fp32_shards_beside_staging(rank: int, world: int, nvme_path: str) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(d=128, layers=4, vocab=256, seq=16)
+    inventory = Inventory.of(model, world=world, block_classes=["Block"], mixed_precision=BF16)
+    sub_group = max(g.shard_numel for g in inventory.groups if g.trainable)  # as a plan sets it
+    offload = dict(optimizer="nvme", staging_bytes=4 << 20)
+    predicted = predict(inventory, Placement(**offload), bucket_size=PrefetchConfig().bucket_size)
+    engine = ZeroEngine(model, block_classes=["Block"], mixed_precision=BF16,
+                        offload=OffloadConfig(**offload, sub_group_size=sub_group, nvme_path=nvme_path))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _steps(model, engine, opt, 256)
+    memory = engine.memory()
+    return {"host": memory["shards_cpu"][1] + memory["staging"][1], "predicted": predicted.host}
+
+
+def test_zero_offload_layout_with_the_optimizer_on_nvme_keeps_fp32_shards_in_host_memory(tmp_path) -> None:
+    """Parameters on the device in bf16 and the optimizer on NVMe: the fp32 shards stay in host
+    memory (the 16-bit device copies are made from them after each step) beside a master of their
+    own on NVMe and the staging pool; the plan's host memory counts them."""
+    for r in run_distributed(_fp32_shards_beside_staging, 2, str(tmp_path)):
+        assert r["host"] <= r["predicted"], r
