@@ -59,7 +59,7 @@ def build_engine(
         The :class:`~lightning_zinf.engine.ZeroEngine` (also ``module._zinf_engine``).
 
     Raises:
-        ValueError: fp16 loss scaling with NVMe optimizer offload; see :func:`memory_plan`.
+        ValueError: fp16 loss scaling with NVMe optimizer offload.
         BudgetError: ``options.memory_budget`` fits no placement (:func:`memory_plan`).
         CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model, or (a
             mapping) a prefix names no submodule of ``module``, or none of a checkpoint's keys names a
@@ -73,7 +73,9 @@ def build_engine(
                        loss_scaling=loss_scaling, ranks_per_node=ranks_per_node)
     if plan is not None:
         rank_zero_info(plan.describe())
-        options = dataclasses.replace(options, offload=plan.offload_config(options.offload), prefetch=plan.prefetch)
+        # The options the engine runs with: the plan's tiers and sizes, chosen (no budget left to plan).
+        options = dataclasses.replace(options, offload=plan.offload_config(options.offload), prefetch=plan.prefetch,
+                                      memory_budget=None, host_memory_budget=None, activation_memory=None)
     if loss_scaling and options.offload.optimizer == "nvme":
         raise ValueError(
             "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
@@ -122,16 +124,12 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
     Raises:
         BudgetError: no placement fits the budget (the message names the smallest that would).
         SwapError: rank 0 could not measure the disk under ``nvme_path`` (every rank raises it).
-        ValueError: the budget is combined with ZeRO++'s hpZ or qwZ, whose extra partitions and
-            quantized shards the planner does not count yet.
+
+    What the plan would override or cannot count (given offload tiers, hpZ, qwZ, ``frozen_bits``,
+    ``tiling``) is refused earlier, by :class:`~lightning_zinf.options.ZeroOptions`.
     """
     if options.memory_budget is None:
         return None
-    if options.zero_pp.hpz or options.zero_pp.qwz:
-        raise ValueError(
-            "memory_budget does not plan ZeRO++'s hpZ or qwZ yet (their secondary partitions and quantized shards are "
-            "not counted): leave memory_budget unset and choose the offload tiers yourself, or turn hpz and qwz off."
-        )
     distributed = dist.is_available() and dist.is_initialized()
     if world is None:
         world = dist.get_world_size() if distributed else 1

@@ -9,6 +9,7 @@ engine), and that a budget too small is refused on every rank with a size that t
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import pytest
@@ -438,3 +439,21 @@ def test_zero_offload_layout_with_the_optimizer_on_nvme_keeps_fp32_shards_in_hos
     own on NVMe and the staging pool; the plan's host memory counts them."""
     for r in run_distributed(_fp32_shards_beside_staging, 2, str(tmp_path)):
         assert r["host"] <= r["predicted"], r
+
+
+@pytest.mark.parametrize("given, named", [
+    (dict(offload=dict(optimizer="cpu")), "offload.optimizer='cpu'"),
+    (dict(offload=dict(param="nvme", nvme_path="/tmp", staging_bytes=1 << 20)), "offload.param='nvme', "
+                                                                                "offload.staging_bytes=1048576"),
+    (dict(zero_pp=dict(hpz=True)), "zero_pp.hpz"),
+    (dict(zero_pp=dict(qwz=True)), "zero_pp.qwz"),
+    (dict(zero_pp=dict(frozen_bits=8)), "zero_pp.frozen_bits"),
+    (dict(tiling=dict(tile_numel=1000)), "tiling"),
+], ids=["tier", "tier-and-staging", "hpz", "qwz", "frozen-bits", "tiling"])
+def test_what_a_plan_would_override_or_cannot_count_is_refused(given: dict, named: str) -> None:
+    """With ``memory_budget``, offload tiers and sizes the plan chooses itself would be silently
+    replaced, and hpZ, qwZ, frozen weights stored quantized and tiling change what the engine holds
+    beyond the planner's inventory: each is refused when the options are made, named."""
+    ZeroOptions(**given)  # valid without a budget
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ZeroOptions(memory_budget="1GiB", **given)
