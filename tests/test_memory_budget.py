@@ -457,3 +457,37 @@ def test_what_a_plan_would_override_or_cannot_count_is_refused(given: dict, name
     ZeroOptions(**given)  # valid without a budget
     with pytest.raises(ValueError, match=re.escape(named)):
         ZeroOptions(memory_budget="1GiB", **given)
+
+
+def _fabric_outside_and_loss(rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+
+    from lightning_zinf import ZeroInfinityFabricStrategy
+    from tests.test_fabric import _fabric
+
+    fabric = _fabric(ZeroInfinityFabricStrategy(block_classes=["Block"], memory_budget="1GiB"))
+    torch.manual_seed(0)
+    with fabric.init_module():
+        model = models.GPT(d=32, layers=2, vocab=1024)  # logits of 1024 per token: the loss's are the most
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = models.make_batch("gpt", rank, 4)
+    out = model(x)
+    saved: dict[int, int] = {}  # the storages the loss saves for backward, by address
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+    fabric.backward(loss)
+    optimizer.step()
+    plan = fabric.strategy.engine.activation_plan
+    return {"outside": plan.outside, "loss": sum(saved.values())}
+
+
+def test_fabric_counts_what_the_loss_saves_outside_the_forward() -> None:
+    """Under Fabric the plan's scope is the model's forward; the loss is computed after it, and
+    its log-softmax keeps a tensor the size of the logits, in fp32: counted as the output's."""
+    for r in run_distributed(_fabric_outside_and_loss, 2, init_pg=False):
+        assert r["outside"] >= r["loss"] > 0, r
