@@ -187,7 +187,17 @@ class ActivationPlan:
     # --- the choice ----------------------------------------------------------------------------------
     def at_training_pass(self, comm: Collectives) -> None:
         """At the start of a training pass: after the first one, choose the blocks that keep their
-        activations (the same on every rank: the smallest count any rank found) and rewrap them."""
+        activations (the same on every rank: the smallest count any rank found) and rewrap them.
+
+        Args:
+            comm: The engine's collectives. The choice is one exchange of every rank's count, so
+                every rank must call this at the same pass (the engine does, where every rank is
+                at a training pass together) with the first step measured everywhere.
+
+        Warns:
+            RuntimeWarning: with every block checkpointed the activations still exceed the budget
+                (the bytes over, and the fix: a smaller batch per device or a larger budget).
+        """
         if self.decided or not self._stepped:
             return
         self.inputs = sum(self._inputs.values())

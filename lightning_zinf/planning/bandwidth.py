@@ -20,6 +20,7 @@ import torch
 from lightning_zinf.offload.aio import AioConfig
 from lightning_zinf.offload.aligned import aligned_empty
 from lightning_zinf.offload.errors import SwapError
+from lightning_zinf.offload.staging import registered_empty
 from lightning_zinf.offload.swapper import NvmeSwapper
 
 __all__ = ["Bandwidths", "measure_bandwidths"]
@@ -67,15 +68,19 @@ def _disk(nvme_path: str, aio: AioConfig, nbytes: int) -> float:
 
 
 def _link(device: torch.device, nbytes: int) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # On CUDA page-locked memory of its own, freed with the tensor (torch's caching host allocator
+    # would keep the probe's pages locked for the rest of the run); torch's pinned memory elsewhere.
+    if device.type == "cuda":
+        host = registered_empty(nbytes, device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    module = getattr(torch, device.type)
     on_device.copy_(host, non_blocking=True)  # the first copy pays the driver's set-up
-    module.synchronize()
+    torch.accelerator.synchronize(device)  # ``device``'s queues, whichever device is current
     start = time.perf_counter()
     on_device.copy_(host, non_blocking=True)
     host.copy_(on_device, non_blocking=True)
-    module.synchronize()
+    torch.accelerator.synchronize(device)  # and no copy reads ``host`` once it is dropped
     return 2 * nbytes / (time.perf_counter() - start)
 
 
