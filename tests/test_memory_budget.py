@@ -152,7 +152,7 @@ def test_parse_bytes_and_bad_budgets() -> None:
     assert parse_bytes("12GB") == 12_000_000_000
     assert parse_bytes("512 mib") == 512 << 20
     assert parse_bytes(12e9) == 12_000_000_000
-    for bad in ("12 parsecs", "-1GB", 0, True, "GB", None):
+    for bad in ("12 parsecs", "-1GB", 0, True, "GB", None, "0.5", 0.4):
         with pytest.raises(ValueError, match="memory_budget=.*positive number of bytes"):
             parse_bytes(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="give memory_budget too"):
