@@ -22,7 +22,8 @@ from lightning_zinf.options import ZeroOptions
 from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 from lightning_zinf.planning.activations import ActivationPlan
-from lightning_zinf.planning.bandwidth import measure_bandwidths
+from lightning_zinf.offload import SwapError
+from lightning_zinf.planning.bandwidth import Bandwidths, measure_bandwidths
 
 __all__ = ["build_engine", "checkpointed_layers", "memory_plan"]
 
@@ -58,7 +59,7 @@ def build_engine(
         The :class:`~lightning_zinf.engine.ZeroEngine` (also ``module._zinf_engine``).
 
     Raises:
-        ValueError: fp16 loss scaling with NVMe optimizer offload; see :func:`memory_plan`.
+        ValueError: fp16 loss scaling with NVMe optimizer offload.
         BudgetError: ``options.memory_budget`` fits no placement (:func:`memory_plan`).
         CheckpointError: ``load_full_weights`` is not a readable checkpoint of this model, or (a
             mapping) a prefix names no submodule of ``module``, or none of a checkpoint's keys names a
@@ -72,7 +73,9 @@ def build_engine(
                        loss_scaling=loss_scaling, ranks_per_node=ranks_per_node)
     if plan is not None:
         rank_zero_info(plan.describe())
-        options = dataclasses.replace(options, offload=plan.offload_config(options.offload), prefetch=plan.prefetch)
+        # The options the engine runs with: the plan's tiers and sizes, chosen (no budget left to plan).
+        options = dataclasses.replace(options, offload=plan.offload_config(options.offload), prefetch=plan.prefetch,
+                                      memory_budget=None, host_memory_budget=None, activation_memory=None)
     if loss_scaling and options.offload.optimizer == "nvme":
         raise ValueError(
             "precision='16-mixed' (fp16 loss scaling) does not work with OffloadConfig(optimizer='nvme'): the "
@@ -120,26 +123,17 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
 
     Raises:
         BudgetError: no placement fits the budget (the message names the smallest that would).
-        ValueError: the budget is combined with ZeRO++'s hpZ or qwZ, whose extra partitions and
-            quantized shards the planner does not count yet.
+        SwapError: rank 0 could not measure the disk under ``nvme_path`` (every rank raises it).
+
+    What the plan would override or cannot count (given offload tiers, hpZ, qwZ, ``frozen_bits``,
+    ``tiling``) is refused earlier, by :class:`~lightning_zinf.options.ZeroOptions`.
     """
     if options.memory_budget is None:
         return None
-    if options.zero_pp.hpz or options.zero_pp.qwz:
-        raise ValueError(
-            "memory_budget does not plan ZeRO++'s hpZ or qwZ yet (their secondary partitions and quantized shards are "
-            "not counted): leave memory_budget unset and choose the offload tiers yourself, or turn hpz and qwz off."
-        )
     distributed = dist.is_available() and dist.is_initialized()
     if world is None:
         world = dist.get_world_size() if distributed else 1
-    bandwidths = measure_bandwidths(device, options.offload.nvme_path, options.offload.aio) \
-        if not distributed or dist.get_rank() == 0 else None
-    if distributed and dist.get_world_size() > 1:
-        shared = [bandwidths]  # rank 0's: every rank must make the same plan
-        dist.broadcast_object_list(shared, src=0)
-        bandwidths = shared[0]
-    assert bandwidths is not None
+    bandwidths = _rank_0_bandwidths(device, options, distributed)
     if bandwidths.disk:  # the ranks of a node share its disk
         bandwidths = dataclasses.replace(bandwidths, disk=bandwidths.disk / max(ranks_per_node, 1))
     inventory = Inventory.of(module, world=world, block_classes=options.block_classes, mixed_precision=precision,
@@ -148,6 +142,29 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
                        prefetch=options.prefetch, host_budget=options.host_memory_budget,
                        optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
                        activation_bytes=options.activation_memory or 0)
+
+
+def _rank_0_bandwidths(device: torch.device, options: ZeroOptions, distributed: bool) -> Bandwidths:
+    """Rank 0's measured bandwidths, on every rank (every rank must make the same plan). A probe
+    that fails on rank 0 raises :class:`SwapError` with rank 0's message on every rank, so that no
+    rank waits in the broadcast for a result that never comes."""
+    measured: Union[Bandwidths, str, None] = None
+    failure: Optional[Exception] = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            measured = measure_bandwidths(device, options.offload.nvme_path, options.offload.aio)
+        except Exception as error:  # sent as its message: any exception type, pickled or not
+            failure = error
+            measured = str(error) if isinstance(error, SwapError) else \
+                f"measuring the disk and host link for memory_budget failed on rank 0: {type(error).__name__}: {error}"
+    if distributed and dist.get_world_size() > 1:
+        shared = [measured]
+        dist.broadcast_object_list(shared, src=0)
+        measured = shared[0]
+    if isinstance(measured, str):
+        raise SwapError(measured) from failure
+    assert measured is not None
+    return measured
 
 
 def _blocks(module: nn.Module, block_classes: Sequence[Union[str, type]]) -> list[tuple[str, nn.Module]]:

@@ -90,10 +90,42 @@ class ZeroOptions:
         if budget is not None and reserve is not None and reserve >= budget:
             raise ValueError(f"activation_memory={reserve} leaves nothing of memory_budget={budget} for the parameters, "
                              "gradients and optimizer state: give activation_memory less than memory_budget.")
+        if budget is not None:
+            _refuse_unplanned(coerced)
         if isinstance(self.load_full_weights, Mapping):
             coerced["load_full_weights"] = _weight_prefixes(self.load_full_weights, self.load_prefix)
         for name, value in coerced.items():
             object.__setattr__(self, name, value)  # frozen: normalised once, here
+
+
+def _refuse_unplanned(options: Mapping[str, Any]) -> None:
+    """With ``memory_budget``: refuse the options the plan would override (the offload tiers and
+    sizes it chooses) and those it cannot count yet.
+
+    Raises:
+        ValueError: ``offload.param``, ``optimizer``, ``host_bytes`` or ``staging_bytes`` is given;
+            ZeRO++'s hpZ, qwZ or ``frozen_bits``, or ``tiling``, is on. The message names each.
+    """
+    offload = options["offload"]
+    chosen = [f"offload.{name}={getattr(offload, name)!r}" for name, default in
+              (("param", "none"), ("optimizer", "none"), ("host_bytes", 0), ("staging_bytes", None))
+              if getattr(offload, name) != default]
+    if chosen:
+        raise ValueError(
+            f"memory_budget chooses the offload tiers and sizes itself, but {', '.join(chosen)} is given too: leave "
+            "them unset (with a budget, offload gives nvme_path, read_ahead, aio, copy_ahead_bytes and at most "
+            "sub_group_size), or leave memory_budget unset to choose the tiers yourself."
+        )
+    zero_pp = options["zero_pp"]
+    uncounted = [name for name, on in (
+        ("zero_pp.hpz (secondary partitions)", zero_pp.hpz), ("zero_pp.qwz (quantized rows)", zero_pp.qwz),
+        ("zero_pp.frozen_bits (frozen weights stored quantized)", zero_pp.frozen_bits is not None),
+        ("tiling (each tile a unit of its own)", options["tiling"] is not None)) if on]
+    if uncounted:
+        raise ValueError(
+            f"memory_budget does not plan {', '.join(uncounted)} yet: its predictions would not hold. Turn "
+            "them off, or leave memory_budget unset and choose the offload tiers yourself."
+        )
 
 
 def _weight_prefixes(sources: Mapping[Any, Any], load_prefix: Optional[str]) -> dict[str, Union[str, os.PathLike]]:

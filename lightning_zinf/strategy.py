@@ -180,8 +180,10 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             chooses the offload tiers, the records kept in host memory instead of NVMe, the NVMe
             staging cap and, if it must, a smaller prefetch bucket: the fastest placement whose
             predicted peak fits (:mod:`lightning_zinf.planning`). ``offload`` then only gives
-            ``nvme_path`` (NVMe is considered only with one), ``read_ahead``, ``aio`` and
-            ``copy_ahead_bytes``. The plan is logged at setup and kept as
+            ``nvme_path`` (NVMe is considered only with one), ``read_ahead``, ``aio``,
+            ``copy_ahead_bytes`` and at most ``sub_group_size``; tiers and sizes given too are
+            refused, as are hpZ, qwZ, ``frozen_bits`` and ``tiling``, which the planner does not
+            count yet. The plan is logged at setup and kept as
             ``strategy.engine.memory_plan``; :meth:`memory_plan` prints it without training.
             Activations are not in the budget yet. Default ``None``: the tiers you give.
             Raises :class:`~lightning_zinf.planning.BudgetError` at setup, naming the smallest

@@ -9,11 +9,15 @@ engine), and that a budget too small is refused on every rank with a size that t
 
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 import pytest
 import torch
 
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters
 from lightning_zinf.engine_setup import memory_plan
+from lightning_zinf.offload import SwapError
 from lightning_zinf.options import ZeroOptions
 from lightning_zinf.planning import BudgetError, Inventory, Placement, parse_bytes, plan_memory, predict
 from tests import models
@@ -37,23 +41,40 @@ def _steps(model: torch.nn.Module, engine: ZeroEngine, opt: torch.optim.Optimize
         opt.zero_grad()
 
 
-def _ledger_against_prediction(rank: int, world: int, offload: dict, bf16: bool, nvme_path: str) -> dict:
+def _ledger_against_prediction(rank: int, world: int, model_name: str, offload: dict, bf16: bool,
+                               nvme_path: str) -> dict:
     torch.manual_seed(0)
-    model = models.GPT(d=128, layers=4, vocab=256, seq=16)
+    kwargs, blocks, prefetch = LEDGER_MODELS[model_name]
+    model = models.GPT(**kwargs)
     mp = BF16 if bf16 else MixedPrecisionConfig()
     placement = Placement(param=offload.get("param", "none"), optimizer=offload.get("optimizer", "none"),
                           host_bytes=offload.get("host_bytes", 0), staging_bytes=offload.get("staging_bytes", 0))
-    inventory = Inventory.of(model, world=world, block_classes=["Block"], mixed_precision=mp)
-    predicted = predict(inventory, placement, bucket_size=PrefetchConfig().bucket_size)
-    engine = ZeroEngine(model, block_classes=["Block"], offload=OffloadConfig(**offload, nvme_path=nvme_path),
-                        mixed_precision=mp)
-    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    _steps(model, engine, opt, 256)
+    inventory = Inventory.of(model, world=world, block_classes=blocks, mixed_precision=mp,
+                             persistence_threshold=prefetch.persistence_threshold)
+    predicted = predict(inventory, placement, bucket_size=prefetch.bucket_size)
+    engine = ZeroEngine(model, block_classes=blocks, offload=OffloadConfig(**offload, nvme_path=nvme_path),
+                        mixed_precision=mp, prefetch=prefetch)
+    opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+    _steps(model, engine, opt, kwargs["vocab"])
     measured = {k: peak for k, (_, peak) in engine.memory().items()}
     return {"measured": measured, "predicted": predicted.categories, "device": predicted.device}
 
 
 NVME = dict(staging_bytes=8 << 20)
+
+# The models the ledger test runs: the small GPT in blocks; the same with LoRA adapters (frozen base
+# groups beside tiny trainable ones, whose records host_bytes keeps); one unit per module, of odd sizes
+# (padded shards and buffers), with a tied embedding gathered from its first use to the head and a
+# prefetch bucket that ends mid-model (qkv, proj, up, down: backward's window at up, proj and qkv ahead,
+# is larger than any of forward's); and most units persistent, re-gathered together after each step
+# (their transient buffers outgrow the window).
+LEDGER_MODELS = {
+    "gpt": (dict(d=128, layers=4, vocab=256, seq=16), ["Block"], PrefetchConfig()),
+    "lora": (dict(d=128, layers=4, vocab=256, seq=16, lora_rank=4), ["Block"], PrefetchConfig()),
+    "odd-units": (dict(d=100, layers=3, vocab=400, heads=2, seq=16), [],
+                  PrefetchConfig(bucket_size=50_000, persistence_threshold=1_000)),
+    "persistent-units": (dict(d=128, layers=4, vocab=1024, seq=16), [], PrefetchConfig()),
+}
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
@@ -61,12 +82,16 @@ NVME = dict(staging_bytes=8 << 20)
     {}, dict(optimizer="cpu"), dict(param="cpu", optimizer="cpu"), dict(param="nvme", optimizer="nvme", **NVME),
     dict(optimizer="nvme", host_bytes=2 << 20, **NVME), dict(param="nvme", optimizer="nvme", host_bytes=3 << 20, **NVME),
 ], ids=["device", "zero-offload", "cpu", "nvme", "optimizer-nvme-kept", "nvme-kept"])
-def test_prediction_bounds_every_ledger_category(offload: dict, bf16: bool, tmp_path) -> None:
-    for result in run_distributed(_ledger_against_prediction, 2, offload, bf16, str(tmp_path)):
+@pytest.mark.parametrize("model_name", list(LEDGER_MODELS))
+def test_prediction_bounds_every_ledger_category(model_name: str, offload: dict, bf16: bool, tmp_path) -> None:
+    for result in run_distributed(_ledger_against_prediction, 2, model_name, offload, bf16, str(tmp_path)):
         measured, predicted = result["measured"], result["predicted"]
         over = {k: (v, predicted.get(k, 0)) for k, v in measured.items() if v > predicted.get(k, 0)}
         assert not over, f"ledger peaks above the prediction (measured, predicted): {over}"
-        assert measured["device_total"] >= 0.7 * result["device"], (measured["device_total"], result["device"])
+        # Not far above either: within 30% in blocks; one unit per module, of many sizes, leaves the CPU
+        # gradient pool more ways to keep free buffers than it takes, and its bound is the looser.
+        tight = 0.7 if model_name in ("gpt", "lora") else 0.5
+        assert measured["device_total"] >= tight * result["device"], (measured["device_total"], result["device"])
 
 
 def _budget_run(rank: int, world: int, budget, nvme_path: str) -> dict:
@@ -127,7 +152,7 @@ def test_parse_bytes_and_bad_budgets() -> None:
     assert parse_bytes("12GB") == 12_000_000_000
     assert parse_bytes("512 mib") == 512 << 20
     assert parse_bytes(12e9) == 12_000_000_000
-    for bad in ("12 parsecs", "-1GB", 0, True, "GB", None):
+    for bad in ("12 parsecs", "-1GB", 0, True, "GB", None, "0.5", 0.4):
         with pytest.raises(ValueError, match="memory_budget=.*positive number of bytes"):
             parse_bytes(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="give memory_budget too"):
@@ -150,12 +175,21 @@ def test_plan_order_and_nvme_path() -> None:
     assert nvme.placement.optimizer == "nvme" and nvme.prediction.total(False) <= everything.total(False) // 2
 
 
+FIT_GPT = dict(d=64, layers=6, heads=2)
+
+
 def _fit(rank: int, world: int, budget, nvme_path: str) -> dict:
     from lightning_zinf import ZeroInfinityStrategy
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
 
+    class Larger(LitGPT):  # large enough for NVMe to save more than its records' 4 KiB blocks take
+        def configure_model(self) -> None:
+            if self.model is None:
+                torch.manual_seed(0)
+                self.model = models.GPT(**FIT_GPT)
+
     strategy = ZeroInfinityStrategy(memory_budget=budget, offload={"nvme_path": nvme_path})
-    lit = LitGPT(GLOBAL_BATCH // world)
+    lit = Larger(GLOBAL_BATCH // world)
     trainer = _trainer(strategy, world)
     try:
         trainer.fit(lit)
@@ -169,7 +203,7 @@ def test_the_trainer_plans_from_a_budget_string(tmp_path) -> None:
     """``ZeroInfinityStrategy(memory_budget=...)`` (a string, as a YAML config gives it): the plan
     moves state to NVMe under a tight budget, and the fit's losses are those of the unplanned fit
     (placement changes no value); a budget too small is refused on every rank, at setup."""
-    unplanned = predict(Inventory.of(models.GPT(), world=2), Placement(), bucket_size=10_000_000).total(False)
+    unplanned = predict(Inventory.of(models.GPT(**FIT_GPT), world=2), Placement(), bucket_size=10_000_000).total(False)
     refused = run_distributed(_fit, 2, "1KiB", str(tmp_path), init_pg=False)
     assert all("Raise memory_budget to at least" in r["refused"] for r in refused)
     smallest = int(refused[0]["refused"].split("at least ")[1].split(" bytes")[0])
@@ -200,32 +234,35 @@ data:
 """
 
 
-@pytest.mark.parametrize("budget", ["42MiB", "1MiB"])
-def test_zinf_plan_prints_the_plan_without_training(budget: str, tmp_path) -> None:
+@pytest.mark.parametrize("refused", [False, True], ids=["nvme", "refused"])
+def test_zinf_plan_prints_the_plan_without_training(refused: bool, tmp_path) -> None:
     """``zinf plan --config run.yaml`` on the main example's model: the plan the fit would log (the
     same as the strategy's ``memory_plan``), or the refusal with exit status 2; nothing trains."""
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    config = tmp_path / "run.yaml"
-    config.write_text(_PLAN_CONFIG.format(budget=budget, nvme=tmp_path))
-    done = subprocess.run([sys.executable, "-m", "lightning_zinf.cli", "plan", "--config", str(config)], cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    if budget == "1MiB":
-        assert done.returncode == 2 and "Raise memory_budget to at least" in done.stderr.splitlines()[-1], done.stderr
-        return
-    assert done.returncode == 0, done.stderr
     from examples.pretrain import GPTPretrain
 
     with meta_parameters():
         lit = GPTPretrain(d_model=256, n_layers=4, n_heads=4, seq_len=128)
         lit.configure_model()
-    expected = plan_memory(Inventory.of(lit, world=2, block_classes=["Block"]), parse_bytes(budget), accelerator=False,
-                           offload=OffloadConfig(nvme_path=str(tmp_path)))
-    assert expected.placement.optimizer == "nvme"  # at 42 MiB only NVMe fits (ZeRO-3 needs 43)
-    lines = expected.describe().splitlines()
+    inventory = Inventory.of(lit, world=2, block_classes=["Block"])
+    nvme = OffloadConfig(nvme_path=str(tmp_path))
+    unplanned = predict(inventory, Placement(), bucket_size=10_000_000).total(False)
+    budget = 1 << 20 if refused else next(  # the largest budget only NVMe meets
+        b for b in range(unplanned, 0, -unplanned // 200)
+        if (p := _plan_or_none(inventory, b, nvme)) is not None and p.placement.optimizer == "nvme")
+    root = Path(__file__).resolve().parent.parent
+    config = tmp_path / "run.yaml"
+    config.write_text(_PLAN_CONFIG.format(budget=budget, nvme=tmp_path))
+    done = subprocess.run([sys.executable, "-m", "lightning_zinf.cli", "plan", "--config", str(config)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    if refused:
+        assert done.returncode == 2 and "Raise memory_budget to at least" in done.stderr.splitlines()[-1], done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    lines = plan_memory(inventory, budget, accelerator=False, offload=nvme).describe().splitlines()
     assert lines[1] in done.stdout.splitlines() and lines[2] in done.stdout.splitlines()  # placement, peak
     assert "s at the measured disk" in done.stdout  # the traffic timed at this disk's bandwidth
     assert not list(tmp_path.glob("**/*.swp"))  # no engine was built
@@ -371,3 +408,100 @@ def test_activation_memory_is_left_out_of_the_placement() -> None:
         ZeroOptions(activation_memory="1GiB")
     with pytest.raises(ValueError, match="less than memory_budget"):
         ZeroOptions(memory_budget="1GiB", activation_memory="2GiB")
+
+
+def _plan_or_refusal(rank: int, world: int, nvme_path: str) -> Optional[str]:
+    with meta_parameters():
+        model = models.GPT(d=64, layers=2)
+    options = ZeroOptions(block_classes=["Block"], offload=OffloadConfig(nvme_path=nvme_path), memory_budget="1GiB")
+    try:
+        memory_plan(model, options, device=torch.device("cpu"), precision=MixedPrecisionConfig())
+    except SwapError as error:
+        return str(error)
+    return None
+
+
+def test_a_disk_rank_0_cannot_measure_is_refused_on_every_rank(tmp_path) -> None:
+    """The disk is measured on rank 0 alone: when it cannot be (``nvme_path`` is a file), every
+    rank raises the same error naming the path and the fix, instead of rank 0 raising while the
+    others wait in the broadcast of its result."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    refusals = run_distributed(_plan_or_refusal, 2, str(not_a_folder), timeout=120)
+    assert refusals[0] is not None and refusals[0] == refusals[1], refusals
+    assert str(not_a_folder) in refusals[0] and "nvme_path" in refusals[0], refusals[0]
+
+
+def _fp32_shards_beside_staging(rank: int, world: int, nvme_path: str) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(d=128, layers=4, vocab=256, seq=16)
+    inventory = Inventory.of(model, world=world, block_classes=["Block"], mixed_precision=BF16)
+    sub_group = max(g.shard_numel for g in inventory.groups if g.trainable)  # as a plan sets it
+    offload = dict(optimizer="nvme", staging_bytes=4 << 20)
+    predicted = predict(inventory, Placement(**offload), bucket_size=PrefetchConfig().bucket_size)
+    engine = ZeroEngine(model, block_classes=["Block"], mixed_precision=BF16,
+                        offload=OffloadConfig(**offload, sub_group_size=sub_group, nvme_path=nvme_path))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _steps(model, engine, opt, 256)
+    memory = engine.memory()
+    return {"host": memory["shards_cpu"][1] + memory["staging"][1], "predicted": predicted.host}
+
+
+def test_zero_offload_layout_with_the_optimizer_on_nvme_keeps_fp32_shards_in_host_memory(tmp_path) -> None:
+    """Parameters on the device in bf16 and the optimizer on NVMe: the fp32 shards stay in host
+    memory (the 16-bit device copies are made from them after each step) beside a master of their
+    own on NVMe and the staging pool; the plan's host memory counts them."""
+    for r in run_distributed(_fp32_shards_beside_staging, 2, str(tmp_path)):
+        assert r["host"] <= r["predicted"], r
+
+
+@pytest.mark.parametrize("given, named", [
+    (dict(offload=dict(optimizer="cpu")), "offload.optimizer='cpu'"),
+    (dict(offload=dict(param="nvme", nvme_path="/tmp", staging_bytes=1 << 20)), "offload.param='nvme', "
+                                                                                "offload.staging_bytes=1048576"),
+    (dict(zero_pp=dict(hpz=True)), "zero_pp.hpz"),
+    (dict(zero_pp=dict(qwz=True)), "zero_pp.qwz"),
+    (dict(zero_pp=dict(frozen_bits=8)), "zero_pp.frozen_bits"),
+    (dict(tiling=dict(tile_numel=1000)), "tiling"),
+], ids=["tier", "tier-and-staging", "hpz", "qwz", "frozen-bits", "tiling"])
+def test_what_a_plan_would_override_or_cannot_count_is_refused(given: dict, named: str) -> None:
+    """With ``memory_budget``, offload tiers and sizes the plan chooses itself would be silently
+    replaced, and hpZ, qwZ, frozen weights stored quantized and tiling change what the engine holds
+    beyond the planner's inventory: each is refused when the options are made, named."""
+    ZeroOptions(**given)  # valid without a budget
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ZeroOptions(memory_budget="1GiB", **given)
+
+
+def _fabric_outside_and_loss(rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+
+    from lightning_zinf import ZeroInfinityFabricStrategy
+    from tests.test_fabric import _fabric
+
+    fabric = _fabric(ZeroInfinityFabricStrategy(block_classes=["Block"], memory_budget="1GiB"))
+    torch.manual_seed(0)
+    with fabric.init_module():
+        model = models.GPT(d=32, layers=2, vocab=1024)  # logits of 1024 per token: the loss's are the most
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = models.make_batch("gpt", rank, 4)
+    out = model(x)
+    saved: dict[int, int] = {}  # the storages the loss saves for backward, by address
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+    fabric.backward(loss)
+    optimizer.step()
+    plan = fabric.strategy.engine.activation_plan
+    return {"outside": plan.outside, "loss": sum(saved.values())}
+
+
+def test_fabric_counts_what_the_loss_saves_outside_the_forward() -> None:
+    """Under Fabric the plan's scope is the model's forward; the loss is computed after it, and
+    its log-softmax keeps a tensor the size of the logits, in fp32: counted as the output's."""
+    for r in run_distributed(_fabric_outside_and_loss, 2, init_pg=False):
+        assert r["outside"] >= r["loss"] > 0, r

@@ -26,7 +26,7 @@ import functools
 import logging
 import warnings
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,14 @@ class _Count:
         if storage.nbytes() and storage.data_ptr() not in self.seen:
             self.seen.add(storage.data_ptr())
             self.nbytes += storage.nbytes()
+
+    def add_as(self, tensor: Tensor, itemsize: int) -> None:
+        """Count a tensor of ``tensor``'s elements of ``itemsize`` bytes each (what a computation
+        on it outside the scope saves), unless its storage was counted."""
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
+            self.nbytes += tensor.numel() * itemsize
 
     def pack(self, tensor: Tensor) -> Tensor:
         self.add(tensor)
@@ -100,6 +108,7 @@ class ActivationPlan:
         self.decided = False
         self.over = 0
         self._stepped = False
+        self._outside: Optional[_Count] = None  # the count of the scope in progress, if measuring
         self._inputs: dict[str, int] = {}
         self._originals: dict[str, Callable[..., Any]] = {}
         seen_classes: set[str] = set()
@@ -149,23 +158,46 @@ class ActivationPlan:
         if not self._measuring():
             yield
             return
-        count = _Count(self.is_gathered)  # the blocks' own hooks take over inside them
-        with torch.autograd.graph.saved_tensors_hooks(count.pack, count.unpack):
-            yield
+        count = self._outside = _Count(self.is_gathered)  # the blocks' own hooks take over inside them
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(count.pack, count.unpack):
+                yield
+        finally:
+            self._outside = None
         self.outside = max(self.outside, count.nbytes)
         self._stepped = True
 
     def scope_every_forward(self, module: nn.Module) -> None:
         """Enter :meth:`scope` around every forward of ``module`` (Fabric's model, whose forward
-        is the training forward)."""
+        is the training forward). The loss is computed after the forward, outside the scope: what
+        it saves is counted as its output in fp32 (a cross-entropy's log-softmax keeps one such
+        tensor), the output's floating-point tensors that require a gradient."""
         scopes = ExitStack()
+
+        def leave(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self._outside is not None:
+                for tensor in _tensors(output):
+                    if tensor.requires_grad and tensor.is_floating_point():
+                        self._outside.add_as(tensor, max(tensor.element_size(), 4))
+            scopes.close()
+
         module.register_forward_pre_hook(lambda *_: scopes.enter_context(self.scope()))
-        module.register_forward_hook(lambda *_: scopes.close(), always_call=True)
+        module.register_forward_hook(leave, always_call=True)
 
     # --- the choice ----------------------------------------------------------------------------------
     def at_training_pass(self, comm: Collectives) -> None:
         """At the start of a training pass: after the first one, choose the blocks that keep their
-        activations (the same on every rank: the smallest count any rank found) and rewrap them."""
+        activations (the same on every rank: the smallest count any rank found) and rewrap them.
+
+        Args:
+            comm: The engine's collectives. The choice is one exchange of every rank's count, so
+                every rank must call this at the same pass (the engine does, where every rank is
+                at a training pass together) with the first step measured everywhere.
+
+        Warns:
+            RuntimeWarning: with every block checkpointed the activations still exceed the budget
+                (the bytes over, and the fix: a smaller batch per device or a larger budget).
+        """
         if self.decided or not self._stepped:
             return
         self.inputs = sum(self._inputs.values())
@@ -207,6 +239,19 @@ class ActivationPlan:
         return (f"activations per block ({classes}), outside the blocks {format_bytes(self.outside)}, block inputs "
                 f"{format_bytes(self.inputs)}: {len(self.kept)} of {len(self.blocks)} blocks keep their activations, "
                 f"{len(self.checkpointed)} are checkpointed")
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors in a module's output: itself, or those in its tuples, lists and dicts (a Hugging
+    Face ``ModelOutput`` is a dict)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _tensor_bytes(args: tuple, kwargs: dict) -> int:

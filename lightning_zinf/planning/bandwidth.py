@@ -19,6 +19,8 @@ import torch
 
 from lightning_zinf.offload.aio import AioConfig
 from lightning_zinf.offload.aligned import aligned_empty
+from lightning_zinf.offload.errors import SwapError
+from lightning_zinf.offload.staging import registered_empty
 from lightning_zinf.offload.swapper import NvmeSwapper
 
 __all__ = ["Bandwidths", "measure_bandwidths"]
@@ -47,7 +49,15 @@ class Bandwidths:
 def _disk(nvme_path: str, aio: AioConfig, nbytes: int) -> float:
     buffer = aligned_empty(nbytes, torch.uint8)
     buffer.fill_(1)
-    with tempfile.TemporaryDirectory(prefix=".zinf-probe-", dir=nvme_path) as folder:
+    try:
+        probe = tempfile.TemporaryDirectory(prefix=".zinf-probe-", dir=nvme_path)
+    except OSError as error:
+        raise SwapError(
+            f"memory_budget measures the disk under offload.nvme_path={nvme_path!r}, but making a folder there "
+            f"failed: {error.strerror or error}. Point nvme_path at an existing folder this process may write, on "
+            "a local disk."
+        ) from error
+    with probe as folder:
         with NvmeSwapper(os.path.join(folder, "swap"), aio) as swapper:
             start = time.perf_counter()
             swapper.write("probe", buffer).wait()
@@ -58,15 +68,19 @@ def _disk(nvme_path: str, aio: AioConfig, nbytes: int) -> float:
 
 
 def _link(device: torch.device, nbytes: int) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    # On CUDA page-locked memory of its own, freed with the tensor (torch's caching host allocator
+    # would keep the probe's pages locked for the rest of the run); torch's pinned memory elsewhere.
+    if device.type == "cuda":
+        host = registered_empty(nbytes, device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    module = getattr(torch, device.type)
     on_device.copy_(host, non_blocking=True)  # the first copy pays the driver's set-up
-    module.synchronize()
+    torch.accelerator.synchronize(device)  # ``device``'s queues, whichever device is current
     start = time.perf_counter()
     on_device.copy_(host, non_blocking=True)
     host.copy_(on_device, non_blocking=True)
-    module.synchronize()
+    torch.accelerator.synchronize(device)  # and no copy reads ``host`` once it is dropped
     return 2 * nbytes / (time.perf_counter() - start)
 
 
@@ -76,7 +90,8 @@ def measure_bandwidths(device: torch.device, nvme_path: Optional[str], aio: AioC
     ``device`` (if an accelerator), each from one ``nbytes`` transfer each way.
 
     Raises:
-        SwapError: the folder cannot be written (:class:`~lightning_zinf.offload.NvmeSwapper`).
+        SwapError: ``nvme_path`` is not a folder this process can write, or the disk is full (the
+            message names the path and the fix).
     """
     return Bandwidths(disk=_disk(nvme_path, aio, nbytes) if nvme_path else None,
                       link=_link(device, nbytes) if device.type != "cpu" else None)

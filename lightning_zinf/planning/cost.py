@@ -4,23 +4,36 @@ bytes a step moves over the host link and the disk.
 The long-lived state is exact arithmetic on the inventory (ZeRO-Infinity's memory model, Rajbhandari
 et al., SC'21, §3-4: per parameter, the shard in its storage dtype, a 16-bit compute copy where the
 shard is offloaded and ``param_dtype`` is narrower, and for trainable ones an fp32 master, an fp32
-gradient shard and the optimizer's per-element states, each on the tier the placement gives it).
-The buffers that come and go during a step follow the engine's schedule
-(:mod:`lightning_zinf.engine.schedule`): the persistent units plus the unit in use and the units
-gathered ahead of it within ``PrefetchConfig.bucket_size`` elements, the full gradient of one unit
-and of the persistent ones, and one unit's reduce-scatter (its cast to ``reduce_dtype`` and its
-output shard). Records on NVMe cost host memory only through the staging cap the placement sets and
-the records ``host_bytes`` keeps. Activations are not in the ledger and not predicted here.
+gradient shard and the optimizer's per-element states, each where the engine puts it for the
+placement: with parameters on the device under a narrower ``param_dtype`` and the optimizer offloaded,
+the fp32 shard in host memory and, with the optimizer on NVMe, a master record of its own). NVMe
+records are laid out as the swapper writes them (whole 4096-byte blocks); they cost host memory
+through the staging cap, the records ``host_bytes`` keeps (at most ``host_bytes`` on any rank) and,
+on the CPU, the block each aligned buffer takes beyond its size. The buffers that come and go during
+a step follow the engine's schedule (:mod:`lightning_zinf.engine.schedule`), in padded sizes: the
+persistent and tied units plus the unit in use and those gathered ahead of it within
+``PrefetchConfig.bucket_size`` elements, in forward and in backward order, or the transient buffers
+of the persistent units' coalesced re-gather after a step; the full gradients of the persistent
+units and of one unit; one group's reduce-scatter (its cast to ``reduce_dtype`` and its output
+shard); on an accelerator the device copies of host-side shards; on the CPU the free buffers its
+pools keep (:mod:`lightning_zinf.engine.buffers`). Activations are not in the ledger and not
+predicted here.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_zinf.offload.aligned import ALIGNMENT, round_up
+import torch
+
+from lightning_zinf.engine.buffers import SLACK
+from lightning_zinf.engine.units import COALESCE_BYTES
+from lightning_zinf.offload.aligned import ALIGNMENT
 from lightning_zinf.offload.host import first_that_fit
+from lightning_zinf.offload.swapped import record_layout
 from lightning_zinf.planning.inventory import GroupFacts, Inventory
 
 __all__ = ["Placement", "Prediction", "predict", "host_costs"]
@@ -76,7 +89,8 @@ class Prediction:
             each gather).
         link_bytes: Bytes copied between host and device per step (an accelerator's host link:
             offloaded shards to the device for each gather, gradients to the host, new values back).
-        kept_groups: Groups whose NVMe-tier records ``host_bytes`` keeps in host memory.
+        kept_groups: Groups whose NVMe-tier records ``host_bytes`` keeps in host memory (on the
+            rank with the largest records: a rank that owns no element of a group may keep more).
     """
 
     categories: dict[str, int]
@@ -91,30 +105,84 @@ class Prediction:
         return self.device if accelerator else self.device + self.host
 
 
-def host_costs(inventory: Inventory, placement: Placement, state_bytes: int) -> list[int]:
+@dataclass(frozen=True)
+class _Record:
+    """One NVMe swap record of a group.
+
+    Attributes:
+        category: The ledger category its bytes count in while they are in memory.
+        nbytes: Its size as written (:func:`~lightning_zinf.offload.swapped.record_layout`: regions
+            on 64-byte boundaries, whole 4096-byte ``O_DIRECT`` blocks).
+        keepable: ``OffloadConfig.host_bytes`` may keep it in host memory (a gradient shard's never).
+        everywhere: Every rank has it (the optimizer states' is absent on a rank that owns no
+            element of the group, so that rank's groups cost less there).
+    """
+
+    category: str
+    nbytes: int
+    keepable: bool = True
+    everywhere: bool = True
+
+
+def _layout(*region_bytes: int) -> int:
+    return record_layout([(str(i), torch.uint8, n) for i, n in enumerate(region_bytes)])[1]
+
+
+def _records(g: GroupFacts, placement: Placement, state_bytes: int, world: int) -> list[_Record]:
+    """``g``'s swap records under ``placement``, as :class:`~lightning_zinf.offload.params.ParamOffload`
+    and :class:`~lightning_zinf.offload.optimizer.OptimizerOffload` write them (none without an NVMe tier)."""
+    s = g.shard_numel
+    records = []
+    if placement.param == "nvme":
+        records.append(_Record("shards_cpu", _layout(g.storage_bytes * s)))
+        if g.keeps_copy:
+            records.append(_Record("shards_cpu", _layout(g.compute_bytes * s)))
+    if g.trainable and placement.optimizer == "nvme":
+        if not (placement.param == "nvme" and g.storage_bytes == 4):  # else the shard's record is the master
+            records.append(_Record("optimizer", _layout(4 * s)))
+        records.append(_Record("grad_shards", _layout(4 * s), keepable=False))
+        if state_bytes:  # one region per fp32 state (Adam: two)
+            regions = [4 * s] * (state_bytes // 4) + ([state_bytes % 4 * s] if state_bytes % 4 else [])
+            records.append(_Record("optimizer", _layout(*regions), everywhere=g.numel > (world - 1) * s))
+    return records
+
+
+def host_costs(inventory: Inventory, placement: Placement, state_bytes: int, buffers: bool = False) -> list[int]:
     """Bytes that keeping each group's NVMe records in host memory costs, for the groups with
-    records on NVMe, in order (what :meth:`OptimizerOffload.plan_host
-    <lightning_zinf.offload.optimizer.OptimizerOffload.plan_host>` and :class:`ParamOffload
-    <lightning_zinf.offload.params.ParamOffload>` count): the shard and compute copy with
-    ``param="nvme"``; with ``optimizer="nvme"`` a trainable group's master (unless an fp32 shard on
-    NVMe is the master) and its per-element states."""
+    records ``host_bytes`` may keep, in order: what :meth:`OptimizerOffload.plan_host
+    <lightning_zinf.offload.optimizer.OptimizerOffload.plan_host>` and :meth:`ParamOffload.add
+    <lightning_zinf.offload.params.ParamOffload.add>` count against ``host_bytes`` on the rank with
+    the most (the shard and compute copy with ``param="nvme"``; with ``optimizer="nvme"`` a
+    trainable group's master, unless an fp32 shard on NVMe is the master, and its per-element
+    states; never the gradient shard). ``buffers``: each record with the 4096 bytes its buffer of
+    its own takes beyond it in host memory (:func:`~lightning_zinf.offload.aligned.aligned_empty`),
+    which ``host_bytes`` does not count."""
     costs = []
     for g in inventory.groups:
-        records = []
-        if placement.param == "nvme":
-            records += [g.storage_bytes * g.shard_numel, g.compute_bytes * g.shard_numel if g.keeps_copy else 0]
-        if g.trainable and placement.optimizer == "nvme":
-            shares = placement.param == "nvme" and g.storage_bytes == 4
-            # One record for the states, a region per state (two for Adam), each aligned.
-            records += [0 if shares else 4 * g.shard_numel, state_bytes * g.shard_numel + ALIGNMENT]
-        cost = sum(round_up(r, ALIGNMENT) for r in records if r)
-        if cost:
-            costs.append(cost)
+        kept = [r.nbytes for r in _records(g, placement, state_bytes, inventory.world) if r.keepable]
+        if kept:
+            costs.append(sum(kept) + (ALIGNMENT * len(kept) if buffers else 0))
     return costs
 
 
 def _swapped_shard_bytes(g: GroupFacts) -> int:
     return g.shard_numel * (g.storage_bytes + (g.compute_bytes if g.keeps_copy else 0))
+
+
+def _master_is_shard(g: GroupFacts, placement: Placement) -> bool:
+    # The optimizer steps the fp32 shard in place: on the device without offload, or where a 16-bit
+    # copy feeds the gathers and the shard sits with the optimizer in host memory (FlatGroup.make_master).
+    if g.storage_bytes != 4:
+        return False
+    if placement.optimizer == "none":
+        return placement.param == "none"
+    return placement.optimizer == "cpu" and placement.param in ("none", "cpu") and g.keeps_copy
+
+
+def _resident(sizes: list[int], cap: int) -> int:
+    """The most bytes records of ``sizes`` hold in a staging pool capped at ``cap``: at most the cap
+    (or all of them), plus the block each buffer takes beyond its size, for as many as fit at once."""
+    return min(cap, sum(sizes)) + ALIGNMENT * first_that_fit(sorted(sizes), cap)
 
 
 def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, state_bytes: int = 8,
@@ -132,137 +200,254 @@ def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, sta
         copy_ahead_bytes: ``OffloadConfig.copy_ahead_bytes`` (``param="cpu"`` on an accelerator).
 
     Returns:
-        The :class:`Prediction`.
+        The :class:`Prediction`: every category an upper bound of the ledger's peak on every rank.
     """
     cats: dict[str, int] = defaultdict(int)
-    host_tier = {"none": "device", "cpu": "host", "nvme": "disk"}
     where: dict[str, int] = defaultdict(int)  # "device" / "host" / "disk" -> bytes of long-lived state
 
-    kept_unrounded = 0
-
     def put(category: str, tier: str, nbytes: int) -> None:
-        nonlocal kept_unrounded
-        kept_unrounded += nbytes if kept and tier == "host" and has_nvme else 0
-        if tier == "disk":  # records are laid out in aligned regions (O_DIRECT)
-            category = "shards_nvme" if category.startswith("shards") else "optimizer_nvme"
-            nbytes = round_up(nbytes, ALIGNMENT)
         cats[category] += nbytes
         where[tier] += nbytes
 
-    kept_costs = host_costs(inventory, placement, state_bytes)
-    kept_count = first_that_fit(kept_costs, placement.host_bytes) if placement.nvme else 0
-    nvme_index = 0
+    tiers = {"none": "device", "cpu": "host", "nvme": None}  # None: in records
+    param_tier, opt_tier = tiers[placement.param], tiers[placement.optimizer]
+    records = [_records(g, placement, state_bytes, inventory.world) for g in inventory.groups]
+    keepable = [[r for r in rs if r.keepable] for rs in records]
+    host_bytes = placement.host_bytes if placement.nvme else 0
+    # Each rank keeps the longest prefix of its groups that fits host_bytes: the rank with the largest
+    # records the fewest groups, one that owns no element of some group's states maybe more.
+    fewest = first_that_fit([sum(r.nbytes for r in rs) for rs in keepable if rs], host_bytes)
+    most = first_that_fit([sum(r.nbytes for r in rs if r.everywhere) for rs in keepable if rs], host_bytes)
+    kept_bytes: dict[str, int] = defaultdict(int)
+    kept_records: dict[str, int] = defaultdict(int)
+    on_disk: dict[str, list[int]] = defaultdict(list)
     disk_bytes = link_bytes = 0
-    for g in inventory.groups:
+    # A first fp32 reduce-scatter output on the gradient shard's device becomes the shard
+    # (FlatGroup.accumulate): on the CPU a pooled buffer, possibly larger than the shard.
+    exact_grads, largest = accelerator or inventory.reduce_bytes != 4, _largest_request(inventory)
+    position = 0  # among the groups with records host_bytes may keep
+    for g, rs, ks in zip(inventory.groups, records, keepable):
         s = g.shard_numel
-        has_nvme = bool((placement.param == "nvme") or (g.trainable and placement.optimizer == "nvme"))
-        kept = has_nvme and nvme_index < kept_count
-        nvme_index += has_nvme
-        param_tier = host_tier[placement.param]
-        opt_tier = host_tier[placement.optimizer]
-        if kept:
-            param_tier = "host" if param_tier == "disk" else param_tier
-            opt_tier = "host" if opt_tier == "disk" else opt_tier
+        surely_kept = bool(ks) and position < fewest
+        for r in ks if position < most else ():
+            kept_bytes[r.category] += r.nbytes
+            kept_records[r.category] += 1
+        for r in rs:
+            if not (r.keepable and surely_kept):
+                on_disk[r.category].append(r.nbytes)
+        position += bool(ks)
         if placement.param == "none":
             if g.trainable and placement.optimizer != "none" and g.keeps_copy:
-                put("shards_device", "device", g.compute_bytes * s)  # ZeRO-Offload: a 16-bit copy on the device
-                put("shards_cpu", opt_tier, g.storage_bytes * s)  # the shard is the master, on the host
+                # ZeRO-Offload's layout: the 16-bit copy on the device, the fp32 shard in host memory
+                # (the optimizer's master, or with the optimizer on NVMe what its master is sent into).
+                put("shards_device", "device", g.compute_bytes * s)
+                put("shards_cpu", "host", g.storage_bytes * s)
             else:
                 put("shards_device", "device", g.storage_bytes * s)
-                if g.trainable and (placement.optimizer != "none" or g.storage_bytes != 4):
-                    put("optimizer", opt_tier, 4 * s)
         else:
-            put("shards_cpu", param_tier, _swapped_shard_bytes(g))
-            shares = g.keeps_copy or (placement.param == "nvme" and g.storage_bytes == 4)
-            if g.trainable and not shares:
-                put("optimizer", opt_tier, 4 * s)
+            if param_tier is not None:
+                put("shards_cpu", param_tier, _swapped_shard_bytes(g))
             if accelerator:
                 link_bytes += 2 * g.compute_bytes * s  # to the device for the forward's and backward's gathers
-            if param_tier == "disk":
+            if placement.param == "nvme" and not surely_kept:
                 disk_bytes += 2 * g.compute_bytes * s  # read for each gather
-        if g.trainable:
-            put("grad_shards", opt_tier, 4 * s)
-            # Per-element states, and per parameter a few scalars (Adam's ``step`` counter).
-            put("optimizer", opt_tier, state_bytes * s + _SCALARS * g.tensors)
-            if opt_tier == "disk":
-                disk_bytes += 2 * (4 + state_bytes) * s  # master and states, read and written by the step
-            if accelerator and placement.optimizer != "none":
-                link_bytes += inventory.reduce_bytes * s + g.compute_bytes * s  # gradient up, new values down
+        if not g.trainable:
+            continue
+        if opt_tier is not None:
+            if not _master_is_shard(g, placement):
+                put("optimizer", opt_tier, 4 * s)
+            put("grad_shards", opt_tier, 4 * s if exact_grads else _served(4 * s, largest))
+            put("optimizer", opt_tier, state_bytes * s)
+        elif not surely_kept:
+            disk_bytes += 2 * (4 + state_bytes) * s  # master and states, read and written by the step
+        # Per parameter a few scalars (Adam's ``step``), in memory whatever the tier of the rest.
+        put("optimizer", opt_tier or "host", _SCALARS * g.tensors)
+        if accelerator and placement.optimizer != "none":
+            link_bytes += inventory.reduce_bytes * s + g.compute_bytes * s  # gradient up, new values down
 
-    # Kept records are aligned buffers of their own (StagingPool.outside).
-    rounding = sum(kept_costs[:kept_count]) - kept_unrounded
-    cats["optimizer" if placement.optimizer == "nvme" else "shards_cpu"] += rounding
-    where["host"] += rounding
-    moving = _moving(inventory, bucket_size, accelerator, copy_ahead_bytes if placement.param == "cpu" else 0)
-    cats.update(moving)
-    moving_total = moving["gathered"] + moving["grad_buffers"] + moving["reduce_pending"] + moving["staged"]
-    if not accelerator:  # freed buffers kept for reuse trade places with those in use; one unit's slack
-        moving_total += _largest_grad(inventory)
+    # Records kept in host memory have buffers of their own; at most host_bytes together, on any rank.
+    for category, nbytes in kept_bytes.items():
+        put(category, "host", min(nbytes, host_bytes) + ALIGNMENT * kept_records[category])
+    surplus = sum(min(n, host_bytes) for n in kept_bytes.values()) - min(sum(kept_bytes.values()), host_bytes)
+    where["host"] -= surplus  # the categories' bounds overlap: together they keep host_bytes at most
     staging = placement.staging_bytes if placement.nvme else 0
+    for category, sizes in on_disk.items():
+        put("shards_nvme" if category == "shards_cpu" else "optimizer_nvme", "disk", sum(sizes))
+        if staging:  # the resident part of a category lives in staging buffers, within the cap
+            cats[category] += _resident(sizes, staging)
+    buffers = first_that_fit(sorted(n for sizes in on_disk.values() for n in sizes), staging) if staging else 0
+    moving, moving_total = _moving(inventory, bucket_size, accelerator, placement.param, copy_ahead_bytes)
+    cats.update(moving)
     if staging:
         cats["staging"] = staging
-        for category in ("shards_cpu", "grad_shards", "optimizer"):
-            # Resident records live in staging: a category holds its kept bytes plus at most the cap.
-            cats[category] += min(staging, cats["shards_nvme" if category == "shards_cpu" else "optimizer_nvme"])
     device = where["device"] + moving_total
-    host = where["host"] + staging
+    host = where["host"] + staging + ALIGNMENT * buffers
     cats["device_total"] = device
-    return Prediction(dict(cats), device, host, disk_bytes, link_bytes, kept_count)
+    return Prediction(dict(cats), device, host, disk_bytes, link_bytes, fewest)
 
 
 @dataclass
 class _Unit:
-    numel: int = 0  # elements
-    nbytes: int = 0  # gathered bytes
-    grad_numel: int = 0  # trainable elements
-    grad_bytes: int = 0  # their full gradient, in the compute dtype
+    numel: int = 0  # elements (the prefetch budget counts these)
+    nbytes: int = 0  # gather buffer bytes (padded shards, compute dtype)
+    grad_bytes: int = 0  # gradient bytes in grad_buffers during its backward
+    loose_bytes: int = 0  # of which autograd's own gradients (cast for the reduce-scatter), not pooled
     persistent: bool = False
     tied: bool = False
 
 
-def _units(inventory: Inventory) -> dict[int, _Unit]:
+def _casts(inventory: Inventory, g: GroupFacts) -> bool:
+    # Gradients come out of backward in another dtype than the reduce-scatter's (FlatGroup.casts_gradients):
+    # autograd's own per-parameter gradients, else one pooled flat buffer.
+    return g.compute_bytes != inventory.reduce_bytes
+
+
+def _units(inventory: Inventory, accelerator: bool) -> dict[int, _Unit]:
     units: dict[int, _Unit] = {}
+    largest = _largest_request(inventory)
     for g in inventory.groups:
+        padded = g.shard_numel * inventory.world
         u = units.setdefault(g.unit, _Unit(persistent=g.persistent, tied=g.tied))
         u.numel += g.numel
-        u.nbytes += g.numel * g.compute_bytes
+        u.nbytes += padded * g.compute_bytes
         if g.trainable:
-            u.grad_numel += g.numel
-            u.grad_bytes += g.numel * g.compute_bytes
+            if _casts(inventory, g):
+                u.grad_bytes += g.numel * g.compute_bytes
+                u.loose_bytes += g.numel * g.compute_bytes
+            else:
+                u.grad_bytes += padded * g.compute_bytes if accelerator else _served(padded * g.compute_bytes, largest)
     return units
 
 
-def _largest_grad(inventory: Inventory) -> int:
-    return max((u.grad_bytes for u in _units(inventory).values() if not u.persistent), default=0)
+def _largest_request(inventory: Inventory) -> int:
+    """The largest buffer the gradient pool hands out (a flat gradient or its cast to ``reduce_dtype``)."""
+    return max((g.shard_numel * inventory.world * max(g.compute_bytes, inventory.reduce_bytes)
+                for g in inventory.groups if g.trainable), default=0)
 
 
-def _moving(inventory: Inventory, bucket_size: int, accelerator: bool, copy_ahead: int) -> dict[str, int]:
-    units = _units(inventory)
+def _served(nbytes: int, largest: int) -> int:
+    # On the CPU the gradient pool serves a request with a free buffer of up to SLACK times its
+    # size, none larger than the largest ever requested (engine/buffers.py, BufferPool.take).
+    return max(nbytes, min(int(SLACK * nbytes), largest))
+
+
+def _window(sequence: list[_Unit], bucket_size: int) -> int:
+    """The most gather-buffer bytes held at one unit's use: it and the released units after it in
+    ``sequence`` within ``bucket_size`` elements, the first always (Schedule._gather_ahead)."""
+    most = 0
+    for i, unit in enumerate(sequence):
+        held, nbytes, budget = {id(unit)}, unit.nbytes, bucket_size
+        for later in sequence[i + 1:]:
+            if id(later) in held:  # gathered already (a unit used again next, from forward to backward)
+                continue
+            if later.numel > budget and len(held) > 1:
+                break
+            held.add(id(later))
+            nbytes += later.nbytes
+            budget -= later.numel
+        most = max(most, nbytes)
+    return most
+
+
+def _regathered(inventory: Inventory, accelerator: bool, param: str) -> int:
+    """Bytes of the transient buffers of the persistent units' coalesced re-gather after a step
+    (UnitStates.gather_exact): per compute dtype, buckets of at most ``COALESCE_BYTES`` of gather
+    buffer, each packing its shards and the gathered rows ((W + 1) times its shards' bytes), two
+    buckets in flight at once. Only shards in device memory are coalesced."""
+    if inventory.world == 1 or (accelerator and param != "none"):
+        return 0
+    buckets: dict[int, list[list[int]]] = {}  # compute bytes -> [gather bytes, shard bytes] per bucket
+    for g in inventory.groups:
+        gather = g.shard_numel * inventory.world * g.compute_bytes
+        if not g.persistent or gather > COALESCE_BYTES:
+            continue
+        open_buckets = buckets.setdefault(g.compute_bytes, [])
+        if not open_buckets or open_buckets[-1][0] + gather > COALESCE_BYTES:
+            open_buckets.append([0, 0])
+        open_buckets[-1][0] += gather
+        open_buckets[-1][1] += g.shard_numel * g.compute_bytes
+    sizes = [(inventory.world + 1) * shards for per_dtype in buckets.values() for _, shards in per_dtype]
+    return max((sum(sizes[i:i + 2]) for i in range(len(sizes))), default=0)
+
+
+def _pool_held(inventory: Inventory, units: dict[int, _Unit]) -> int:
+    """The most bytes the CPU gradient pool holds in one backward, in use and free (BufferPool).
+
+    A new buffer has its request's size and is made only when no free buffer serves the request,
+    which one of the same size always does; so the pool holds no more buffers of a size than
+    requests in use at once that such a buffer may serve (of that size down to 1/SLACK of it). In
+    use at once: the flat gradients of the persistent and tied units (the whole backward), those of
+    the unit in backward (taken as its backward starts, unless cast for the reduce-scatter: then
+    one at a time, as each reduce-scatter starts) and the previous unit's last, in its
+    reduce-scatter, and that reduce-scatter's output shard."""
+    made: dict[int, int] = defaultdict(int)  # size -> requests of that size in one backward
+    outs, cast, persistent = set(), set(), []
+    flats: dict[int, list[int]] = defaultdict(list)  # non-persistent unit -> its flat gradients' sizes
+    for g in inventory.groups:
+        if not g.trainable:
+            continue
+        if inventory.world > 1:
+            outs.add(g.shard_numel * inventory.reduce_bytes)
+            made[g.shard_numel * inventory.reduce_bytes] += 1
+        casts = _casts(inventory, g)
+        flat = g.shard_numel * inventory.world * (inventory.reduce_bytes if casts else g.compute_bytes)
+        made[flat] += 1
+        if casts:
+            cast.add(flat)
+        elif units[g.unit].persistent or units[g.unit].tied:
+            persistent.append(flat)
+        else:
+            flats[g.unit].append(flat)
+    backward = [flats[i] for i in sorted(flats, reverse=True)]
+    held = 0
+    for size, count in made.items():
+        def serves(n: int) -> bool:
+            return size / SLACK <= n <= size
+
+        in_use = sum(map(serves, persistent)) + any(map(serves, outs)) + any(map(serves, cast))
+        in_use += max((sum(map(serves, current)) + any(map(serves, previous[-1:]))
+                       for previous, current in zip([[]] + backward, backward)), default=0)
+        held += size * min(in_use, count)
+    return held
+
+
+@functools.lru_cache(maxsize=64)
+def _moving(inventory: Inventory, bucket_size: int, accelerator: bool, param: str,
+            copy_ahead: int) -> tuple[dict[str, int], int]:
+    """The step buffers' categories, and the most their sum (the moving part of ``device_total``) reaches."""
+    units = _units(inventory, accelerator)
     # Persistent units stay gathered; a tied one may stay from its first use to its last.
     persistent = [u for u in units.values() if u.persistent or u.tied]
     order = [u for _, u in sorted(units.items()) if not u.persistent]
-    window = 0  # the unit in use and those gathered ahead of it (Schedule._gather_ahead)
-    for i, unit in enumerate(order):
-        ahead, budget = 0, bucket_size
-        for later in order[i + 1:]:
-            if later.numel > budget and ahead:
-                break
-            ahead += later.nbytes
-            budget -= later.numel
-        window = max(window, unit.nbytes + ahead)
+    window = _window(order + order[::-1], bucket_size)  # forward, then backward's reverse order
+    held = sum(u.nbytes for u in persistent) + window  # gather buffers in use at most, the re-gather's aside
+    regathered = _regathered(inventory, accelerator, param)
     largest = max((u.grad_bytes for u in order), default=0)
-    reduce = max((u.grad_numel for u in order), default=0) * inventory.reduce_bytes
+    pool = _largest_request(inventory)
+    reduce = 0  # one group's reduce-scatter at a time: its input (a cast to reduce_dtype) and output shard
+    for g in inventory.groups:
+        if g.trainable:
+            flat = g.shard_numel * inventory.world * inventory.reduce_bytes
+            shard = g.shard_numel * inventory.reduce_bytes if inventory.world > 1 else 0
+            reduce = max(reduce, flat + shard if accelerator else _served(flat, pool) + _served(shard, pool))
     out = {
-        "gathered": sum(u.nbytes for u in persistent) + window,
+        "gathered": held - window + max(window, regathered),
         "grad_buffers": sum(u.grad_bytes for u in persistent) + largest,
-        "reduce_pending": reduce + -(-reduce // inventory.world),  # the cast to reduce_dtype and the output shard
+        "reduce_pending": reduce,
         "staged": 0,
         "pooled": 0,
         "gathers_kept": 0,
     }
-    if accelerator and copy_ahead:
-        out["staged"] = copy_ahead + max((u.nbytes for u in order), default=0) // inventory.world
-    if not accelerator:
-        out["pooled"] = out["grad_buffers"] + out["reduce_pending"] + largest
-        out["gathers_kept"] = window
-    return out
+    if accelerator:
+        if param != "none":
+            # Host-side shards copied to the device: those copied ahead (param="cpu"), and those of
+            # the gathers in flight, held until each is waited for (DeviceCopies).
+            out["staged"] = (copy_ahead if param == "cpu" else 0) + window // inventory.world
+        return out, out["gathered"] + out["grad_buffers"] + out["reduce_pending"] + out["staged"]
+    # The CPU keeps released gather memory (at most what was in use at once beyond what stays in use:
+    # GatherPool) and gradient buffers within a backward (BufferPool); the re-gather after a step
+    # runs with neither pool's buffers in use.
+    out["gathers_kept"] = window + sum(u.nbytes for u in persistent if not u.persistent)
+    out["pooled"] = _pool_held(inventory, units)
+    loose = sum(u.loose_bytes for u in persistent) + max((u.loose_bytes for u in order), default=0)
+    return out, held + max(out["pooled"] + loose, regathered)

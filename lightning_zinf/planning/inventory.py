@@ -107,14 +107,3 @@ class Inventory:
     def parameters(self) -> int:
         """Elements of the whole model."""
         return sum(g.numel for g in self.groups)
-
-    def unit_bytes(self, trainable_only: bool = False) -> dict[int, tuple[int, bool]]:
-        """Unit index -> (bytes gathered, persistent); with ``trainable_only`` the trainable elements' count instead."""
-        out: dict[int, tuple[int, bool]] = {}
-        for g in self.groups:
-            if trainable_only and not g.trainable:
-                continue
-            size = g.numel if trainable_only else g.numel * g.compute_bytes
-            before = out.get(g.unit, (0, g.persistent))[0]
-            out[g.unit] = (before + size, g.persistent)
-        return out

@@ -129,7 +129,8 @@ def _min_staging(inventory: Inventory, param: str, optimizer: str, state_bytes: 
                  sub_groups: int) -> int:
     """The staging cap a placement runs with: ``sub_groups`` optimizer sub-groups (master, states
     and gradient of the largest group; four overlap the step, and at least three are needed) and, with
-    parameters on NVMe, the shards of the units read ahead plus the one gathered."""
+    parameters on NVMe, the shards of the units read ahead plus the one gathered, or those of every
+    persistent unit if more."""
     need = 0
     trainable = [g.shard_numel for g in inventory.groups if g.trainable]
     if optimizer == "nvme" and trainable:
@@ -143,7 +144,11 @@ def _min_staging(inventory: Inventory, param: str, optimizer: str, state_bytes: 
         per_unit: dict[int, int] = {}
         for g in inventory.groups:
             per_unit[g.unit] = per_unit.get(g.unit, 0) + g.shard_numel * (g.storage_bytes + g.compute_bytes)
-        need += (read_ahead + 2) * (max(per_unit.values()) + 2 * ALIGNMENT)
+        # The persistent units are gathered all at once (at construction and after each step), each
+        # group's record in staging until the gathers complete.
+        persistent = sum(round_up(g.shard_numel * max(g.storage_bytes, g.compute_bytes), ALIGNMENT)
+                         for g in inventory.groups if g.persistent)
+        need += max((read_ahead + 2) * (max(per_unit.values()) + 2 * ALIGNMENT), persistent)
     return need
 
 
@@ -262,17 +267,27 @@ def _fit(inventory: Inventory, param: str, optimizer: str, budget: int, host_bud
     base = run(dataclasses.replace(placement, staging_bytes=staging))
     # Room for host memory: on a CPU device the budget minus everything; on an accelerator the host cap.
     if accelerator:
-        room = (host_budget - base.host) if host_budget is not None else sum(host_costs(inventory, placement, state_bytes))
+        room = (host_budget - base.host) if host_budget is not None else \
+            sum(host_costs(inventory, placement, state_bytes, buffers=True))  # no cap: every record kept
     else:
         room = budget - base.total(accelerator)
     if room <= 0:
         return dataclasses.replace(placement, staging_bytes=staging), base
     costs = host_costs(inventory, placement, state_bytes)
-    used = sum(costs[: first_that_fit(costs, room)])  # the kept groups' bytes (whole groups, in order)
+    # The kept groups' bytes (whole groups, in order), chosen by what their buffers take in memory.
+    used = sum(costs[: first_that_fit(host_costs(inventory, placement, state_bytes, buffers=True), room)])
     prediction = run(dataclasses.replace(placement, staging_bytes=staging, host_bytes=used))
-    staging += max(0, min(room - used, _on_disk(prediction) - staging))
-    final = dataclasses.replace(placement, staging_bytes=staging, host_bytes=used)
-    return final, run(final)
+    spent = prediction.host - base.host  # the kept records, their buffers' blocks included
+    grown = staging + max(0, min(room - spent, _on_disk(prediction) - staging))
+    final = dataclasses.replace(placement, staging_bytes=grown, host_bytes=used)
+    result = run(final)
+    # Each staging buffer takes a block beyond its size: the growth gives back what that adds over the room.
+    over = result.total(accelerator) - budget if not accelerator else \
+        (result.host - host_budget if host_budget is not None else 0)
+    if over > 0 and grown > staging:
+        final = dataclasses.replace(final, staging_bytes=max(staging, grown - over))
+        result = run(final)
+    return final, result
 
 
 def _on_disk(prediction: Prediction) -> int:

@@ -17,7 +17,7 @@ def parse_bytes(value: Union[int, float, str], owner: str = "memory_budget") -> 
     or binary (``"40GiB"``) unit, case-insensitive.
 
     Raises:
-        ValueError: not a positive whole number of bytes, or an unknown unit; the message names
+        ValueError: less than one byte, not a number, or an unknown unit; the message names
             ``owner`` and the forms accepted.
     """
     text = value if isinstance(value, str) else None
@@ -29,7 +29,7 @@ def parse_bytes(value: Union[int, float, str], owner: str = "memory_budget") -> 
         match = _PATTERN.match(text or "")
         unit = match.group(2).lower() if match else None
         number = float(match.group(1)) * _UNITS[unit] if match and unit in _UNITS else None
-    if number is None or number != number or number <= 0 or number >= 1 << 62:
+    if number is None or number != number or number < 1 or number >= 1 << 62:  # (NaN != NaN)
         raise ValueError(
             f"{owner}={value!r} is invalid: give a positive number of bytes per rank, as an integer or with a unit "
             "(e.g. 12000000000, '12GB', '40GiB', '512MiB'; units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
