@@ -1,7 +1,7 @@
 """``memory_budget`` against the best hand-written configuration at the same budget (issue 40).
 
-A GPT (examples/gpt.py, 12 blocks of width 384, vocabulary 4096: 23.8M parameters) trains on 2
-ranks (gloo, one thread each), micro-batch 4 x 128 tokens per rank, AdamW, fp32, with the swap
+A GPT (examples/gpt.py, 24 blocks of width 256, vocabulary 4096: 20.0M parameters) trains on 2
+ranks (gloo, one thread each), micro-batch 2 x 128 tokens per rank, AdamW, fp32, with the swap
 files in a new folder under --nvme-root. First two reference runs with everything in memory, one
 keeping every block's activations and one checkpointing every block, measure the step (forward,
 backward, optimizer step) and the activations (saved-tensor hooks of the script's own, by storage,
@@ -55,8 +55,8 @@ from lightning_zinf.options import ZeroOptions  # noqa: E402
 from lightning_zinf.planning import BudgetError, Inventory, Placement, plan_memory, predict  # noqa: E402
 from lightning_zinf.planning.cost import host_costs  # noqa: E402
 
-CFG = GPTConfig(vocab_size=4096, d_model=384, n_layers=12, n_heads=6, seq_len=128)
-BATCH, STEPS, WARMUP, WORLD = 4, 6, 2, 2
+CFG = GPTConfig(vocab_size=4096, d_model=256, n_layers=24, n_heads=4, seq_len=128)
+BATCH, STEPS, WARMUP, WORLD = 2, 6, 2, 2
 BUCKET = 10_000_000
 HAND_SUB_GROUP = 1_000_000
 
