@@ -255,12 +255,9 @@ def _tensors(value: Any) -> Iterator[Tensor]:
 
 
 def _tensor_bytes(args: tuple, kwargs: dict) -> int:
-    seen: set[int] = set()
-    total = 0
+    """Bytes of the storages of a call's tensor arguments, each once (a block's input)."""
+    count = _Count(lambda tensor: False)
     for value in (*args, *kwargs.values()):
         if isinstance(value, Tensor):
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
+            count.add(value)
+    return count.nbytes
