@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from datetime import timedelta
-from typing import Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ from lightning_zinf.engine.partition import matches_classes, resolve_block_class
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 from lightning_zinf.planning.activations import ActivationPlan
 from lightning_zinf.offload import SwapError
-from lightning_zinf.planning.bandwidth import Bandwidths, measure_bandwidths
+from lightning_zinf.planning.bandwidth import measure_bandwidths, measure_collective
+from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
 
 __all__ = ["build_engine", "checkpointed_layers", "memory_plan"]
 
@@ -103,8 +104,8 @@ def build_engine(
         blocks = _blocks(module, options.block_classes)
         if blocks:
             engine.activation_plan = ActivationPlan(blocks, plan.budget, plan.prediction.total(plan.accelerator),
-                                                    engine.states.holds_storage_of)
-            if auto_pass:  # Fabric: the model's forward is the training forward
+                                                    engine.states.holds_storage_of, kept=plan.kept_blocks)
+            if auto_pass and plan.kept_blocks is None:  # Fabric: the model's forward is the training forward
                 engine.activation_plan.scope_every_forward(module)
     if parts:
         _load_full_weights(engine, parts, preloaded)
@@ -133,38 +134,82 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
     distributed = dist.is_available() and dist.is_initialized()
     if world is None:
         world = dist.get_world_size() if distributed else 1
-    bandwidths = _rank_0_bandwidths(device, options, distributed)
+    bandwidths = _on_rank_0(lambda: measure_bandwidths(device, options.offload.nvme_path, options.offload.aio),
+                            distributed, "measuring the disk and host link for memory_budget")
     if bandwidths.disk:  # the ranks of a node share its disk
         bandwidths = dataclasses.replace(bandwidths, disk=bandwidths.disk / max(ranks_per_node, 1))
+    if distributed:
+        bandwidths = dataclasses.replace(bandwidths, collective=measure_collective(device))
     inventory = Inventory.of(module, world=world, block_classes=options.block_classes, mixed_precision=precision,
                              persistence_threshold=options.prefetch.persistence_threshold)
     return plan_memory(inventory, options.memory_budget, accelerator=device.type != "cpu", offload=options.offload,
                        prefetch=options.prefetch, host_budget=options.host_memory_budget,
                        optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
-                       activation_bytes=options.activation_memory or 0)
+                       activation_bytes=options.activation_memory or 0,
+                       profile=_example_profile(module, options, device, precision, distributed),
+                       plan_activations=_plans_activations(module, options))
 
 
-def _rank_0_bandwidths(device: torch.device, options: ZeroOptions, distributed: bool) -> Bandwidths:
-    """Rank 0's measured bandwidths, on every rank (every rank must make the same plan). A probe
+def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:
+    """The plan chooses which blocks checkpoint (the user checkpoints none of them already)."""
+    return not options.activation_checkpointing and not checkpointed_layers(module)
+
+
+def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
+                     distributed: bool) -> Optional[ForwardProfile]:
+    """The forward on ``module.example_input_array`` (Lightning's convention), profiled on every rank
+    with fake tensors and timed on rank 0 (one block run for real), or ``None`` without an example
+    or when its forward needs real values (:func:`~lightning_zinf.planning.profile.profile_forward`)."""
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        return None
+    blocks = _blocks(module, options.block_classes)
+    dtype = precision.param_dtype
+    profile = profile_forward(module, example, blocks, device=device, dtype=dtype)
+    ok = profile is not None
+    if distributed:  # every rank plans the same: all profiled, or none
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, ok)
+        ok = all(flags)
+    if not ok or profile is None:
+        return None
+
+    def timed() -> tuple[Optional[float], Optional[float]]:
+        try:
+            measured = time_blocks(profile, blocks, device=device, dtype=dtype)
+        except Exception as error:  # a block that does not run on random inputs: compute not predicted
+            rank_zero_info(f"lightning_zinf: timing a block for the memory plan failed ({type(error).__name__}: "
+                           f"{error}); the plan weighs the traffic alone.")
+            return None, None
+        return measured.seconds_per_flop, measured.recompute_seconds_per_flop
+
+    rate, recompute = _on_rank_0(timed, distributed, "timing a block")
+    return dataclasses.replace(profile, seconds_per_flop=rate, recompute_seconds_per_flop=recompute)
+
+
+T = TypeVar("T")
+
+
+def _on_rank_0(measure: Callable[[], T], distributed: bool, what: str) -> T:
+    """Rank 0's ``measure()``, on every rank (every rank must make the same plan). A measurement
     that fails on rank 0 raises :class:`SwapError` with rank 0's message on every rank, so that no
     rank waits in the broadcast for a result that never comes."""
-    measured: Union[Bandwidths, str, None] = None
+    measured: Any = None
     failure: Optional[Exception] = None
     if not distributed or dist.get_rank() == 0:
         try:
-            measured = measure_bandwidths(device, options.offload.nvme_path, options.offload.aio)
+            measured = (measure(),)
         except Exception as error:  # sent as its message: any exception type, pickled or not
             failure = error
             measured = str(error) if isinstance(error, SwapError) else \
-                f"measuring the disk and host link for memory_budget failed on rank 0: {type(error).__name__}: {error}"
+                f"{what} failed on rank 0: {type(error).__name__}: {error}"
     if distributed and dist.get_world_size() > 1:
         shared = [measured]
         dist.broadcast_object_list(shared, src=0)
         measured = shared[0]
     if isinstance(measured, str):
         raise SwapError(measured) from failure
-    assert measured is not None
-    return measured
+    return measured[0]
 
 
 def _blocks(module: nn.Module, block_classes: Sequence[Union[str, type]]) -> list[tuple[str, nn.Module]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -268,9 +269,40 @@ def test_zinf_plan_prints_the_plan_without_training(refused: bool, tmp_path) -> 
     assert not list(tmp_path.glob("**/*.swp"))  # no engine was built
 
 
-def _fit_deep(rank: int, world: int, budget) -> dict:
-    import lightning.pytorch as pl
+class SavedInLastStep(pl.Callback):
+    """Bytes of storage autograd keeps for backward in the last training step, seen by hooks of the
+    test's own around the whole batch (checkpointed blocks hide theirs behind their own), and the
+    activation plan as the first step found it (decided, and what it had measured)."""
 
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.plan_at_first_step: Optional[tuple[bool, dict]] = None
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if self.plan_at_first_step is None:
+            plan = trainer.strategy.engine.activation_plan
+            self.plan_at_first_step = (plan.decided, dict(plan.measured))
+        self.seen: set[int] = set()
+        self.count = 0
+        params = {p.untyped_storage().data_ptr() for p in trainer.lightning_module.parameters()}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.nbytes() and s.data_ptr() not in self.seen and s.data_ptr() not in params \
+                    and not trainer.strategy.engine.states.holds_storage_of(t):
+                self.seen.add(s.data_ptr())
+                self.count += s.nbytes()
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+
+    def on_train_batch_end(self, *args) -> None:
+        self.hooks.__exit__(None, None, None)
+        self.nbytes = self.count
+
+
+def _fit_deep(rank: int, world: int, budget) -> dict:
     from lightning_zinf import ZeroInfinityStrategy
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
 
@@ -280,39 +312,14 @@ def _fit_deep(rank: int, world: int, budget) -> dict:
                 torch.manual_seed(0)
                 self.model = models.GPT(d=64, layers=6, heads=2)
 
-    class Saved(pl.Callback):
-        """Bytes of storage autograd keeps for backward in the last training step, seen by hooks of
-        the test's own around the whole batch (checkpointed blocks hide theirs behind their own)."""
-
-        nbytes = 0
-
-        def on_train_batch_start(self, trainer, *args) -> None:
-            self.seen: set[int] = set()
-            self.count = 0
-            params = {p.untyped_storage().data_ptr() for p in trainer.lightning_module.parameters()}
-
-            def pack(t):
-                s = t.untyped_storage()
-                if s.nbytes() and s.data_ptr() not in self.seen and s.data_ptr() not in params \
-                        and not trainer.strategy.engine.states.holds_storage_of(t):
-                    self.seen.add(s.data_ptr())
-                    self.count += s.nbytes()
-                return t
-
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            self.hooks.__enter__()
-
-        def on_train_batch_end(self, *args) -> None:
-            self.hooks.__exit__(None, None, None)
-            Saved.nbytes = self.count
-
     strategy = ZeroInfinityStrategy(block_classes=["Block"], memory_budget=budget)
     lit = Deep(GLOBAL_BATCH // world)
-    trainer = _trainer(strategy, world, callbacks=[Saved()], gradient_clip_val=None)
+    saved = SavedInLastStep()
+    trainer = _trainer(strategy, world, callbacks=[saved], gradient_clip_val=None)
     trainer.fit(lit)
     plan = trainer.strategy.engine.activation_plan
     return {"losses": lit.train_losses, "measured": plan.measured, "outside": plan.outside, "inputs": plan.inputs,
-            "kept": plan.kept, "checkpointed": plan.checkpointed, "planned": plan.planned, "saved": Saved.nbytes}
+            "kept": plan.kept, "checkpointed": plan.checkpointed, "planned": plan.planned, "saved": saved.nbytes}
 
 
 def test_activations_of_some_blocks_kept_within_the_budget() -> None:

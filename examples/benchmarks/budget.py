@@ -11,19 +11,19 @@ state with everything in memory (held against the ledger in tests/test_memory_bu
 activations kept.
 
 Then, at 100%, 60%, 40% and 25% of the unplanned peak:
-  planned  ZeroInfinity's options with memory_budget=B and activation_memory set to what the first
-           reference run measured, as its log line says (if no placement fits with it, to what the
-           checkpointed run measured): one number, and the one the log gives;
+  planned  ZeroInfinity's options with memory_budget=B, the model's example_input_array set to one
+           micro-batch: one number; the plan places the state and chooses the blocks that keep
+           their activations from the example's forward (profiled with fake tensors, one block
+           timed for real);
   hand     every configuration of today's options a user would write that fits B by the same
            measure (predicted state + measured activations): param/optimizer tiers none/none,
            none/nvme, nvme/nvme, activation checkpointing of every block off or on, host_bytes 0
            or as much as fits, staging_bytes 16 or 64 MiB, sub_group_size 1e6 (about a block's
            shard; the default 2.5e7 is the whole model here, which 16 MiB of staging cannot hold).
 Each run: 6 steps, the mean of the last 4 timed on rank 0. Printed per budget: tokens/s planned
-and of the best hand configuration, their ratio (goal >= 0.9), and the planned run's predicted
-step time against its measured one (goal within 20%): the reference forward, backward and step,
-plus the NVMe traffic the forward does not hide (disk bytes at the disk bandwidth the plan
-measured, minus the forward), plus one forward of each block checkpointed (its recompute).
+and of the best hand configuration, their ratio (goal >= 0.9), and the plan's own predicted step
+time (MemoryPlan.step: compute, recompute, collectives, optimizer step, NVMe) against the measured
+one (goal within 20%).
 
     python examples/benchmarks/budget.py [--nvme-root /tmp] [--shares 1,0.6,0.4,0.25]
         [--out examples/benchmarks/results/budget.json]
@@ -32,6 +32,7 @@ measured, minus the forward), plus one forward of each block checkpointed (its r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -52,7 +53,7 @@ from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, meta_parameters  # noqa: E402
 from lightning_zinf.engine_setup import build_engine  # noqa: E402
 from lightning_zinf.options import ZeroOptions  # noqa: E402
-from lightning_zinf.planning import BudgetError, Inventory, Placement, plan_memory, predict  # noqa: E402
+from lightning_zinf.planning import Inventory, Placement, predict  # noqa: E402
 from lightning_zinf.planning.cost import host_costs  # noqa: E402
 
 CFG = GPTConfig(vocab_size=4096, d_model=256, n_layers=24, n_heads=4, seq_len=128)
@@ -94,9 +95,11 @@ def _train(rank: int, port: int, job: dict, out: str) -> None:
     torch.manual_seed(0)
     with meta_parameters():
         model = GPT(CFG)
+    if job.get("budget"):  # the micro-batch the plan profiles (Lightning's example_input_array)
+        model.example_input_array = torch.zeros(BATCH, CFG.seq_len, dtype=torch.long)
     options = ZeroOptions(block_classes=["Block"], offload=OffloadConfig(**job["offload"]),
                           activation_checkpointing=["Block"] if job.get("ckpt") else (),
-                          memory_budget=job.get("budget"), activation_memory=job.get("activation_memory"))
+                          memory_budget=job.get("budget"))
     engine = build_engine(model, options, device=torch.device("cpu"), ranks_per_node=WORLD,
                           precision=MixedPrecisionConfig(), loss_scaling=False, timeout=None, auto_pass=True)
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -129,7 +132,7 @@ def _train(rank: int, port: int, job: dict, out: str) -> None:
                   "ledger_device_peak": engine.memory()["device_total"][1]}
         if plan is not None:
             result.update(placement=plan.placement.describe(), predicted=plan.prediction.total(False),
-                          disk_bytes=plan.prediction.disk_bytes, disk_bw=plan.bandwidths.disk,
+                          predicted_s_step=plan.step.total, terms=dataclasses.asdict(plan.step),
                           checkpointed=len(acts.checkpointed) if acts is not None else None, plan=plan.describe())
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -203,13 +206,7 @@ def main() -> None:
     results = {"reference": kept, "reference_checkpointed": checkpointed, "unplanned": unplanned, "cells": []}
     for share in (float(s) for s in args.shares.split(",")):
         budget = int(share * unplanned)
-        reserve = kept["saved"]
-        try:
-            plan_memory(inventory, budget, accelerator=False, offload=OffloadConfig(nvme_path=str(args.nvme_root)),
-                        activation_bytes=reserve)
-        except BudgetError:
-            reserve = checkpointed["saved"]
-        planned = run({"budget": budget, "activation_memory": reserve}, args.nvme_root)
+        planned = run({"budget": budget}, args.nvme_root)
         hand = []
         for ckpt, acts in ((False, kept["saved"]), (True, checkpointed["saved"])):
             for offload in hand_configs(inventory, budget - acts):
@@ -221,11 +218,7 @@ def main() -> None:
         best = min(ok, key=lambda h: h["s_step"]) if ok else None
         cell = {"share": share, "budget": budget, "planned": planned, "hand": hand, "best": best}
         if "s_step" in planned:
-            blocks_checkpointed = planned.get("checkpointed") or 0
-            disk_s = planned["disk_bytes"] / planned["disk_bw"] if planned.get("disk_bw") else 0.0
-            predicted = (kept["forward"] + kept["backward"] + kept["step"] + max(0.0, disk_s - kept["forward"])
-                         + kept["forward"] * blocks_checkpointed / CFG.n_layers)
-            cell["predicted_s_step"] = predicted
+            predicted = planned["predicted_s_step"]
             ratio = (best["s_step"] / planned["s_step"]) if best else float("nan")
             cell["ratio"] = ratio
             print(f"{share:.0%} ({budget / 2**20:.1f} MiB): planned {planned['placement']}, "

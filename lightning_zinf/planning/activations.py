@@ -85,6 +85,9 @@ class ActivationPlan:
         budget: The per-rank budget in bytes.
         planned: The placement's predicted peak in bytes (the ledger's, activations excluded).
         is_gathered: Whether a tensor is a view of a gathered parameter buffer (the engine's).
+        kept: Blocks (the first ones) that keep their activations, chosen at setup from the example
+            input (:attr:`MemoryPlan.kept_blocks <lightning_zinf.planning.MemoryPlan.kept_blocks>`):
+            decided at once, nothing measured. ``None``: decided after the first training step.
 
     Attributes:
         measured: Block class name -> bytes one block of it saved in the first step.
@@ -97,7 +100,7 @@ class ActivationPlan:
     """
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], budget: int, planned: int,
-                 is_gathered: Callable[[Tensor], bool]) -> None:
+                 is_gathered: Callable[[Tensor], bool], kept: Optional[int] = None) -> None:
         self.blocks, self.budget, self.planned = blocks, budget, planned
         self.is_gathered = is_gathered
         self.measured: dict[str, int] = {}
@@ -110,11 +113,13 @@ class ActivationPlan:
         self._stepped = False
         self._outside: Optional[_Count] = None  # the count of the scope in progress, if measuring
         self._inputs: dict[str, int] = {}
-        self._originals: dict[str, Callable[..., Any]] = {}
+        self._originals = {name: module.forward for name, module in blocks}
+        if kept is not None:
+            self._decide(kept)
+            return
         seen_classes: set[str] = set()
         for name, module in blocks:
-            original = module.forward
-            self._originals[name] = original
+            original = self._originals[name]
             cls = type(module).__name__
             if cls not in seen_classes:
                 seen_classes.add(cls)
@@ -215,6 +220,17 @@ class ActivationPlan:
         counts = comm.all_gather_ints([count])
         count = min(c[0] for c in counts if c is not None)
         self.over = max(0, need(0) - room)
+        self._decide(count)
+        if self.over:
+            warnings.warn(
+                f"memory_budget={format_bytes(self.budget)}: with every block checkpointed the activations of this "
+                f"micro-batch ({format_bytes(self.outside)} outside the blocks, {format_bytes(self.inputs)} of block "
+                f"inputs, {format_bytes(max(sizes, default=0))} to recompute one block) and the planned "
+                f"{format_bytes(self.planned)} exceed the budget by {format_bytes(self.over)}. Lower the batch size "
+                "per device or raise memory_budget.", RuntimeWarning, stacklevel=2)
+
+    def _decide(self, count: int) -> None:
+        """The first ``count`` blocks keep their activations, the others are checkpointed."""
         for index, (name, module) in enumerate(self.blocks):
             original = self._originals[name]
             if index < count:
@@ -225,20 +241,16 @@ class ActivationPlan:
                 self.checkpointed.append(name)
         self.decided = True
         log.info("lightning_zinf: %s", self.describe())
-        if self.over:
-            warnings.warn(
-                f"memory_budget={format_bytes(self.budget)}: with every block checkpointed the activations of this "
-                f"micro-batch ({format_bytes(self.outside)} outside the blocks, {format_bytes(self.inputs)} of block "
-                f"inputs, {format_bytes(max(sizes, default=0))} to recompute one block) and the planned "
-                f"{format_bytes(self.planned)} exceed the budget by {format_bytes(self.over)}. Lower the batch size "
-                "per device or raise memory_budget.", RuntimeWarning, stacklevel=2)
 
     def describe(self) -> str:
         """What the first step measured and what is kept: one line for the log."""
+        decision = (f"{len(self.kept)} of {len(self.blocks)} blocks keep their activations, "
+                    f"{len(self.checkpointed)} are checkpointed")
+        if not self.measured:
+            return f"from the example input's plan: {decision}"
         classes = ", ".join(f"{cls} {format_bytes(n)}" for cls, n in self.measured.items())
         return (f"activations per block ({classes}), outside the blocks {format_bytes(self.outside)}, block inputs "
-                f"{format_bytes(self.inputs)}: {len(self.kept)} of {len(self.blocks)} blocks keep their activations, "
-                f"{len(self.checkpointed)} are checkpointed")
+                f"{format_bytes(self.inputs)}: {decision}")
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:

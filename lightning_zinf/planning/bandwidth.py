@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_zinf.offload.aio import AioConfig
 from lightning_zinf.offload.aligned import aligned_empty
@@ -23,7 +24,7 @@ from lightning_zinf.offload.errors import SwapError
 from lightning_zinf.offload.staging import registered_empty
 from lightning_zinf.offload.swapper import NvmeSwapper
 
-__all__ = ["Bandwidths", "measure_bandwidths"]
+__all__ = ["Bandwidths", "measure_bandwidths", "measure_collective"]
 
 #: Bytes moved by each probe: large enough to pass the caches' and the queue's start-up.
 PROBE_BYTES = 64 << 20
@@ -36,10 +37,17 @@ class Bandwidths:
     Attributes:
         disk: NVMe, the mean of a write and a read through the swapper.
         link: Host to device and back (an accelerator's copy engine), page-locked.
+        collective: All-gather among the run's ranks: bytes of the gathered whole per second
+            (:func:`measure_collective`; ``None`` with one rank).
+        host_step: Seconds per element of torch's AdamW step on the host (fp32, foreach).
+        device_step: The same on an accelerator (``None`` on a CPU device).
     """
 
     disk: Optional[float] = None
     link: Optional[float] = None
+    collective: Optional[float] = None
+    host_step: Optional[float] = None
+    device_step: Optional[float] = None
 
     def seconds(self, disk_bytes: int, link_bytes: int) -> float:
         """Seconds the traffic of a step takes at these bandwidths (0 for a tier not measured)."""
@@ -84,14 +92,59 @@ def _link(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (time.perf_counter() - start)
 
 
+def _adamw(device: torch.device, numel: int = 1 << 18, repeats: int = 5) -> float:
+    """Seconds per element of one AdamW step (torch's, its default implementation for the device)
+    on ``numel`` fp32 elements, after one warm-up step."""
+    parameter = torch.zeros(numel, device=device, requires_grad=True)
+    parameter.grad = torch.ones(numel, device=device)
+    optimizer = torch.optim.AdamW([parameter])
+    optimizer.step()
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        optimizer.step()
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    return (time.perf_counter() - start) / (repeats * numel)
+
+
+def measure_collective(device: torch.device, nbytes: int = 4 << 20, repeats: int = 3) -> Optional[float]:
+    """The all-gather bandwidth among the default process group's ranks: bytes of the gathered
+    whole (``nbytes``) per second, the slowest rank's, after one warm-up. Every rank must call it
+    together. ``None`` without a process group of more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    world = dist.get_world_size()
+    part = torch.ones(nbytes // world, dtype=torch.uint8, device=device)
+    whole = torch.empty(part.numel() * world, dtype=torch.uint8, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(whole, part)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(whole, part)
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    seconds = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return whole.numel() / seconds.item()
+
+
 def measure_bandwidths(device: torch.device, nvme_path: Optional[str], aio: AioConfig = AioConfig(),
                        nbytes: int = PROBE_BYTES) -> Bandwidths:
     """This machine's disk bandwidth under ``nvme_path`` (if given) and host-link bandwidth to
-    ``device`` (if an accelerator), each from one ``nbytes`` transfer each way.
+    ``device`` (if an accelerator), each from one ``nbytes`` transfer each way, and AdamW's step
+    rate on the host (and on ``device`` if an accelerator). The collective bandwidth needs every
+    rank: :func:`measure_collective`.
 
     Raises:
         SwapError: ``nvme_path`` is not a folder this process can write, or the disk is full (the
             message names the path and the fix).
     """
     return Bandwidths(disk=_disk(nvme_path, aio, nbytes) if nvme_path else None,
-                      link=_link(device, nbytes) if device.type != "cpu" else None)
+                      link=_link(device, nbytes) if device.type != "cpu" else None,
+                      host_step=_adamw(torch.device("cpu")),
+                      device_step=_adamw(device) if device.type != "cpu" else None)

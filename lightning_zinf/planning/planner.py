@@ -32,6 +32,8 @@ from lightning_zinf.offload.host import first_that_fit
 from lightning_zinf.planning.bandwidth import Bandwidths
 from lightning_zinf.planning.cost import Placement, Prediction, host_costs, predict
 from lightning_zinf.planning.inventory import Inventory
+from lightning_zinf.planning.profile import ForwardProfile
+from lightning_zinf.planning.timing import StepTime, step_time
 from lightning_zinf.planning.sizes import format_bytes
 
 __all__ = ["BudgetError", "MemoryPlan", "plan_memory"]
@@ -62,6 +64,11 @@ class MemoryPlan:
         considered: Every placement weighed at the user's bucket: ``(placement, predicted peak
             bytes, seconds of traffic per step)``.
         activation_bytes: Bytes of the budget left to activations (``activation_memory``).
+        step: The predicted step time, term by term.
+        kept_blocks: Blocks (the first ones) that keep their activations, the others checkpointed;
+            ``None``: chosen from the first training step (no example input profiled).
+        activations: Predicted peak bytes of activations with ``kept_blocks`` (0 when ``None``).
+        profile: The example input's forward the activations and compute were planned from, or ``None``.
     """
 
     budget: int
@@ -74,6 +81,10 @@ class MemoryPlan:
     bandwidths: Bandwidths = Bandwidths()
     considered: tuple[tuple[Placement, int, float], ...] = ()
     activation_bytes: int = 0
+    step: Optional[StepTime] = None
+    kept_blocks: Optional[int] = None
+    activations: int = 0
+    profile: Optional[ForwardProfile] = None
 
     def offload_config(self, given: OffloadConfig) -> OffloadConfig:
         """``given`` (its ``nvme_path``, ``aio``, ``read_ahead``...) with the planned tiers and sizes."""
@@ -102,6 +113,9 @@ class MemoryPlan:
         for category, nbytes in sorted(p.categories.items(), key=lambda kv: -kv[1]):
             if nbytes and category != "device_total":
                 lines.append(f"    {category:<15} {format_bytes(nbytes)}")
+        if self.kept_blocks is not None:
+            lines.append(f"  activations: {format_bytes(self.activations)} at the peak, the first {self.kept_blocks} "
+                         "blocks keeping theirs and the rest checkpointed (from the example input)")
         traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link"
         b = self.bandwidths
         if b.disk or b.link:
@@ -109,11 +123,14 @@ class MemoryPlan:
                                  if value)
             traffic += f": {b.seconds(p.disk_bytes, p.link_bytes):.3f} s at the measured {measured} per rank"
         lines.append(traffic)
+        if self.step is not None:
+            lines.append(f"  {self.step.describe()}")
         for placement, peak, seconds in self.considered:
             if placement != self.placement:
                 fits = "fits" if peak + self.activation_bytes <= self.budget else "does not fit"
+                what = "step" if self.step is not None and self.step.total is not None else "traffic"
                 lines.append(f"  weighed: {placement.describe()}: peak {format_bytes(peak)} ({fits})"
-                             + (f", traffic {seconds:.3f} s" if b.disk or b.link else ""))
+                             + (f", {what} {seconds:.3f} s" if b.disk or b.link or what == "step" else ""))
         return "\n".join(lines)
 
 
@@ -155,7 +172,8 @@ def _min_staging(inventory: Inventory, param: str, optimizer: str, state_bytes: 
 def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload: OffloadConfig = OffloadConfig(),
                 prefetch: PrefetchConfig = PrefetchConfig(), host_budget: Optional[int] = None,
                 state_bytes: int = 8, optimizer_on_nvme: bool = True,
-                bandwidths: Bandwidths = Bandwidths(), activation_bytes: int = 0) -> MemoryPlan:
+                bandwidths: Bandwidths = Bandwidths(), activation_bytes: int = 0,
+                profile: Optional[ForwardProfile] = None, plan_activations: bool = True) -> MemoryPlan:
     """Choose the placement whose predicted per-rank peak fits ``budget`` with the least traffic.
 
     Among the placements that fit, the one whose step moves the fewest bytes over the disk and the
@@ -179,8 +197,14 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
         bandwidths: This machine's disk and host-link bandwidths per rank
             (:func:`~lightning_zinf.planning.bandwidth.measure_bandwidths`), which time each
             placement's traffic; unmeasured, the bytes themselves are compared.
-        activation_bytes: Bytes of ``budget`` left to activations (``activation_memory``); the
-            placement fits in the rest.
+        activation_bytes: Bytes of ``budget`` left to activations beyond what ``profile`` counts
+            (``activation_memory``); the placement fits in the rest.
+        profile: The forward on the example input (:mod:`~lightning_zinf.planning.profile`), timed;
+            with it, the number of blocks that keep their activations is planned too, and
+            placements are weighed by their predicted step (:func:`~lightning_zinf.planning.timing.step_time`).
+        plan_activations: The plan may choose which blocks checkpoint; ``False`` when the user
+            checkpoints them (``activation_checkpointing``, or the model's own): all are, and
+            ``profile``'s activations are counted so.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -194,40 +218,57 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     buckets = [prefetch.bucket_size] + ([0] if prefetch.bucket_size else [])
     smallest: Optional[tuple[int, Placement, int]] = None
     candidates = _candidates(accelerator, offload.nvme_path is not None, optimizer_on_nvme)
+    timed = profile is not None and profile.seconds_per_flop is not None
+    # With the example's forward profiled, how many blocks keep their activations is chosen with
+    # the placement: every count from all of them to none, each leaving the placement the rest.
+    counts: list[Optional[int]] = [None] if profile is None else \
+        list(range(len(profile.blocks), -1, -1)) if plan_activations else [0]
     # Placements whose step overlaps first (NVMe staging of four sub-groups), weighed by their
-    # traffic; then NVMe ones with the least staging (a synchronous step); all of it at the user's
-    # bucket before the bucket of one unit.
+    # predicted step (their traffic without an example input); then NVMe ones with the least
+    # staging (a synchronous step); all of it at the user's bucket before the bucket of one unit.
     phases = [[(c, _SUB_GROUPS) for c in candidates], [(c, 1) for c in candidates if "nvme" in c]]
     for bucket, tries in ((b, p) for b in buckets for p in phases):
         fitting = []
         for order, ((param, optimizer), sub_groups) in enumerate(tries):
-            placement, prediction = _fit(inventory, param, optimizer, state_budget, host_budget,
-                                         accelerator=accelerator,
-                                         offload=offload, bucket=bucket, state_bytes=state_bytes,
-                                         sub_groups=sub_groups)
-            peak = prediction.total(accelerator)
-            seconds = bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
-            if bucket == prefetch.bucket_size:
-                considered.append((placement, peak, seconds))
-            if peak <= state_budget and (host_budget is None or not accelerator or prediction.host <= host_budget):
-                # The least traffic, timed at the measured bandwidths (bytes if none), then the faster tiers.
-                cost = seconds if bandwidths.disk or bandwidths.link else prediction.disk_bytes + prediction.link_bytes
-                fitting.append((cost, order, placement, prediction))
-            if smallest is None or peak < smallest[0]:
-                smallest = (peak, placement, bucket)
+            for kept in counts:
+                activations = profile.activation_bytes(kept) if profile is not None and kept is not None else 0
+                room = state_budget - activations
+                placement, prediction = _fit(inventory, param, optimizer, room, host_budget,
+                                             accelerator=accelerator,
+                                             offload=offload, bucket=bucket, state_bytes=state_bytes,
+                                             sub_groups=sub_groups)
+                peak = prediction.total(accelerator)
+                step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
+                                 profile=profile, kept=kept or 0)
+                seconds = step.total if timed else bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
+                if bucket == prefetch.bucket_size and kept == counts[0]:
+                    considered.append((placement, peak + activations, seconds))
+                if peak <= room and (host_budget is None or not accelerator or prediction.host <= host_budget):
+                    # The least predicted time (traffic at the measured bandwidths, or bytes if none),
+                    # then the faster tiers, then more blocks kept.
+                    cost = seconds if timed or bandwidths.disk or bandwidths.link else \
+                        prediction.disk_bytes + prediction.link_bytes
+                    fitting.append((cost, order, -(kept or 0), placement, prediction, kept, step, activations))
+                if smallest is None or peak + activations < smallest[0]:
+                    smallest = (peak + activations, placement, bucket)
         if fitting:
-            _, _, placement, prediction = min(fitting, key=lambda f: (f[0], f[1]))
+            _, _, _, placement, prediction, kept, step, activations = min(fitting, key=lambda f: f[:3])
             return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
                               dataclasses.replace(prefetch, bucket_size=bucket),
                               _sub_group_size(inventory, offload, placement), bandwidths, tuple(considered),
-                              activation_bytes)
+                              activation_bytes, step, kept if plan_activations else None, activations, profile)
     assert smallest is not None
     peak, placement, bucket = smallest
     peak += activation_bytes
     reserved = f", {format_bytes(activation_bytes)} of it activation_memory" if activation_bytes else ""
+    if profile is not None:
+        reserved += (f", {format_bytes(profile.activation_bytes(0))} of it the example's activations with every "
+                     "block checkpointed")
     message = (f"memory_budget={format_bytes(budget)} per rank is less than this model needs in any placement the "
                f"engine has: the least is {format_bytes(peak)}{reserved} ({placement.describe()}, "
                f"bucket_size={bucket}). Raise memory_budget to at least {peak} bytes")
+    if profile is not None:
+        message += ", or lower the batch size per device"
     if offload.nvme_path is None:
         message += (", or set offload.nvme_path to a folder on a fast disk so that the plan may put parameters "
                     "and optimizer state on NVMe")

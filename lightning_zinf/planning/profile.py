@@ -1,0 +1,296 @@
+"""A training step's compute and activations, known before the run: one forward of the model on an
+example input with fake tensors, and one block run for real to time it.
+
+The forward runs under torch's ``FakeTensorMode`` (tensors with shapes, dtypes and devices but no
+data, so a model of any size costs nothing) through ``torch.func.functional_call`` with fake
+parameters in the compute dtype on the compute device, so every operator takes the kernel the run
+will take (the saved tensors of attention differ between devices). Saved-tensor hooks count what
+autograd keeps, per block (an instance of ``block_classes``) and outside the blocks, by storage,
+parameters left out, as :class:`~lightning_zinf.planning.activations.ActivationPlan` counts the
+first step; torch's ``FlopCounterMode`` counts the FLOPs of each block and of the whole forward.
+The model's output in fp32 is counted with the outside: the loss computed from it keeps a tensor of
+that size (a cross-entropy's log-softmax). The example is Lightning's ``example_input_array``
+convention: a tuple is the forward's positional arguments, a dict its keyword arguments, anything
+else its one argument. A forward whose control flow reads tensor values (``.item()``, boolean
+masks) cannot run on fake tensors: :func:`profile_forward` then returns ``None`` and the
+activations are planned from the first step.
+
+:func:`time_blocks` runs the first block of each class for real, forward and backward, on random
+inputs of the shapes the fake forward saw, with the block's own parameters (random ones if they are
+on the meta device): its FLOPs over its time is the rate the whole step's FLOPs are timed at
+(small layers reach well under a matmul's peak: 65 of 89 GFLOP/s for width 256 on this machine's
+cores, 81 of 86 for width 768). It runs the block checkpointed too: a recompute costs what that
+adds, less than a forward (0.65-0.7 of one for a block of width 256 here: the activations it does
+not keep are not written to fresh memory). Memory: one block's parameters and activations, on the
+device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["BlockProfile", "ForwardProfile", "block_seconds", "profile_forward", "time_blocks"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block's forward on the example.
+
+    Attributes:
+        name: Its qualified name in the model.
+        cls: Its class name.
+        flops: FLOPs of its forward (backward: about twice as many; a recompute: as many again).
+        saved: Bytes autograd keeps for its backward when it is not checkpointed.
+        inputs: Bytes of its tensor arguments (what checkpointing keeps of it instead).
+        arguments: Its ``(args, kwargs)``, tensors as meta tensors of their shapes and dtypes.
+    """
+
+    name: str
+    cls: str
+    flops: int
+    saved: int
+    inputs: int
+    arguments: Any = field(default=((), {}), compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ForwardProfile:
+    """The model's forward on the example, per block.
+
+    Attributes:
+        flops: FLOPs of the whole forward (the blocks' included).
+        outside: Bytes kept for backward outside the blocks, the output in fp32 for the loss included.
+        blocks: The blocks, in forward order (each one's first call).
+        seconds_per_flop: Seconds per FLOP of a block's forward and backward run for real
+            (:func:`block_seconds`), or ``None`` until measured.
+        recompute_seconds_per_flop: Seconds a checkpointed block adds to its forward and backward,
+            per FLOP of its forward (:func:`time_blocks`; less than a forward's: the activations it
+            does not keep are not written to fresh memory), or ``None`` until measured.
+    """
+
+    flops: int
+    outside: int
+    blocks: tuple[BlockProfile, ...]
+    seconds_per_flop: Optional[float] = None
+    recompute_seconds_per_flop: Optional[float] = None
+
+    def activation_bytes(self, kept: int) -> int:
+        """Peak bytes of activations when the first ``kept`` blocks keep theirs and the rest are
+        checkpointed: what is kept outside, by the kept blocks and of the checkpointed blocks'
+        inputs, and one checkpointed block's own during its recompute in backward."""
+        saved = [b.saved for b in self.blocks]
+        return (self.outside + sum(saved[:kept]) + sum(b.inputs for b in self.blocks[kept:])
+                + max(saved[kept:], default=0))
+
+    def recompute_flops(self, kept: int) -> int:
+        """FLOPs backward spends recomputing the forwards of the blocks after the first ``kept``."""
+        return sum(b.flops for b in self.blocks[kept:])
+
+
+class _Saved:
+    """Bytes of the storages autograd saves, each once, parameters left out (fake tensors have no
+    data pointer: a view is counted as its base)."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        self.parameters = parameters
+        self.seen: dict[int, Tensor] = {}  # holding the bases keeps their ids unique
+
+    def add(self, tensor: Tensor) -> None:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in self.parameters and tensor.layout == torch.strided:
+            self.seen.setdefault(id(base), base)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.seen.values())
+
+    def pack(self, tensor: Tensor) -> Tensor:
+        self.add(tensor)
+        return tensor
+
+
+def _call(module: nn.Module, parameters: dict[str, Tensor], example: Any) -> Any:
+    if isinstance(example, tuple):
+        return functional_call(module, parameters, example)
+    if isinstance(example, dict):
+        return functional_call(module, parameters, (), example)
+    return functional_call(module, parameters, (example,))
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    tree_map(lambda v: found.append(v) if isinstance(v, Tensor) else None, value)
+    return found
+
+
+def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.Module]], *,
+                    device: torch.device, dtype: Optional[torch.dtype]) -> Optional[ForwardProfile]:
+    """``module``'s forward on ``example`` with fake tensors: its FLOPs and saved bytes, per block.
+
+    Args:
+        module: The model, real or on the meta device; it is not run and not changed (hooks are
+            added for the call and removed).
+        example: The forward's input (``example_input_array``'s convention); its tensors' shapes and
+            dtypes are used, on ``device``.
+        blocks: ``(qualified name, module)`` of the blocks, outermost, in module order.
+        device: The compute device.
+        dtype: The compute dtype of floating parameters (``param_dtype``), or ``None`` for theirs.
+
+    Returns:
+        The :class:`ForwardProfile` (without ``seconds_per_flop``), or ``None`` when the forward
+        cannot run on fake tensors (the reason is logged).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    handles = []
+    found: dict[str, BlockProfile] = {}
+    try:
+        with mode:
+            parameters = {}
+            for name, p in module.named_parameters():
+                fake_dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                parameters[name] = torch.empty(p.shape, dtype=fake_dtype, device=device).requires_grad_(p.requires_grad)
+            for name, b in module.named_buffers():
+                parameters[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            fake_example = tree_map(
+                lambda v: torch.empty(v.shape, dtype=v.dtype, device=device) if isinstance(v, Tensor) else v, example)
+        ids = {id(t) for t in parameters.values()}
+        outside = _Saved(ids)
+        with FlopCounterMode(display=False) as flops:
+            for name, block in blocks:
+                handles.extend(_watch(name, block, found, flops, ids))
+            with mode, torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
+                output = _call(module, parameters, fake_example)
+        loss_input = sum(t.numel() * max(t.element_size(), 4) for t in _tensors(output)
+                         if t.requires_grad and t.is_floating_point())
+        return ForwardProfile(flops=flops.get_total_flops(), outside=outside.nbytes + loss_input,
+                              blocks=tuple(found[name] for name, _ in blocks if name in found))
+    except Exception as error:  # any operator or model code that needs real values
+        log.info("lightning_zinf: the example input's forward does not run on fake tensors (%s: %s); activations "
+                 "are planned from the first training step instead.", type(error).__name__, error)
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: FlopCounterMode,
+           parameters: set[int]) -> list[Any]:
+    """Hooks that count ``block``'s first call: its FLOPs, what it saves and its inputs (kept as
+    meta tensors of their shapes, which :func:`block_seconds` runs it on)."""
+    scopes = ExitStack()
+    state: dict[str, Any] = {}
+
+    def enter(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if name in found or state or not torch.is_grad_enabled():
+            return
+        saved = _Saved(parameters)
+        inputs = _Saved(set())
+        for tensor in _tensors((args, kwargs)):
+            inputs.add(tensor)
+        shapes = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, Tensor) else v,
+                          (args, kwargs))
+        state.update(saved=saved, inputs=inputs.nbytes, flops=flops.get_total_flops(), shapes=shapes)
+        scopes.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
+
+    def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if not state:
+            return
+        scopes.close()
+        found[name] = BlockProfile(name, type(block).__name__, flops.get_total_flops() - state["flops"],
+                                   state["saved"].nbytes, state["inputs"], state["shapes"])
+        state.clear()
+
+    return [block.register_forward_pre_hook(enter, with_kwargs=True),
+            block.register_forward_hook(leave, always_call=True)]
+
+
+def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dtype: Optional[torch.dtype],
+                  checkpointed: bool = False, repeats: int = 5) -> float:
+    """Seconds of one forward and backward of ``block`` for real on ``device``.
+
+    Args:
+        block: The block; its parameters are copied to ``device`` in ``dtype`` (random ones if on
+            the meta device), and it is not changed.
+        arguments: ``(args, kwargs)`` as :attr:`BlockProfile.arguments` has them: each tensor
+            becomes a random one of its shape and dtype (floating ones requiring a gradient, as a
+            block's input does in training; integer and boolean ones zeros).
+        device: The compute device.
+        dtype: The compute dtype of floating parameters, or ``None`` for theirs.
+        checkpointed: Run the forward under non-reentrant activation checkpointing (backward
+            recomputes it).
+        repeats: Runs timed after one warm-up; the fastest is returned (the least disturbed by
+            other work on the machine, which a difference of two times is sensitive to).
+    """
+    def real(value: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return value
+        if value.is_floating_point():
+            return torch.randn(value.shape, dtype=value.dtype, device=device).requires_grad_(True)
+        return torch.zeros(value.shape, dtype=value.dtype, device=device)
+
+    parameters = {}
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            value = torch.randn(p.shape, device=device).mul_(0.02).to(cast) if p.is_meta else p.detach().to(device, cast)
+            parameters[name] = value.requires_grad_(p.requires_grad)
+        for name, b in block.named_buffers():
+            parameters[name] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else b.to(device)
+    args, kwargs = tree_map(real, arguments)
+
+    def forward(*positional: Any) -> Any:
+        return functional_call(block, parameters, positional, kwargs)
+
+    def run() -> None:
+        out = checkpoint(forward, *args, use_reentrant=False) if checkpointed else forward(*args)
+        outputs = [t for t in _tensors(out) if t.requires_grad]
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *, device: torch.device,
+                dtype: Optional[torch.dtype]) -> ForwardProfile:
+    """``profile`` with its rates measured: the first block of each class run for real
+    (:func:`block_seconds`), plainly and checkpointed. ``seconds_per_flop``: their plain time over
+    their FLOPs (forward and backward: three forwards'); ``recompute_seconds_per_flop``: what
+    checkpointing added over their forward FLOPs. Unchanged when no block has FLOPs to time."""
+    modules = dict(blocks)
+    plain = checkpointed = flops = 0.0
+    timed: set[str] = set()
+    for b in profile.blocks:
+        if b.cls in timed or not b.flops:
+            continue
+        timed.add(b.cls)
+        plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
+        checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
+        flops += b.flops
+    if not flops:
+        return profile
+    return dataclasses.replace(profile, seconds_per_flop=plain / (3 * flops),
+                               recompute_seconds_per_flop=max(0.0, checkpointed - plain) / flops)

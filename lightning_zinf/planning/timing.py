@@ -1,0 +1,157 @@
+"""A placement's predicted step time, term by term: compute, recompute, collectives, the optimizer
+step, and the disk and host-link traffic the compute does not hide.
+
+Each term is a count of this run's work over a rate measured on this machine at setup:
+- compute: the forward's FLOPs (:mod:`~lightning_zinf.planning.profile`, on the example input) at
+  the seconds per FLOP of a block run for real; backward is two forwards (Kaplan et al., 2020, §2.1:
+  6 FLOPs per parameter and token, a third of them forward);
+- recompute: the forward FLOPs of the checkpointed blocks at what checkpointing added to a block
+  run for real;
+- collectives: the bytes ZeRO-3 moves per step (Rajbhandari et al., SC'20, §7.2: every unit gathered
+  for the forward and again for backward, the persistent ones once after the step, and every
+  gradient reduce-scattered), at the all-gather bandwidth of a probe among the run's ranks;
+- optimizer step: the trainable elements of this rank's shard at the seconds per element of
+  torch's AdamW on the tier that steps them (host or device);
+- disk and host link: :class:`~lightning_zinf.planning.cost.Prediction`'s bytes at their bandwidths.
+
+How they add (the engine's schedule): on a CPU device compute, collectives (gloo, on the same
+cores) and the optimizer step follow one another, and the NVMe reads and writes proceed during the
+forward (the step's records are read ahead and written behind it,
+:mod:`~lightning_zinf.offload.stepping`), so what exceeds the forward shows, and at least half of
+them, since the swapper and the background step share the cores with the compute. On an accelerator
+the collectives and the host-link copies run on their own streams beside the compute and show only
+where they exceed it; those terms were not yet measured on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_zinf.planning.bandwidth import Bandwidths
+from lightning_zinf.planning.cost import Placement, Prediction
+from lightning_zinf.planning.inventory import Inventory
+from lightning_zinf.planning.profile import ForwardProfile
+
+__all__ = ["StepTime", "collective_bytes", "step_time"]
+
+#: Share of the disk's seconds that shows on a CPU device however long the forward: 0.55-0.8 of it
+#: showed in examples/benchmarks/budget.py's runs on 2 cores (RESULTS.md, issue 40, session 24).
+_CPU_DISK_SHOWN = 0.5
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's predicted seconds per term, per rank.
+
+    Attributes:
+        forward: The forward's compute (``None``: no example input, compute not predicted).
+        backward: Backward's compute (``None`` likewise).
+        recompute: The checkpointed blocks' forwards again in backward (``None`` likewise).
+        collectives: The gathers and reduce-scatters (0 with one rank; ``None``: not measured).
+        optimizer: The optimizer step on this rank's shard (``None``: not measured).
+        disk: NVMe reads and writes, all of them (what shows is :attr:`exposed_disk`).
+        link: Host-link copies, all of them (an accelerator's).
+        accelerator: The compute device is an accelerator (terms overlap there).
+    """
+
+    forward: Optional[float]
+    backward: Optional[float]
+    recompute: Optional[float]
+    collectives: Optional[float]
+    optimizer: Optional[float]
+    disk: float
+    link: float
+    accelerator: bool
+
+    @property
+    def exposed_disk(self) -> float:
+        """Disk seconds the forward does not hide: on a CPU device at least half of them (the
+        swapper's copies and the background optimizer step share the cores with the compute)."""
+        hidden = max(0.0, self.disk - (self.forward or 0.0))
+        return hidden if self.accelerator else max(hidden, _CPU_DISK_SHOWN * self.disk)
+
+    @property
+    def exposed_collectives(self) -> float:
+        """Collective seconds that show: all on a CPU device, beyond the compute on an accelerator."""
+        seconds = self.collectives or 0.0
+        return max(0.0, seconds - self._compute) if self.accelerator else seconds
+
+    @property
+    def exposed_link(self) -> float:
+        """Host-link seconds beyond the compute (an accelerator's copies run beside it)."""
+        return max(0.0, self.link - self._compute)
+
+    @property
+    def _compute(self) -> float:
+        return (self.forward or 0.0) + (self.backward or 0.0) + (self.recompute or 0.0)
+
+    @property
+    def total(self) -> Optional[float]:
+        """The predicted step in seconds, or ``None`` when the compute is not predicted."""
+        if self.forward is None:
+            return None
+        return self._compute + self.exposed_collectives + (self.optimizer or 0.0) + self.exposed_disk + self.exposed_link
+
+    def describe(self) -> str:
+        """One line: the total and its terms."""
+        def s(value: Optional[float]) -> str:
+            return "not measured" if value is None else f"{value:.3f} s"
+
+        terms = (f"collectives {s(self.collectives)}, optimizer step {s(self.optimizer)}, NVMe {self.disk:.3f} s "
+                 f"({self.exposed_disk:.3f} s not hidden by the forward)")
+        if self.accelerator:
+            terms += f", host link {self.link:.3f} s ({self.exposed_link:.3f} s not hidden by the compute)"
+        if self.forward is None:
+            return (f"predicted step: compute not predicted (no example_input_array on the model); {terms}")
+        return (f"predicted step {self.total:.3f} s: forward {self.forward:.3f} s, backward {self.backward:.3f} s, "
+                f"recompute {self.recompute:.3f} s, {terms}")
+
+
+def collective_bytes(inventory: Inventory) -> int:
+    """Bytes a step gathers and reduce-scatters, whole (all ranks' parts): each unit gathered in the
+    compute dtype for the forward and again for backward (a persistent one once, after the step),
+    and each trainable group's gradient reduce-scattered in ``reduce_dtype``. 0 with one rank."""
+    if inventory.world == 1:
+        return 0
+    total = 0
+    for g in inventory.groups:
+        full = g.shard_numel * inventory.world
+        total += (1 if g.persistent else 2) * full * g.compute_bytes
+        if g.trainable:
+            total += full * inventory.reduce_bytes
+    return total
+
+
+def step_time(inventory: Inventory, placement: Placement, prediction: Prediction, rates: Bandwidths, *,
+              accelerator: bool, profile: Optional[ForwardProfile] = None, kept: int = 0) -> StepTime:
+    """The predicted step of ``placement`` (whose cost is ``prediction``) with the first ``kept``
+    blocks of ``profile`` keeping their activations and the others checkpointed.
+
+    Args:
+        inventory: The model's flat groups.
+        placement: The tiers.
+        prediction: :func:`~lightning_zinf.planning.cost.predict` of ``placement``.
+        rates: The measured bandwidths and rates.
+        accelerator: The compute device is an accelerator.
+        profile: The forward on the example, timed (``seconds_per_flop`` set); ``None``: compute
+            not predicted.
+        kept: Blocks of ``profile`` that keep their activations (the first ones).
+    """
+    forward = backward = recompute = None
+    if profile is not None and profile.seconds_per_flop is not None:
+        forward = profile.flops * profile.seconds_per_flop
+        backward = 2 * forward
+        recompute = profile.recompute_flops(kept) * (profile.recompute_seconds_per_flop or 0.0)
+    collectives = None
+    if inventory.world == 1:
+        collectives = 0.0
+    elif rates.collective:
+        collectives = collective_bytes(inventory) / rates.collective
+    optimizer = None
+    per_element = rates.device_step if accelerator and placement.optimizer == "none" else rates.host_step
+    if per_element is not None:
+        optimizer = sum(g.shard_numel for g in inventory.groups if g.trainable) * per_element
+    return StepTime(forward, backward, recompute, collectives, optimizer,
+                    prediction.disk_bytes / rates.disk if rates.disk else 0.0,
+                    prediction.link_bytes / rates.link if rates.link else 0.0, accelerator)

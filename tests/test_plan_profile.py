@@ -1,0 +1,263 @@
+"""The memory plan's view of a training step before it runs (:mod:`lightning_zinf.planning.profile`,
+:mod:`lightning_zinf.planning.timing`): the example input's forward on fake tensors against a real
+forward seen by the test's own hooks, the collective bytes against the engine's own counters, and
+a Trainer run whose blocks are planned at setup from ``example_input_array``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_zinf import MixedPrecisionConfig, ZeroEngine
+from lightning_zinf.planning import Inventory, Placement, predict
+from lightning_zinf.planning.bandwidth import Bandwidths
+from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
+from lightning_zinf.planning.timing import collective_bytes, step_time
+from tests import models
+from tests.harness import run_distributed
+from tests.test_memory_budget import SavedInLastStep
+
+
+def _real_saved(model: nn.Module, run) -> int:
+    """Bytes of the storages autograd keeps during ``run()``, each once, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_profile_equals_a_real_forward(dtype) -> None:
+    """Per block, the fake forward's saved bytes, inputs and FLOPs are those of the real forward of
+    the same model in the same dtype, seen by the test's own saved-tensor hooks and FlopCounterMode;
+    the model is not changed (no hooks left, no parameter touched)."""
+    torch.manual_seed(0)
+    model = models.GPT(d=64, layers=3, heads=2)
+    x = models.make_batch("gpt", 0, 4)[0].clone()  # a storage of its own (the batch's is a slice)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    profile = profile_forward(model, x, _blocks(model), device=torch.device("cpu"), dtype=dtype)
+    assert profile is not None and len(profile.blocks) == 3
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+    real = model.to(dtype) if dtype is not None else model
+    hidden = torch.randn(4, x.shape[1], 64, dtype=dtype or torch.float32, requires_grad=True)
+    block_saved = _real_saved(real, lambda: real.blocks[0](hidden))
+    with FlopCounterMode(display=False) as flops:
+        real(x)
+    for b in profile.blocks:
+        assert b.saved == block_saved, (b, block_saved)
+        assert b.inputs == hidden.numel() * hidden.element_size()
+    assert profile.flops == flops.get_total_flops()
+    assert sum(b.flops for b in profile.blocks) < profile.flops  # the embeddings and the head are outside
+    # All kept: what the whole forward saves, and the logits in fp32 for the loss.
+    logits = real(x)
+    whole = _real_saved(real, lambda: real(x))
+    assert profile.activation_bytes(3) == whole + logits.numel() * 4
+    # All checkpointed: outside, three inputs, one block's own to recompute.
+    assert profile.activation_bytes(0) == profile.outside + 3 * profile.blocks[0].inputs + block_saved
+
+
+def test_profile_of_a_transformers_model() -> None:
+    """A Hugging Face GPT-2 (its masks, position ids and SDPA) profiles on fake tensors, each block
+    saving what its real forward saves."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (2, 32))
+    blocks = [(f"transformer.h.{i}", b) for i, b in enumerate(model.transformer.h)]
+    profile = profile_forward(model, {"input_ids": ids}, blocks, device=torch.device("cpu"), dtype=None)
+    assert profile is not None and [b.cls for b in profile.blocks] == ["GPT2Block", "GPT2Block"]
+    seen: dict[str, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def counting(name):
+        def pre(_m, _a):
+            store: dict[int, int] = {}
+            seen[name] = store
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    store[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            counting.ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            counting.ctx.__enter__()
+
+        def post(_m, _a, _o):
+            counting.ctx.__exit__(None, None, None)
+        return pre, post
+
+    for name, block in blocks:
+        pre, post = counting(name)
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+    model(input_ids=ids)
+    for b in profile.blocks:
+        assert b.saved == sum(seen[b.name].values()) > 0, b
+
+
+class _ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum().item() > 0:  # control flow on a value: no fake tensor has one
+            x = x * 2
+        return self.linear(x)
+
+
+def test_a_forward_that_reads_values_is_not_profiled() -> None:
+    assert profile_forward(_ReadsValues(), torch.ones(2, 8), [], device=torch.device("cpu"), dtype=None) is None
+
+
+def _seconds_of_a_step(model: nn.Module, x: torch.Tensor) -> float:
+    """The fastest of five forward and backward passes, after a warm-up."""
+    model(x).sum().backward()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        model(x).sum().backward()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_a_block_timed_for_real_gives_the_step_its_compute() -> None:
+    """The rates of one block run for real time the whole model: the predicted forward and backward
+    are within a factor of 2 of a real step of the whole model (the test's clock), and the predicted
+    recompute of every block within a factor of 3 of what checkpointing every block adds to it."""
+    torch.manual_seed(0)
+    model = models.GPT(d=256, layers=4, heads=4, seq=64)
+    x = torch.randint(0, 64, (8, 64))
+    profile = profile_forward(model, x, _blocks(model), device=torch.device("cpu"), dtype=None)
+    assert profile is not None and profile.seconds_per_flop is None
+    profile = time_blocks(profile, _blocks(model), device=torch.device("cpu"), dtype=None)
+    inventory = Inventory.of(model, world=1, block_classes=["Block"])
+    placement = Placement()
+    prediction = predict(inventory, placement, bucket_size=0)
+    kept = step_time(inventory, placement, prediction, Bandwidths(), accelerator=False, profile=profile, kept=4)
+    recomputed = step_time(inventory, placement, prediction, Bandwidths(), accelerator=False, profile=profile, kept=0)
+    plain = _seconds_of_a_step(model, x)
+    model.checkpointing = True
+    added = _seconds_of_a_step(model, x) - plain
+    assert 0.5 * plain <= kept.total <= 2 * plain, (kept, plain)
+    assert kept.recompute == 0 and added / 3 <= recomputed.recompute <= 3 * added, (recomputed, added)
+    assert recomputed.total == pytest.approx(kept.total + recomputed.recompute)
+    assert kept.collectives == 0.0  # one rank
+
+
+def _comm_bytes_of_a_step(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(d=64, layers=4, heads=2)
+    engine = ZeroEngine(model, block_classes=["Block"], mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    counted = []
+    for step in range(3):
+        engine.comm.bytes.reset()
+        x, y = models.make_batch("gpt", step, 4)
+        models.loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        counted.append(engine.comm.bytes.gathered + engine.comm.bytes.reduce_scattered)
+    inventory = Inventory.of(model, world=world, block_classes=["Block"],
+                             mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    return {"counted": counted, "predicted": collective_bytes(inventory)}
+
+
+def test_collective_bytes_are_what_the_engine_moves() -> None:
+    """The bytes the time model gives the collectives of a step are what the engine's own counters
+    see a step move (each rank receives all but its own part of every gather and sends all but its
+    own of every reduce-scatter: the whole times (world - 1) / world)."""
+    for r in run_distributed(_comm_bytes_of_a_step, 2):
+        assert r["counted"][-1] == r["counted"][-2]  # a steady step
+        assert r["counted"][-1] == r["predicted"] // 2, r
+
+
+def test_step_time_terms_add_as_the_schedule_runs() -> None:
+    """On a CPU device the collectives and the optimizer step add to the compute, and at least half
+    of the disk shows; on an accelerator what the compute hides does not show."""
+    profile = ForwardProfile(flops=10**9, outside=0, blocks=(), seconds_per_flop=1e-10,
+                             recompute_seconds_per_flop=1e-10)  # forward 0.1 s
+    inventory = Inventory.of(models.GPT(d=64, layers=2, heads=2), world=2, block_classes=["Block"])
+    placement = Placement(param="nvme", optimizer="nvme")
+    prediction = dataclasses.replace(predict(inventory, placement, bucket_size=0), disk_bytes=10**8, link_bytes=10**8)
+    rates = Bandwidths(disk=10**9, link=10**10, collective=collective_bytes(inventory) / 0.05, host_step=1e-9,
+                       device_step=1e-10)
+    cpu = step_time(inventory, placement, prediction, rates, accelerator=False, profile=profile)
+    trainable = sum(g.shard_numel for g in inventory.groups if g.trainable)
+    assert cpu.disk == pytest.approx(0.1) and cpu.exposed_disk == pytest.approx(0.05)
+    assert cpu.total == pytest.approx(0.3 + 0.05 + trainable * 1e-9 + 0.05)
+    gpu = step_time(inventory, placement, prediction, rates, accelerator=True, profile=profile)
+    assert gpu.exposed_collectives == 0 and gpu.exposed_disk == 0 and gpu.exposed_link == 0
+    assert gpu.total == pytest.approx(0.3 + trainable * 1e-9)  # the optimizer steps on the host here
+    assert step_time(inventory, placement, prediction, rates, accelerator=False).total is None
+
+
+def _fit_with_example(rank: int, world: int, budget) -> dict:
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    class Deep(LitGPT):
+        """Six blocks, one micro-batch as ``example_input_array`` (Lightning's convention)."""
+
+        def __init__(self, batch_size: int) -> None:
+            super().__init__(batch_size)
+            self.example_input_array = models.make_batch("gpt", 0, batch_size)[0]
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                torch.manual_seed(0)
+                self.model = models.GPT(d=64, layers=6, heads=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+    strategy = ZeroInfinityStrategy(block_classes=["Block"], memory_budget=budget)
+    lit = Deep(GLOBAL_BATCH // world)
+    saved = SavedInLastStep()
+    trainer = _trainer(strategy, world, callbacks=[saved], gradient_clip_val=None)
+    trainer.fit(lit)
+    plan = trainer.strategy.engine.memory_plan
+    return {"losses": lit.train_losses, "kept": trainer.strategy.engine.activation_plan.kept,
+            "kept_blocks": plan.kept_blocks, "state": plan.prediction.total(False), "activations": plan.activations,
+            "by_count": [plan.profile.activation_bytes(k) for k in range(7)], "saved": saved.nbytes,
+            "before_step": saved.plan_at_first_step, "step": plan.step, "block": plan.profile.blocks[0].saved}
+
+
+def test_the_trainer_plans_activations_at_setup_from_example_input_array() -> None:
+    """With ``example_input_array`` the blocks that keep their activations are chosen at setup with
+    the placement, nothing measured in the first step: with room for all, all six keep theirs, as
+    many bytes as the test's own hooks see a step keep; with room for two, the first two, what the
+    hooks see within the budget, and the losses of keeping all."""
+    roomy = run_distributed(_fit_with_example, 2, "1GiB", init_pg=False)[0]
+    assert roomy["kept_blocks"] == 6 and len(roomy["kept"]) == 6
+    assert roomy["before_step"] == (True, {})
+    assert roomy["saved"] == pytest.approx(roomy["activations"], rel=0.005), roomy  # the logits in fp32: 1%
+    assert roomy["step"].total > 0 and roomy["step"].collectives > 0
+    budget = roomy["state"] + roomy["by_count"][2] + roomy["block"] // 2
+    tight = run_distributed(_fit_with_example, 2, budget, init_pg=False)
+    for r in tight:
+        assert r["kept_blocks"] == 2 and r["kept"] == ["model.blocks.0", "model.blocks.1"], r
+        assert r["state"] + r["saved"] <= budget
+        assert r["saved"] >= 2 * r["block"]  # the two blocks' activations are kept
+    assert tight[0]["losses"] == roomy["losses"]
