@@ -18,6 +18,7 @@ from lightning_zinf.checkpoint import CheckpointError, checkpoint_keys, load_ful
     provided_parameters
 from lightning_zinf.config import MixedPrecisionConfig
 from lightning_zinf.engine import ZeroEngine
+from lightning_zinf.heap import keep_within
 from lightning_zinf.options import ZeroOptions
 from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
@@ -100,6 +101,11 @@ def build_engine(
         preloaded=preloaded,
     )
     engine.memory_plan = plan
+    # Host memory under a budget: the heap keeps no more free memory than the budget leaves.
+    if plan is not None and not plan.accelerator:
+        keep_within(plan.budget - plan.prediction.total(False) - plan.activations - plan.activation_bytes)
+    elif plan is not None and plan.host_budget is not None:
+        keep_within(plan.host_budget - plan.prediction.host)
     if plan is not None and not options.activation_checkpointing and not checkpointed_layers(module):
         blocks = _blocks(module, options.block_classes)
         if blocks:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -233,8 +234,10 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
         dtype: The compute dtype of floating parameters, or ``None`` for theirs.
         checkpointed: Run the forward under non-reentrant activation checkpointing (backward
             recomputes it).
-        repeats: Runs timed after one warm-up; the fastest is returned (the least disturbed by
-            other work on the machine, which a difference of two times is sensitive to).
+        repeats: Runs timed after one warm-up; their median is returned (a run the machine's
+            other work disturbed moves it less than a mean, and a difference of two times is
+            sensitive to that; the fastest run would be optimistic for a step that shares the
+            machine with other ranks).
     """
     def real(value: Any) -> Any:
         if not isinstance(value, Tensor):
@@ -262,7 +265,7 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
     run()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
@@ -270,8 +273,8 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
         run()
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *, device: torch.device,
