@@ -235,7 +235,8 @@ def _fit_with_example(rank: int, world: int, budget) -> dict:
     strategy = ZeroInfinityStrategy(block_classes=["Block"], memory_budget=budget)
     lit = Deep(GLOBAL_BATCH // world)
     saved = SavedInLastStep()
-    trainer = _trainer(strategy, world, callbacks=[saved], gradient_clip_val=None)
+    # The model summary on: with example_input_array it runs a forward on every rank at fit start.
+    trainer = _trainer(strategy, world, callbacks=[saved], gradient_clip_val=None, enable_model_summary=True)
     trainer.fit(lit)
     plan = trainer.strategy.engine.memory_plan
     return {"losses": lit.train_losses, "kept": trainer.strategy.engine.activation_plan.kept,
