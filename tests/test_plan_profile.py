@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_zinf import MixedPrecisionConfig, ZeroEngine
 from lightning_zinf.planning import Inventory, Placement, predict
-from lightning_zinf.planning.bandwidth import Bandwidths
+from lightning_zinf.planning.bandwidth import Bandwidths, measure_collective
 from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
 from lightning_zinf.planning.timing import collective_bytes, step_time
 from tests import models
@@ -129,6 +129,26 @@ class _ReadsValues(nn.Module):
 
 def test_a_forward_that_reads_values_is_not_profiled() -> None:
     assert profile_forward(_ReadsValues(), torch.ones(2, 8), [], device=torch.device("cpu"), dtype=None) is None
+
+
+def _collective_against_the_clock(rank: int, world: int, repeats: int) -> tuple[float, float]:
+    measured = measure_collective(torch.device("cpu"), nbytes=4 << 20, repeats=repeats)
+    part = torch.ones((4 << 20) // world, dtype=torch.uint8)
+    whole = torch.empty(part.numel() * world, dtype=torch.uint8)
+    torch.distributed.all_gather_single(whole, part)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.distributed.all_gather_single(whole, part)
+    seconds = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64)
+    torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)
+    return measured, whole.numel() / seconds.item()
+
+
+def test_the_collective_probe_is_the_all_gather_bandwidth() -> None:
+    """The probe's all-gather bandwidth is the one the test's own clock sees for the same gathers
+    (within a factor of 3 on a shared machine; timing one gather of ten would be 10 times off)."""
+    for measured, clock in run_distributed(_collective_against_the_clock, 2, 10, timeout=120):
+        assert clock / 3 <= measured <= 3 * clock, (measured, clock)
 
 
 def _seconds_of_a_step(model: nn.Module, x: torch.Tensor) -> float:
