@@ -15,6 +15,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_zinf import MixedPrecisionConfig, ZeroEngine
+from lightning_zinf.engine_setup import memory_plan
+from lightning_zinf.options import ZeroOptions
 from lightning_zinf.planning import Inventory, Placement, predict
 from lightning_zinf.planning.bandwidth import Bandwidths, measure_collective
 from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
@@ -149,6 +151,37 @@ def test_the_collective_probe_is_the_all_gather_bandwidth() -> None:
     (within a factor of 3 on a shared machine; timing one gather of ten would be 10 times off)."""
     for measured, clock in run_distributed(_collective_against_the_clock, 2, 10, timeout=120):
         assert clock / 3 <= measured <= 3 * clock, (measured, clock)
+
+
+def _deep_model_with_example(batch) -> nn.Module:
+    torch.manual_seed(0)
+    model = models.GPT(d=64, layers=6, heads=2)
+    if batch is not None:
+        model.example_input_array = models.make_batch("gpt", 0, batch)[0].clone()
+    return model
+
+
+def _plan_with_examples(rank: int, world: int, batches: list, budget: int) -> tuple:
+    model = _deep_model_with_example(batches[rank])
+    options = ZeroOptions(block_classes=["Block"], memory_budget=budget)
+    plan = memory_plan(model, options, device=torch.device("cpu"), precision=MixedPrecisionConfig())
+    torch.distributed.barrier()  # the engine's first collective: every rank got here from the same ones
+    return plan.kept_blocks, plan.placement
+
+
+@pytest.mark.parametrize("batches", [[4, 8], [4, None], [None, 4]])
+def test_every_rank_plans_with_rank_0s_example(batches) -> None:
+    """Every rank reaches the same plan from rank 0's example: with a larger example on rank 1 (which
+    alone would keep fewer blocks, or fit none) the count rank 0's example gives alone, the one of
+    a single process; with an example on one rank only, none is planned at setup (the first step
+    decides) on every rank, instead of one rank waiting in an exchange the others skip."""
+    options = ZeroOptions(block_classes=["Block"], memory_budget="1GiB")
+    alone = memory_plan(_deep_model_with_example(4), options, device=torch.device("cpu"),
+                        precision=MixedPrecisionConfig(), world=2)
+    budget = alone.prediction.total(False) + alone.profile.activation_bytes(2) + alone.profile.blocks[0].saved // 2
+    plans = run_distributed(_plan_with_examples, 2, batches, budget, timeout=120)
+    assert plans[0] == plans[1], plans
+    assert plans[0][0] == (2 if None not in batches else None), plans
 
 
 def _seconds_of_a_step(model: nn.Module, x: torch.Tensor) -> float:
