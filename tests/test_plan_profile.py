@@ -133,6 +133,36 @@ def test_a_forward_that_reads_values_is_not_profiled() -> None:
     assert profile_forward(_ReadsValues(), torch.ones(2, 8), [], device=torch.device("cpu"), dtype=None) is None
 
 
+class _NormBlock(nn.Module):
+    """A linear layer then batch norm, whose running statistics a forward in training updates in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+def test_timing_blocks_leaves_the_model_as_it_was() -> None:
+    """Profiling and timing the blocks run them for real on copies: the model's parameters and
+    buffers (batch norm's running statistics, updated in place by a forward in training) are the
+    same afterwards, no gradient is left on them and no hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormBlock(), _NormBlock())
+    blocks = [(str(i), b) for i, b in enumerate(model)]
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    profile = profile_forward(model, torch.randn(16, 8), blocks, device=torch.device("cpu"), dtype=None)
+    assert profile is not None
+    timed = time_blocks(profile, blocks, device=torch.device("cpu"), dtype=None)
+    assert timed.seconds_per_flop is not None and timed.seconds_per_flop > 0
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def _collective_against_the_clock(rank: int, world: int, repeats: int) -> tuple[float, float]:
     measured = measure_collective(torch.device("cpu"), nbytes=4 << 20, repeats=repeats)
     part = torch.ones((4 << 20) // world, dtype=torch.uint8)

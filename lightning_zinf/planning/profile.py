@@ -250,7 +250,10 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             value = torch.randn(p.shape, device=device).mul_(0.02).to(cast) if p.is_meta else p.detach().to(device, cast)
             parameters[name] = value.requires_grad_(p.requires_grad)
         for name, b in block.named_buffers():
-            parameters[name] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else b.to(device)
+            # A copy: a block that updates its buffers in place (batch norm's running statistics)
+            # must not change the model's by being timed.
+            parameters[name] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else \
+                b.to(device, copy=True)
     args, kwargs = tree_map(real, arguments)
 
     def forward(*positional: Any) -> Any:
@@ -290,6 +293,10 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
         plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
         checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
         flops += b.flops
+    if device.type != "cpu":
+        # The timed blocks' parameters and activations are free now: give the cached blocks back
+        # (only this rank ran them, and memory the driver holds for torch is not free for NCCL).
+        torch.accelerator.empty_cache()
     if not flops:
         return profile
     return dataclasses.replace(profile, seconds_per_flop=plain / (3 * flops),
