@@ -103,7 +103,8 @@ class StepTime:
         if self.accelerator:
             terms += f", host link {self.link:.3f} s ({self.exposed_link:.3f} s not hidden by the compute)"
         if self.forward is None:
-            return (f"predicted step: compute not predicted (no example_input_array on the model); {terms}")
+            return (f"predicted step: compute not predicted (no example_input_array on the model, or its forward or "
+                    f"blocks did not run to be timed); {terms}")
         return (f"predicted step {self.total:.3f} s: forward {self.forward:.3f} s, backward {self.backward:.3f} s, "
                 f"recompute {self.recompute:.3f} s, {terms}")
 
