@@ -174,6 +174,48 @@ def test_timing_blocks_leaves_the_model_as_it_was() -> None:
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+class _Activated(nn.Module):
+    """A linear layer whose forward takes the activation to apply, and notes whose method it is."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seen = seen
+
+    def forward(self, x: torch.Tensor, activation) -> torch.Tensor:
+        self.seen.append(activation.__self__)
+        return activation(self.linear(x))
+
+
+class _PassesItsMethod(nn.Module):
+    """Two :class:`_Activated` blocks, each given a bound method of this model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+        self.blocks = nn.ModuleList(_Activated(self.seen) for _ in range(2))
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.activation)
+        return x
+
+
+def test_timing_passes_callables_through_uncopied() -> None:
+    """A block argument that is a callable holding the model (a bound method) reaches the timed
+    runs as itself, not as a deep copy of the whole model."""
+    model = _PassesItsMethod()
+    blocks = [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+    profile = profile_forward(model, torch.randn(4, 8), blocks, device=torch.device("cpu"), dtype=None)
+    assert profile is not None
+    model.seen.clear()
+    time_blocks(profile, blocks, device=torch.device("cpu"), dtype=None)
+    assert model.seen and all(owner is model for owner in model.seen)
+
+
 def _collective_against_the_clock(rank: int, world: int, repeats: int) -> tuple[float, float]:
     measured = measure_collective(torch.device("cpu"), nbytes=4 << 20, repeats=repeats)
     part = torch.ones((4 << 20) // world, dtype=torch.uint8)

@@ -223,8 +223,9 @@ def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: F
 def _copied(value: Any) -> Any:
     """``value`` as it is now, for a later call: a deep copy, as the forward goes on to change
     objects passed to each block (a Hugging Face ``Cache`` gains every layer's keys and values);
-    ``value`` itself for a module or what cannot be copied."""
-    if isinstance(value, nn.Module):
+    ``value`` itself for a module, a callable (a bound method or partial would copy the model it
+    holds) or what cannot be copied."""
+    if isinstance(value, nn.Module) or callable(value):
         return value
     try:
         return copy.deepcopy(value)
