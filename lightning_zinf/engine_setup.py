@@ -165,19 +165,29 @@ def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.devi
                      distributed: bool) -> Optional[ForwardProfile]:
     """The forward on ``module.example_input_array`` (Lightning's convention), profiled on every rank
     with fake tensors and timed on rank 0 (one block run for real), or ``None`` without an example
-    or when its forward needs real values (:func:`~lightning_zinf.planning.profile.profile_forward`)."""
+    or when its forward needs real values (:func:`~lightning_zinf.planning.profile.profile_forward`).
+    Every rank plans with rank 0's profile, or with none if any rank has none (an example on some
+    ranks only, or one that ran on fake tensors on some only): the plans must agree, and examples
+    of other shapes on other ranks would give other counts."""
     example = getattr(module, "example_input_array", None)
-    if example is None:
-        return None
     blocks = _blocks(module, options.block_classes)
     dtype = precision.param_dtype
-    profile = profile_forward(module, example, blocks, device=device, dtype=dtype)
-    ok = profile is not None
-    if distributed:  # every rank plans the same: all profiled, or none
-        flags = [None] * dist.get_world_size()
-        dist.all_gather_object(flags, ok)
-        ok = all(flags)
-    if not ok or profile is None:
+    profile = None if example is None else profile_forward(module, example, blocks, device=device, dtype=dtype)
+    if distributed and dist.get_world_size() > 1:
+        # Without the blocks' arguments (meta tensors only rank 0's timing reads).
+        sent = None if profile is None else dataclasses.replace(
+            profile, blocks=tuple(dataclasses.replace(b, arguments=((), {})) for b in profile.blocks))
+        profiles: list[Optional[ForwardProfile]] = [None] * dist.get_world_size()
+        dist.all_gather_object(profiles, sent)
+        if any(p is None for p in profiles):
+            if any(p is not None for p in profiles):
+                rank_zero_info("lightning_zinf: example_input_array was profiled on some ranks only (missing, or not "
+                               "run on fake tensors, on the others); activations are planned from the first training "
+                               "step instead.")
+            return None
+        if dist.get_rank() != 0:
+            profile = profiles[0]
+    if profile is None:
         return None
 
     def timed() -> tuple[Optional[float], Optional[float]]:

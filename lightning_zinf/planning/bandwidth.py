@@ -111,8 +111,14 @@ def _adamw(device: torch.device, numel: int = 1 << 18, repeats: int = 5) -> floa
 
 def measure_collective(device: torch.device, nbytes: int = 4 << 20, repeats: int = 3) -> Optional[float]:
     """The all-gather bandwidth among the default process group's ranks: bytes of the gathered
-    whole (``nbytes``) per second, the slowest rank's, after one warm-up. Every rank must call it
-    together. ``None`` without a process group of more than one rank."""
+    whole (``nbytes``) per second, the slowest rank's mean over ``repeats`` gathers after one
+    warm-up. Every rank must call it together. ``None`` without a process group of more than one rank.
+
+    Args:
+        device: Where the probe's buffers are: the rank's compute device (with NCCL, its GPU).
+        nbytes: Bytes of the gathered whole (each rank sends ``nbytes // world``).
+        repeats: Gathers timed.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     world = dist.get_world_size()
@@ -124,8 +130,7 @@ def measure_collective(device: torch.device, nbytes: int = 4 << 20, repeats: int
         torch.accelerator.synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    gather(whole, part)
+        gather(whole, part)
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     seconds = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)

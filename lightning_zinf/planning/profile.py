@@ -27,6 +27,7 @@ device.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import statistics
@@ -203,8 +204,8 @@ def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: F
         inputs = _Saved(set())
         for tensor in _tensors((args, kwargs)):
             inputs.add(tensor)
-        shapes = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, Tensor) else v,
-                          (args, kwargs))
+        shapes = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, Tensor)
+                          else _copied(v), (args, kwargs))
         state.update(saved=saved, inputs=inputs.nbytes, flops=flops.get_total_flops(), shapes=shapes)
         scopes.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
 
@@ -220,6 +221,19 @@ def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: F
             block.register_forward_hook(leave, always_call=True)]
 
 
+def _copied(value: Any) -> Any:
+    """``value`` as it is now, for a later call: a deep copy, as the forward goes on to change
+    objects passed to each block (a Hugging Face ``Cache`` gains every layer's keys and values);
+    ``value`` itself for a module, a callable (a bound method or partial would copy the model it
+    holds) or what cannot be copied."""
+    if isinstance(value, nn.Module) or callable(value):
+        return value
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # any object's own __deepcopy__ or pickling protocol
+        return value
+
+
 def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dtype: Optional[torch.dtype],
                   checkpointed: bool = False, repeats: int = 5) -> float:
     """Seconds of one forward and backward of ``block`` for real on ``device``.
@@ -229,7 +243,8 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             the meta device), and it is not changed.
         arguments: ``(args, kwargs)`` as :attr:`BlockProfile.arguments` has them: each tensor
             becomes a random one of its shape and dtype (floating ones requiring a gradient, as a
-            block's input does in training; integer and boolean ones zeros).
+            block's input does in training; integer and boolean ones zeros), and each run gets a
+            copy of the other objects (a cache the block appends to starts as the forward gave it).
         device: The compute device.
         dtype: The compute dtype of floating parameters, or ``None`` for theirs.
         checkpointed: Run the forward under non-reentrant activation checkpointing (backward
@@ -238,10 +253,17 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             other work disturbed moves it less than a mean, and a difference of two times is
             sensitive to that; the fastest run would be optimistic for a step that shares the
             machine with other ranks).
+
+    Returns:
+        The median run's wall-clock seconds (the device synchronized before and after each).
+
+    Raises:
+        Exception: whatever the block's forward or backward raises on these inputs (a block whose
+            arguments must hold particular values); the caller then does without a rate.
     """
     def real(value: Any) -> Any:
         if not isinstance(value, Tensor):
-            return value
+            return _copied(value)
         if value.is_floating_point():
             return torch.randn(value.shape, dtype=value.dtype, device=device).requires_grad_(True)
         return torch.zeros(value.shape, dtype=value.dtype, device=device)
@@ -253,24 +275,27 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             value = torch.randn(p.shape, device=device).mul_(0.02).to(cast) if p.is_meta else p.detach().to(device, cast)
             parameters[name] = value.requires_grad_(p.requires_grad)
         for name, b in block.named_buffers():
-            parameters[name] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else b.to(device)
-    args, kwargs = tree_map(real, arguments)
+            # A copy: a block that updates its buffers in place (batch norm's running statistics)
+            # must not change the model's by being timed.
+            parameters[name] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else \
+                b.to(device, copy=True)
+    calls = [tree_map(real, arguments) for _ in range(repeats + 1)]
 
-    def forward(*positional: Any) -> Any:
-        return functional_call(block, parameters, positional, kwargs)
+    def run(args: tuple, kwargs: dict) -> None:
+        def forward(*positional: Any) -> Any:
+            return functional_call(block, parameters, positional, kwargs)
 
-    def run() -> None:
         out = checkpoint(forward, *args, use_reentrant=False) if checkpointed else forward(*args)
         outputs = [t for t in _tensors(out) if t.requires_grad]
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
-    run()
+    run(*calls[0])
     times = []
-    for _ in range(repeats):
+    for args, kwargs in calls[1:]:
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
         start = time.perf_counter()
-        run()
+        run(args, kwargs)
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -282,7 +307,17 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
     """``profile`` with its rates measured: the first block of each class run for real
     (:func:`block_seconds`), plainly and checkpointed. ``seconds_per_flop``: their plain time over
     their FLOPs (forward and backward: three forwards'); ``recompute_seconds_per_flop``: what
-    checkpointing added over their forward FLOPs. Unchanged when no block has FLOPs to time."""
+    checkpointing added over their forward FLOPs. Unchanged when no block has FLOPs to time.
+
+    Args:
+        profile: :func:`profile_forward`'s result on this process (its blocks' ``arguments``).
+        blocks: The ``(qualified name, module)`` pairs ``profile`` was made with.
+        device: The compute device the blocks are run on.
+        dtype: The compute dtype of floating parameters, or ``None`` for theirs.
+
+    Raises:
+        Exception: as :func:`block_seconds`.
+    """
     modules = dict(blocks)
     plain = checkpointed = flops = 0.0
     timed: set[str] = set()
@@ -293,6 +328,10 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
         plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
         checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
         flops += b.flops
+    if device.type != "cpu":
+        # The timed blocks' parameters and activations are free now: give the cached blocks back
+        # (only this rank ran them, and memory the driver holds for torch is not free for NCCL).
+        torch.accelerator.empty_cache()
     if not flops:
         return profile
     return dataclasses.replace(profile, seconds_per_flop=plain / (3 * flops),

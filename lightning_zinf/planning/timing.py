@@ -9,7 +9,8 @@ Each term is a count of this run's work over a rate measured on this machine at 
   run for real;
 - collectives: the bytes ZeRO-3 moves per step (Rajbhandari et al., SC'20, §7.2: every unit gathered
   for the forward and again for backward, the persistent ones once after the step, and every
-  gradient reduce-scattered), at the all-gather bandwidth of a probe among the run's ranks;
+  gradient reduce-scattered; tied and frozen units as :func:`collective_bytes` says), at the
+  all-gather bandwidth of a probe among the run's ranks;
 - optimizer step: the trainable elements of this rank's shard at the seconds per element of
   torch's AdamW on the tier that steps them (host or device);
 - disk and host link: :class:`~lightning_zinf.planning.cost.Prediction`'s bytes at their bandwidths.
@@ -103,21 +104,33 @@ class StepTime:
         if self.accelerator:
             terms += f", host link {self.link:.3f} s ({self.exposed_link:.3f} s not hidden by the compute)"
         if self.forward is None:
-            return (f"predicted step: compute not predicted (no example_input_array on the model); {terms}")
+            return (f"predicted step: compute not predicted (no example_input_array on the model, or its forward or "
+                    f"blocks did not run to be timed); {terms}")
         return (f"predicted step {self.total:.3f} s: forward {self.forward:.3f} s, backward {self.backward:.3f} s, "
                 f"recompute {self.recompute:.3f} s, {terms}")
 
 
 def collective_bytes(inventory: Inventory) -> int:
-    """Bytes a step gathers and reduce-scatters, whole (all ranks' parts): each unit gathered in the
-    compute dtype for the forward and again for backward (a persistent one once, after the step),
-    and each trainable group's gradient reduce-scattered in ``reduce_dtype``. 0 with one rank."""
+    """Bytes a step gathers and reduce-scatters, whole (all ranks' parts), as the engine schedules
+    them: each unit gathered in the compute dtype for the forward and again for backward, a tied
+    one (an embedding that is also the output layer) once more for its second use in the forward,
+    and one that backward does not reach (frozen, before every trainable unit in the plan's order,
+    the forward's for most models) not again; a persistent unit once, after the step, if the step
+    changes it; and each trainable group's gradient reduce-scattered in ``reduce_dtype``. 0 with
+    one rank."""
     if inventory.world == 1:
         return 0
+    stepped = {g.unit for g in inventory.groups if g.trainable}
+    first = min(stepped, default=None)
     total = 0
     for g in inventory.groups:
         full = g.shard_numel * inventory.world
-        total += (1 if g.persistent else 2) * full * g.compute_bytes
+        if g.persistent:
+            gathers = 1 if g.unit in stepped else 0
+        else:
+            reached = first is not None and (g.tied or g.unit >= first)
+            gathers = (2 if g.tied else 1) + reached
+        total += gathers * full * g.compute_bytes
         if g.trainable:
             total += full * inventory.reduce_bytes
     return total
