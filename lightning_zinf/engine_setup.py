@@ -4,6 +4,7 @@ the pretrained full weights ``load_full_weights`` names loaded into it."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, TypeVar, Union
@@ -28,6 +29,8 @@ from lightning_zinf.planning.bandwidth import measure_bandwidths, measure_collec
 from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
 
 __all__ = ["build_engine", "checkpointed_layers", "memory_plan"]
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(
@@ -164,7 +167,8 @@ def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:
 def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
                      distributed: bool) -> Optional[ForwardProfile]:
     """The forward on ``module.example_input_array`` (Lightning's convention), profiled on every rank
-    with fake tensors and timed on rank 0 (one block run for real), or ``None`` without an example
+    with fake tensors and timed on every rank at once (one block of each class run for real; the
+    slowest rank's rates), or ``None`` without an example
     or when its forward needs real values (:func:`~lightning_zinf.planning.profile.profile_forward`).
     Every rank plans with rank 0's profile, or with none if any rank has none (an example on some
     ranks only, or one that ran on fake tensors on some only): the plans must agree, and examples
@@ -172,11 +176,12 @@ def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.devi
     example = getattr(module, "example_input_array", None)
     blocks = _blocks(module, options.block_classes)
     dtype = precision.param_dtype
-    profile = None if example is None else profile_forward(module, example, blocks, device=device, dtype=dtype)
+    own = None if example is None else profile_forward(module, example, blocks, device=device, dtype=dtype)
+    profile = own
     if distributed and dist.get_world_size() > 1:
-        # Without the blocks' arguments (meta tensors only rank 0's timing reads).
-        sent = None if profile is None else dataclasses.replace(
-            profile, blocks=tuple(dataclasses.replace(b, arguments=((), {})) for b in profile.blocks))
+        # Without the blocks' arguments (meta tensors only this rank's timing reads).
+        sent = None if own is None else dataclasses.replace(
+            own, blocks=tuple(dataclasses.replace(b, arguments=((), {})) for b in own.blocks))
         profiles: list[Optional[ForwardProfile]] = [None] * dist.get_world_size()
         dist.all_gather_object(profiles, sent)
         if any(p is None for p in profiles):
@@ -185,22 +190,24 @@ def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.devi
                                "run on fake tensors, on the others); activations are planned from the first training "
                                "step instead.")
             return None
-        if dist.get_rank() != 0:
-            profile = profiles[0]
-    if profile is None:
+        profile = profiles[0]
+    if own is None or profile is None:
         return None
-
-    def timed() -> tuple[Optional[float], Optional[float]]:
-        try:
-            measured = time_blocks(profile, blocks, device=device, dtype=dtype)
-        except Exception as error:  # a block that does not run on random inputs: compute not predicted
-            rank_zero_info(f"lightning_zinf: timing a block for the memory plan failed ({type(error).__name__}: "
-                           f"{error}); the plan weighs the traffic alone.")
-            return None, None
-        return measured.seconds_per_flop, measured.recompute_seconds_per_flop
-
-    rate, recompute = _on_rank_0(timed, distributed, "timing a block")
-    return dataclasses.replace(profile, seconds_per_flop=rate, recompute_seconds_per_flop=recompute)
+    # Every rank times its blocks at once: as in training, the ranks share the machine, and a block
+    # with a collective inside (SyncBatchNorm) finds every rank there. The slowest rank's rates count.
+    try:
+        measured = time_blocks(own, blocks, device=device, dtype=dtype)
+        rates: tuple[Optional[float], Optional[float]] = (measured.seconds_per_flop, measured.recompute_seconds_per_flop)
+    except Exception as error:  # a block that does not run on random inputs: compute not predicted
+        log.info("lightning_zinf: timing a block for the memory plan failed (%s: %s); the plan weighs the traffic "
+                 "alone.", type(error).__name__, error)
+        rates = (None, None)
+    if distributed and dist.get_world_size() > 1:
+        every: list[tuple[Optional[float], Optional[float]]] = [(None, None)] * dist.get_world_size()
+        dist.all_gather_object(every, rates)
+        rates = (None, None) if any(r[0] is None for r in every) else \
+            (max(r[0] for r in every), max(r[1] or 0.0 for r in every))
+    return dataclasses.replace(profile, seconds_per_flop=rates[0], recompute_seconds_per_flop=rates[1])
 
 
 T = TypeVar("T")

@@ -423,3 +423,71 @@ def test_the_trainer_plans_activations_at_setup_from_example_input_array() -> No
         assert r["state"] + r["saved"] <= budget
         assert r["saved"] >= 2 * r["block"]  # the two blocks' activations are kept
     assert tight[0]["losses"] == roomy["losses"]
+
+
+class _Reversed(nn.Module):
+    """A GPT whose forward calls its blocks in the reverse of their module order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = models.GPT(d=64, layers=4, heads=2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.wte(idx) + g.wpe(torch.arange(idx.shape[1]))
+        for block in reversed(g.blocks):
+            x = block(x)
+        return g.head(g.ln_f(x))
+
+
+def _blocks_saving(rank: int, world: int) -> dict:
+    from lightning_zinf.engine_setup import build_engine, memory_plan
+    from lightning_zinf.options import ZeroOptions
+
+    torch.manual_seed(0)
+    model = _Reversed()
+    x = models.make_batch("gpt", 0, 4)[0]
+    model.example_input_array = x
+    roomy = memory_plan(model, ZeroOptions(block_classes=["Block"], memory_budget=1 << 40),
+                        device=torch.device("cpu"), precision=MixedPrecisionConfig())
+    budget = roomy.prediction.total(False) + roomy.profile.activation_bytes(2) + roomy.profile.blocks[0].saved // 2
+    engine = build_engine(model, ZeroOptions(block_classes=["Block"], memory_budget=budget),
+                          device=torch.device("cpu"), ranks_per_node=world, precision=MixedPrecisionConfig(),
+                          loss_scaling=False, timeout=None, auto_pass=True)
+    saved: dict[str, dict[int, int]] = {}
+    scopes: dict[str, object] = {}
+    for i, block in enumerate(model.gpt.blocks):  # the test's own hooks: what each block keeps
+        name = f"gpt.blocks.{i}"
+
+        def enter(_m, _a, name=name):
+            storages: dict[int, int] = {}
+            saved[name] = storages
+
+            def pack(t):  # storages, once each, but the engine's gathered parameters
+                if not engine.states.holds_storage_of(t):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            scopes[name] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            scopes[name].__enter__()
+
+        def leave(_m, _a, _o, name=name):
+            scopes.pop(name).__exit__(None, None, None)
+
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+    models.loss_fn(model, x, x).backward()
+    plan = engine.memory_plan
+    return {"kept_blocks": plan.kept_blocks, "saved": {name: sum(s.values()) for name, s in saved.items()},
+            "planned": {b.name: b.saved for b in plan.profile.blocks[:plan.kept_blocks]}}
+
+
+def test_the_blocks_kept_are_those_the_plan_counted() -> None:
+    """A forward that calls its blocks in the reverse of their module order, with room for two: the
+    blocks that keep their activations, as the test's own saved-tensor hooks around each block see
+    them (a checkpointed block's own hooks hide what it saves), are the two whose activations the
+    plan counted, with as many bytes."""
+    for r in run_distributed(_blocks_saving, 2):
+        assert r["kept_blocks"] == 2, r
+        inputs = 4 * 16 * 64 * 4  # a checkpointed block keeps its input alone
+        assert {name: n for name, n in r["saved"].items() if n > inputs} == r["planned"], r

@@ -129,7 +129,8 @@ class MemoryPlan:
             if placement != self.placement:
                 fits = "fits" if peak + self.activation_bytes <= self.budget else "does not fit"
                 what = "step" if self.step is not None and self.step.total is not None else "traffic"
-                lines.append(f"  weighed: {placement.describe()}: peak {format_bytes(peak)} ({fits})"
+                kept = " with every block's activations kept" if self.kept_blocks is not None else ""
+                lines.append(f"  weighed: {placement.describe()}: peak {format_bytes(peak)}{kept} ({fits})"
                              + (f", {what} {seconds:.3f} s" if b.disk or b.link or what == "step" else ""))
         return "\n".join(lines)
 
