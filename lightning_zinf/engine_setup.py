@@ -167,8 +167,8 @@ def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:
 def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
                      distributed: bool) -> Optional[ForwardProfile]:
     """The forward on ``module.example_input_array`` (Lightning's convention), profiled on every rank
-    with fake tensors and timed on every rank at once (one block of each class run for real; the
-    slowest rank's rates), or ``None`` without an example
+    with fake tensors and timed (one block of each class run for real: on a CPU device by rank 0
+    alone, on an accelerator by every rank at once, the slowest rank's rates), or ``None`` without an example
     or when its forward needs real values (:func:`~lightning_zinf.planning.profile.profile_forward`).
     Every rank plans with rank 0's profile, or with none if any rank has none (an example on some
     ranks only, or one that ran on fake tensors on some only): the plans must agree, and examples
@@ -193,20 +193,30 @@ def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.devi
         profile = profiles[0]
     if own is None or profile is None:
         return None
-    # Every rank times its blocks at once: as in training, the ranks share the machine, and a block
-    # with a collective inside (SyncBatchNorm) finds every rank there. The slowest rank's rates count.
-    try:
-        measured = time_blocks(own, blocks, device=device, dtype=dtype)
-        rates: tuple[Optional[float], Optional[float]] = (measured.seconds_per_flop, measured.recompute_seconds_per_flop)
-    except Exception as error:  # a block that does not run on random inputs: compute not predicted
-        log.info("lightning_zinf: timing a block for the memory plan failed (%s: %s); the plan weighs the traffic "
-                 "alone.", type(error).__name__, error)
-        rates = (None, None)
-    if distributed and dist.get_world_size() > 1:
-        every: list[tuple[Optional[float], Optional[float]]] = [(None, None)] * dist.get_world_size()
-        dist.all_gather_object(every, rates)
-        rates = (None, None) if any(r[0] is None for r in every) else \
-            (max(r[0] for r in every), max(r[1] or 0.0 for r in every))
+    def timed() -> tuple[Optional[float], Optional[float]]:
+        try:
+            measured = time_blocks(own, blocks, device=device, dtype=dtype)
+        except Exception as error:  # a block that does not run on random inputs: compute not predicted
+            log.info("lightning_zinf: timing a block for the memory plan failed (%s: %s); the plan weighs the "
+                     "traffic alone.", type(error).__name__, error)
+            return None, None
+        return measured.seconds_per_flop, measured.recompute_seconds_per_flop
+
+    if device.type == "cpu":
+        # On a CPU device rank 0 times alone, the others waiting: ranks timing at once on shared
+        # cores measured a recompute of 1.1 forwards, where training showed 0.5 (its recompute
+        # fills the backward's waits on gloo) and rank 0 alone 0.65, its plain rate within 5% of a
+        # real step's (RESULTS.md, issue 40, session 24).
+        rates = _on_rank_0(timed, distributed, "timing a block")
+    else:
+        # On accelerators every rank times at once: a block with a collective inside
+        # (SyncBatchNorm) finds every rank there. The slowest rank's rates count.
+        rates = timed()
+        if distributed and dist.get_world_size() > 1:
+            every: list[tuple[Optional[float], Optional[float]]] = [(None, None)] * dist.get_world_size()
+            dist.all_gather_object(every, rates)
+            rates = (None, None) if any(r[0] is None for r in every) else \
+                (max(r[0] for r in every), max(r[1] or 0.0 for r in every))
     return dataclasses.replace(profile, seconds_per_flop=rates[0], recompute_seconds_per_flop=rates[1])
 
 

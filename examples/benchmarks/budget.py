@@ -19,7 +19,9 @@ Then, at 100%, 60%, 40% and 25% of the unplanned peak:
            measure (predicted state + measured activations): param/optimizer tiers none/none,
            none/nvme, nvme/nvme, activation checkpointing of every block off or on, host_bytes 0
            or as much as fits, staging_bytes 16 or 64 MiB, sub_group_size 1e6 (about a block's
-           shard; the default 2.5e7 is the whole model here, which 16 MiB of staging cannot hold).
+           shard; the default 2.5e7 is the whole model here, which 16 MiB of staging cannot hold),
+           each under the allocator settings a budget gives a planned run (lightning_zinf.heap.keep_within
+           with the room the budget leaves), so that both keep the same discipline of host memory.
 Each run: 6 steps, the mean of the last 4 timed on rank 0. Printed per budget: tokens/s planned
 and of the best hand configuration, their ratio (goal >= 0.9), and the plan's own predicted step
 time (MemoryPlan.step: compute, recompute, collectives, optimizer step, NVMe) against the measured
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, meta_parameters  # noqa: E402
 from lightning_zinf.engine_setup import build_engine  # noqa: E402
+from lightning_zinf.heap import keep_within  # noqa: E402
 from lightning_zinf.options import ZeroOptions  # noqa: E402
 from lightning_zinf.planning import Inventory, Placement, predict  # noqa: E402
 from lightning_zinf.planning.cost import host_costs  # noqa: E402
@@ -102,6 +105,8 @@ def _train(rank: int, port: int, job: dict, out: str) -> None:
                           memory_budget=job.get("budget"))
     engine = build_engine(model, options, device=torch.device("cpu"), ranks_per_node=WORLD,
                           precision=MixedPrecisionConfig(), loss_scaling=False, timeout=None, auto_pass=True)
+    if job.get("room") is not None:  # a hand configuration under the budget's allocator settings
+        keep_within(job["room"])
     opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(rank)
     times, saved = [], 0
@@ -182,6 +187,11 @@ def hand_configs(inventory: Inventory, room: int) -> list[dict]:
     return configs
 
 
+def _placement(offload: dict) -> Placement:
+    return Placement(param=offload["param"], optimizer=offload["optimizer"], host_bytes=offload.get("host_bytes", 0),
+                     staging_bytes=offload.get("staging_bytes", 0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-root", type=Path, default=Path(tempfile.gettempdir()))
@@ -210,7 +220,8 @@ def main() -> None:
         hand = []
         for ckpt, acts in ((False, kept["saved"]), (True, checkpointed["saved"])):
             for offload in hand_configs(inventory, budget - acts):
-                measured = run({"offload": offload, "ckpt": ckpt}, args.nvme_root)
+                state = predict(inventory, _placement(offload), bucket_size=BUCKET).total(False)
+                measured = run({"offload": offload, "ckpt": ckpt, "room": budget - state - acts}, args.nvme_root)
                 hand.append({"offload": offload, "ckpt": ckpt, **measured})
                 print(f"  {share:.0%} hand {offload} ckpt={ckpt}: "
                       f"{measured['s_step']:.2f} s/step" if "s_step" in measured else f"failed ({measured})", flush=True)
