@@ -115,7 +115,8 @@ class MemoryPlan:
                 lines.append(f"    {category:<15} {format_bytes(nbytes)}")
         if self.kept_blocks is not None:
             lines.append(f"  activations: {format_bytes(self.activations)} at the peak, the first {self.kept_blocks} "
-                         "blocks keeping theirs and the rest checkpointed (from the example input)")
+                         "blocks keeping theirs and the rest checkpointed (from the example input); in all "
+                         f"{format_bytes(p.total(self.accelerator) + self.activations)}")
         traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link"
         b = self.bandwidths
         if b.disk or b.link:
