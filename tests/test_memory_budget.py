@@ -278,6 +278,8 @@ def test_zinf_plan_prints_the_plan_without_training(refused: bool, tmp_path) -> 
     lines = plan_memory(inventory, budget, accelerator=False, offload=nvme).describe().splitlines()
     assert lines[1] in done.stdout.splitlines() and lines[2] in done.stdout.splitlines()  # placement, peak
     assert "s at the measured disk" in done.stdout  # the traffic timed at this disk's bandwidth
+    # The step's terms; without example_input_array the compute is not predicted, and it says why.
+    assert "predicted step: compute not predicted (no example_input_array on the model" in done.stdout
     assert not list(tmp_path.glob("**/*.swp"))  # no engine was built
 
 

@@ -114,9 +114,12 @@ class MemoryPlan:
             if nbytes and category != "device_total":
                 lines.append(f"    {category:<15} {format_bytes(nbytes)}")
         if self.kept_blocks is not None:
-            lines.append(f"  activations: {format_bytes(self.activations)} at the peak, the first {self.kept_blocks} "
-                         "blocks keeping theirs and the rest checkpointed (from the example input); in all "
-                         f"{format_bytes(p.total(self.accelerator) + self.activations)}")
+            blocks = len(self.profile.blocks) if self.profile is not None else self.kept_blocks
+            which = ("every block keeping its own" if self.kept_blocks == blocks else "every block checkpointed"
+                     if self.kept_blocks == 0 else
+                     f"the first {self.kept_blocks} of {blocks} blocks keeping theirs and the rest checkpointed")
+            lines.append(f"  activations: {format_bytes(self.activations)} at the peak, {which} (from the example "
+                         f"input); in all {format_bytes(p.total(self.accelerator) + self.activations)}")
         traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link"
         b = self.bandwidths
         if b.disk or b.link:
