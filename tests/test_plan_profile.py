@@ -42,6 +42,33 @@ def _real_saved(model: nn.Module, run) -> int:
     return sum(seen.values())
 
 
+def _saved_per_block(blocks: list[tuple[str, nn.Module]], skip) -> dict[str, dict[int, int]]:
+    """Hooks of the test's own around each block's forward: storage -> bytes of what autograd saves
+    inside it, each storage once, those ``skip(tensor)`` names left out (filled as the forward runs;
+    a checkpointed block's own hooks hide what it saves)."""
+    saved: dict[str, dict[int, int]] = {}
+    scopes: dict[str, object] = {}
+    for name, block in blocks:
+        def enter(_m, _a, name=name):
+            storages: dict[int, int] = {}
+            saved[name] = storages
+
+            def pack(t):
+                if not skip(t):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            scopes[name] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            scopes[name].__enter__()
+
+        def leave(_m, _a, _o, name=name):
+            scopes.pop(name).__exit__(None, None, None)
+
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+    return saved
+
+
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
 
@@ -100,30 +127,8 @@ def test_profile_of_a_transformers_model(kind: str, cls: str) -> None:
     ids = torch.randint(0, 512, (2, 32))
     profile = profile_forward(model, {"input_ids": ids}, blocks, device=torch.device("cpu"), dtype=None)
     assert profile is not None and [b.cls for b in profile.blocks] == [cls, cls]
-    seen: dict[str, int] = {}
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def counting(name):
-        def pre(_m, _a):
-            store: dict[int, int] = {}
-            seen[name] = store
-
-            def pack(t):
-                if t.untyped_storage().data_ptr() not in params:
-                    store[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            counting.ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            counting.ctx.__enter__()
-
-        def post(_m, _a, _o):
-            counting.ctx.__exit__(None, None, None)
-        return pre, post
-
-    for name, block in blocks:
-        pre, post = counting(name)
-        block.register_forward_pre_hook(pre)
-        block.register_forward_hook(post)
+    seen = _saved_per_block(blocks, lambda t: t.untyped_storage().data_ptr() in params)
     model(input_ids=ids)
     for b in profile.blocks:
         assert b.saved == sum(seen[b.name].values()) > 0, b
@@ -454,28 +459,8 @@ def _blocks_saving(rank: int, world: int) -> dict:
     engine = build_engine(model, ZeroOptions(block_classes=["Block"], memory_budget=budget),
                           device=torch.device("cpu"), ranks_per_node=world, precision=MixedPrecisionConfig(),
                           loss_scaling=False, timeout=None, auto_pass=True)
-    saved: dict[str, dict[int, int]] = {}
-    scopes: dict[str, object] = {}
-    for i, block in enumerate(model.gpt.blocks):  # the test's own hooks: what each block keeps
-        name = f"gpt.blocks.{i}"
-
-        def enter(_m, _a, name=name):
-            storages: dict[int, int] = {}
-            saved[name] = storages
-
-            def pack(t):  # storages, once each, but the engine's gathered parameters
-                if not engine.states.holds_storage_of(t):
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            scopes[name] = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-            scopes[name].__enter__()
-
-        def leave(_m, _a, _o, name=name):
-            scopes.pop(name).__exit__(None, None, None)
-
-        block.register_forward_pre_hook(enter)
-        block.register_forward_hook(leave)
+    blocks = [(f"gpt.blocks.{i}", b) for i, b in enumerate(model.gpt.blocks)]
+    saved = _saved_per_block(blocks, engine.states.holds_storage_of)  # the engine's gathered parameters out
     models.loss_fn(model, x, x).backward()
     plan = engine.memory_plan
     return {"kept_blocks": plan.kept_blocks, "saved": {name: sum(s.values()) for name, s in saved.items()},

@@ -161,8 +161,9 @@ def run(job: dict, nvme_root: Path) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def hand_configs(inventory: Inventory, room: int) -> list[dict]:
-    """Today's options a user would write, sized to ``room`` bytes of state (the planner's prediction)."""
+def hand_configs(inventory: Inventory, room: int) -> list[tuple[dict, int]]:
+    """Today's options a user would write, sized to ``room`` bytes of state, each with its state's
+    predicted peak in bytes (the planner's prediction)."""
     configs = []
     for param, optimizer in (("none", "none"), ("none", "nvme"), ("nvme", "nvme")):
         if optimizer == "none":
@@ -178,18 +179,14 @@ def hand_configs(inventory: Inventory, room: int) -> list[dict]:
                         best = sum(costs[:k])
                 candidates += [base, Placement(param=param, optimizer=optimizer, staging_bytes=staging, host_bytes=best)]
         for placement in dict.fromkeys(candidates):
-            if predict(inventory, placement, bucket_size=BUCKET).total(False) <= room:
+            state = predict(inventory, placement, bucket_size=BUCKET).total(False)
+            if state <= room:
                 offload = {"param": placement.param, "optimizer": placement.optimizer}
                 if placement.nvme:  # sub-groups of about one block's shard, as a DeepSpeed user tunes them
                     offload.update(staging_bytes=placement.staging_bytes, host_bytes=placement.host_bytes,
                                    sub_group_size=HAND_SUB_GROUP)
-                configs.append(offload)
+                configs.append((offload, state))
     return configs
-
-
-def _placement(offload: dict) -> Placement:
-    return Placement(param=offload["param"], optimizer=offload["optimizer"], host_bytes=offload.get("host_bytes", 0),
-                     staging_bytes=offload.get("staging_bytes", 0))
 
 
 def main() -> None:
@@ -219,8 +216,7 @@ def main() -> None:
         planned = run({"budget": budget}, args.nvme_root)
         hand = []
         for ckpt, acts in ((False, kept["saved"]), (True, checkpointed["saved"])):
-            for offload in hand_configs(inventory, budget - acts):
-                state = predict(inventory, _placement(offload), bucket_size=BUCKET).total(False)
+            for offload, state in hand_configs(inventory, budget - acts):
                 measured = run({"offload": offload, "ckpt": ckpt, "room": budget - state - acts}, args.nvme_root)
                 hand.append({"offload": offload, "ckpt": ckpt, **measured})
                 print(f"  {share:.0%} hand {offload} ckpt={ckpt}: "

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_zinf.comm import Collectives
 from lightning_zinf.planning.sizes import format_bytes
 
-__all__ = ["ActivationPlan"]
+__all__ = ["ActivationPlan", "tensors_in"]
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class ActivationPlan:
 
         def leave(_module: nn.Module, _args: Any, output: Any) -> None:
             if self._outside is not None:
-                for tensor in _tensors(output):
+                for tensor in tensors_in(output):
                     if tensor.requires_grad and tensor.is_floating_point():
                         self._outside.add_as(tensor, max(tensor.element_size(), 4))
             scopes.close()
@@ -253,17 +253,18 @@ class ActivationPlan:
                 f"{format_bytes(self.inputs)}: {decision}")
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """The tensors in a module's output: itself, or those in its tuples, lists and dicts (a Hugging
-    Face ``ModelOutput`` is a dict)."""
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """The tensors in ``value`` (a module's output, a call's arguments): itself, or those in its
+    tuples, lists and dicts (a Hugging Face ``ModelOutput`` is a dict), in order; other objects are
+    not searched."""
     if isinstance(value, Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 def _tensor_bytes(args: tuple, kwargs: dict) -> int:

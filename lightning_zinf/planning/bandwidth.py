@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lightning_zinf.comm.collectives import _all_gather_tensor as gather
 from lightning_zinf.offload.aio import AioConfig
 from lightning_zinf.offload.aligned import aligned_empty
 from lightning_zinf.offload.errors import SwapError
@@ -124,7 +125,6 @@ def measure_collective(device: torch.device, nbytes: int = 4 << 20, repeats: int
     world = dist.get_world_size()
     part = torch.ones(nbytes // world, dtype=torch.uint8, device=device)
     whole = torch.empty(part.numel() * world, dtype=torch.uint8, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(whole, part)
     if device.type != "cpu":
         torch.accelerator.synchronize(device)

@@ -235,13 +235,19 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     for bucket, tries in ((b, p) for b in buckets for p in phases):
         fitting = []
         for order, ((param, optimizer), sub_groups) in enumerate(tries):
+            fixed = None  # a placement without NVMe is the same whatever room the activations leave
             for kept in counts:
                 activations = profile.activation_bytes(kept) if profile is not None and kept is not None else 0
                 room = state_budget - activations
-                placement, prediction = _fit(inventory, param, optimizer, room, host_budget,
-                                             accelerator=accelerator,
-                                             offload=offload, bucket=bucket, state_bytes=state_bytes,
-                                             sub_groups=sub_groups)
+                if fixed is None:
+                    placement, prediction = _fit(inventory, param, optimizer, room, host_budget,
+                                                 accelerator=accelerator,
+                                                 offload=offload, bucket=bucket, state_bytes=state_bytes,
+                                                 sub_groups=sub_groups)
+                    if not placement.nvme:
+                        fixed = placement, prediction
+                else:
+                    placement, prediction = fixed
                 peak = prediction.total(accelerator)
                 step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
                                  profile=profile, kept=kept or 0)

@@ -44,6 +44,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zinf.planning.activations import tensors_in
+
 __all__ = ["BlockProfile", "ForwardProfile", "block_seconds", "profile_forward", "time_blocks"]
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,9 @@ class ForwardProfile:
     Attributes:
         flops: FLOPs of the whole forward (the blocks' included).
         outside: Bytes kept for backward outside the blocks, the output in fp32 for the loss included.
-        blocks: The blocks, in forward order (each one's first call).
+        blocks: The blocks the forward called, in module order (``blocks``' order), each at its
+            first call; :meth:`activation_bytes` keeps the first ones, as the engine's
+            :class:`~lightning_zinf.planning.activations.ActivationPlan` does.
         seconds_per_flop: Seconds per FLOP of a block's forward and backward run for real
             (:func:`block_seconds`), or ``None`` until measured.
         recompute_seconds_per_flop: Seconds a checkpointed block adds to its forward and backward,
@@ -134,12 +138,6 @@ def _call(module: nn.Module, parameters: dict[str, Tensor], example: Any) -> Any
     return functional_call(module, parameters, (example,))
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    tree_map(lambda v: found.append(v) if isinstance(v, Tensor) else None, value)
-    return found
-
-
 def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.Module]], *,
                     device: torch.device, dtype: Optional[torch.dtype]) -> Optional[ForwardProfile]:
     """``module``'s forward on ``example`` with fake tensors: its FLOPs and saved bytes, per block.
@@ -177,7 +175,7 @@ def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.
                 handles.extend(_watch(name, block, found, flops, ids))
             with mode, torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
                 output = _call(module, parameters, fake_example)
-        loss_input = sum(t.numel() * max(t.element_size(), 4) for t in _tensors(output)
+        loss_input = sum(t.numel() * max(t.element_size(), 4) for t in tensors_in(output)
                          if t.requires_grad and t.is_floating_point())
         return ForwardProfile(flops=flops.get_total_flops(), outside=outside.nbytes + loss_input,
                               blocks=tuple(found[name] for name, _ in blocks if name in found))
@@ -202,7 +200,7 @@ def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: F
             return
         saved = _Saved(parameters)
         inputs = _Saved(set())
-        for tensor in _tensors((args, kwargs)):
+        for tensor in tensors_in((args, kwargs)):
             inputs.add(tensor)
         shapes = tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, Tensor)
                           else _copied(v), (args, kwargs))
@@ -286,7 +284,7 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             return functional_call(block, parameters, positional, kwargs)
 
         out = checkpoint(forward, *args, use_reentrant=False) if checkpointed else forward(*args)
-        outputs = [t for t in _tensors(out) if t.requires_grad]
+        outputs = [t for t in tensors_in(out) if t.requires_grad]
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
     run(*calls[0])
