@@ -108,12 +108,13 @@ def build_engine(
     if plan is not None and not plan.accelerator:
         keep_within(plan.budget - plan.prediction.total(False) - plan.activations - plan.activation_bytes)
     elif plan is not None and plan.host_budget is not None:
-        keep_within(plan.host_budget - plan.prediction.host)
+        keep_within(plan.host_budget - plan.prediction.host - plan.host_activations)
     if plan is not None and not options.activation_checkpointing and not checkpointed_layers(module):
         blocks = _blocks(module, options.block_classes)
         if blocks:
             engine.activation_plan = ActivationPlan(blocks, plan.budget, plan.prediction.total(plan.accelerator),
-                                                    engine.states.holds_storage_of, kept=plan.kept_blocks)
+                                                    engine.states.holds_storage_of, kept=plan.kept_blocks,
+                                                    offloaded=plan.offloaded_blocks, offload=engine.offload_activations)
             if auto_pass and plan.kept_blocks is None:  # Fabric: the model's forward is the training forward
                 engine.activation_plan.scope_every_forward(module)
     if parts:

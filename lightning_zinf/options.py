@@ -103,16 +103,19 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
     sizes it chooses) and those it cannot count yet.
 
     Raises:
-        ValueError: ``offload.param``, ``optimizer``, ``host_bytes`` or ``staging_bytes`` is given;
+        ValueError: ``offload.param``, ``optimizer``, ``host_bytes``, ``staging_bytes`` or
+            ``activations`` is given (the plan offloads activations per block, on an accelerator);
             ZeRO++'s hpZ, qwZ or ``frozen_bits``, or ``tiling``, is on. The message names each.
     """
     offload = options["offload"]
     chosen = [f"offload.{name}={getattr(offload, name)!r}" for name, default in
-              (("param", "none"), ("optimizer", "none"), ("host_bytes", 0), ("staging_bytes", None))
+              (("param", "none"), ("optimizer", "none"), ("host_bytes", 0), ("staging_bytes", None),
+               ("activations", False))
               if getattr(offload, name) != default]
     if chosen:
         raise ValueError(
-            f"memory_budget chooses the offload tiers and sizes itself, but {', '.join(chosen)} is given too: leave "
+            f"memory_budget chooses the offload tiers and sizes itself (and, on an accelerator, which blocks offload "
+            f"their activations), but {', '.join(chosen)} is given too: leave "
             "them unset (with a budget, offload gives nvme_path, read_ahead, aio, copy_ahead_bytes and at most "
             "sub_group_size), or leave memory_budget unset to choose the tiers yourself."
         )

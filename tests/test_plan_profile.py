@@ -476,3 +476,171 @@ def test_the_blocks_kept_are_those_the_plan_counted() -> None:
         assert r["kept_blocks"] == 2, r
         inputs = 4 * 16 * 64 * 4  # a checkpointed block keeps its input alone
         assert {name: n for name, n in r["saved"].items() if n > inputs} == r["planned"], r
+
+
+_S = 1 << 20  # bytes one synthetic block saves
+
+
+def _offload_case(link: float, *, accelerator: bool = True, host_room: int = None):
+    """Eight blocks saving 1 MiB each, checkpointed each keeping 256 KiB of input, a 10 ms step:
+    planned on a budget that holds the state, 64 KiB outside the blocks and 4.5 blocks' worth."""
+    from lightning_zinf.planning import plan_memory
+    from lightning_zinf.planning.profile import BlockProfile
+
+    blocks = tuple(BlockProfile(f"blocks.{i}", "Block", flops=10**8, saved=_S, inputs=_S // 4) for i in range(8))
+    profile = ForwardProfile(flops=9 * 10**8, outside=1 << 16, blocks=blocks, seconds_per_flop=1e-11,
+                             recompute_seconds_per_flop=1e-11)
+    inventory = Inventory.of(models.GPT(d=64, layers=8, heads=2), world=1, block_classes=["Block"])
+    rates = Bandwidths(link=link, host_step=1e-8, device_step=1e-10)
+    state = predict(inventory, Placement(), bucket_size=PrefetchConfig().bucket_size, accelerator=accelerator)
+    budget = state.total(accelerator) + profile.outside + 4 * _S + _S // 2
+    host_budget = None if host_room is None else state.host + host_room
+    plan = plan_memory(inventory, budget, accelerator=accelerator, bandwidths=rates, profile=profile,
+                       host_budget=host_budget)
+    return plan, budget, host_budget
+
+
+def test_on_an_accelerator_the_plan_offloads_the_activations_the_link_hides() -> None:
+    """With a host link fast enough to hide the copies behind the compute, the blocks that do not
+    keep their activations offload them instead of being checkpointed: no recompute, and one block
+    more kept than checkpointing leaves room for (an offloaded block keeps nothing on the device; a
+    checkpointed one its input). With a slow link the same budget checkpoints them. On a CPU device
+    (host and device one memory) nothing is offloaded."""
+    fast, budget, _ = _offload_case(link=1e12)
+    assert fast.placement == Placement()
+    # Room: outside + kept blocks + one block in flight <= 4.5 blocks.
+    assert (fast.kept_blocks, fast.offloaded_blocks) == (3, 5), fast.describe()
+    assert fast.step.recompute == 0 and fast.step.exposed_link == 0
+    assert fast.prediction.total(True) + fast.activations <= budget
+    assert fast.host_activations == 5 * _S
+    assert "the first 3 of 8 blocks keeping theirs and the next 5 keeping theirs in host memory" in fast.describe()
+    assert "10.00 MiB of offloaded activations" in fast.describe()  # to the host and back
+    slow, _, _ = _offload_case(link=1e6)  # 2 s to copy a block there and back, against 1 ms to recompute it
+    # Checkpointing: outside + kept blocks + the others' inputs + one block recomputed <= 4.5 blocks.
+    assert (slow.kept_blocks, slow.offloaded_blocks) == (2, 0), slow.describe()
+    assert slow.step.recompute == pytest.approx(6 * 10**8 * 1e-11)
+    cpu, _, _ = _offload_case(link=1e12, accelerator=False)
+    assert cpu.offloaded_blocks == 0
+
+
+def test_offloaded_activations_fit_the_host_memory_budget() -> None:
+    """Under ``host_memory_budget`` the offloaded blocks' activations count against the host: with
+    room there for two and a half blocks, at most two are offloaded, and the placement's host
+    memory and theirs fit together."""
+    plan, budget, host_budget = _offload_case(link=1e12, host_room=2 * _S + _S // 2)
+    assert 1 <= plan.offloaded_blocks <= 2, plan.describe()
+    assert plan.prediction.host + plan.host_activations <= host_budget
+    assert plan.prediction.total(True) + plan.activations <= budget
+
+
+def _offloading_blocks(rank: int, world: int, offloaded: int) -> dict:
+    """A six-block GPT with ``example_input_array`` built under a budget whose plan is then told to
+    keep block 0's activations, offload the next ``offloaded`` and checkpoint the rest (what an
+    accelerator's plan chooses; a CPU device's never offloads, its host and device being one
+    memory). Three AdamW steps: the losses, how often each block's forward ran, and the bytes the
+    engine copied to host memory against what the test's own hooks see the blocks save."""
+    import lightning_zinf.engine_setup as setup
+
+    torch.manual_seed(0)
+    model = models.GPT(d=64, layers=6, heads=2)
+    x = models.make_batch("gpt", 0, 4)[0]
+    model.example_input_array = x
+    blocks = _blocks(model)
+    # What autograd saves in each block of a plain forward, per saved tensor (the offload copies each
+    # one it is handed), the weights and their views left out.
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    plain = {name: 0 for name, _ in blocks}
+    scopes = []
+
+    def enter(name):
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                plain[name] += t.numel() * t.element_size()
+            return t
+        scopes.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        scopes[-1].__enter__()
+
+    for name, block in blocks:
+        block.register_forward_pre_hook(lambda *_, name=name: enter(name))
+        block.register_forward_hook(lambda *_: scopes.pop().__exit__(None, None, None))
+    models.loss_fn(model, x, x).backward()
+    torch.manual_seed(0)
+    model = models.GPT(d=64, layers=6, heads=2)
+    model.example_input_array = x
+    options = ZeroOptions(block_classes=["Block"], memory_budget=1 << 40)
+    plan = memory_plan(model, options, device=torch.device("cpu"), precision=MixedPrecisionConfig())
+    forced = dataclasses.replace(plan, kept_blocks=1, offloaded_blocks=offloaded)
+    original, setup.memory_plan = setup.memory_plan, lambda *a, **k: forced
+    try:
+        engine = setup.build_engine(model, options, device=torch.device("cpu"), ranks_per_node=world,
+                                    precision=MixedPrecisionConfig(), loss_scaling=False, timeout=None, auto_pass=True)
+    finally:
+        setup.memory_plan = original
+    calls = {name: 0 for name, _ in _blocks(model)}
+    for name, block in _blocks(model):  # (a recompute calls the block's forward, not the block)
+        block.ln1.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses = []
+    for step in range(3):
+        batch = models.make_batch("gpt", step, 4)[0]
+        loss = models.loss_fn(model, batch, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    activation_plan = engine.activation_plan
+    copied = engine._activation_offload.copied_bytes if engine._activation_offload is not None else 0
+    return {"losses": losses, "calls": calls, "copied": copied, "plain": plain,
+            "plan": (activation_plan.kept, activation_plan.offloaded, activation_plan.checkpointed)}
+
+
+def test_blocks_the_plan_offloads_run_once_and_copy_what_they_save() -> None:
+    """The engine runs a plan's per-block choice: with block 0 kept, blocks 1-3 offloaded and 4-5
+    checkpointed, the test's forward hooks see blocks 0-3 run once a step and 4-5 twice (the
+    recompute, as hooks on their first layer see it); the engine copies to host memory what the test's own hooks see blocks 1-3 save in a
+    plain forward, the weights and their views left out (the engine's re-gather restores those);
+    the losses equal those of no offload, bit for bit."""
+    offloaded = run_distributed(_offloading_blocks, 2, 3)
+    checkpointed = run_distributed(_offloading_blocks, 2, 0)
+    for r, c in zip(offloaded, checkpointed):
+        kept, off, ckpt = r["plan"]
+        assert kept == ["blocks.0"] and off == ["blocks.1", "blocks.2", "blocks.3"] and ckpt == ["blocks.4", "blocks.5"]
+        assert r["calls"] == {"blocks.0": 3, "blocks.1": 3, "blocks.2": 3, "blocks.3": 3, "blocks.4": 6, "blocks.5": 6}
+        assert c["calls"]["blocks.1"] == 6 and c["copied"] == 0
+        per_step = sum(r["plain"][f"blocks.{i}"] for i in (1, 2, 3))
+        assert r["copied"] == 3 * per_step, (r["copied"], per_step)
+        assert r["losses"] == c["losses"]
+
+
+def _depth_case(accelerator: bool, roomy: bool):
+    """Eight blocks each saving a third of what gathering one unit ahead instead of the default
+    bucket frees, on a budget that keeps every block only one unit ahead (or twice that, ``roomy``)."""
+    from lightning_zinf.planning import plan_memory
+    from lightning_zinf.planning.profile import BlockProfile
+
+    # Blocks of 200K elements: above the persistence threshold, so that the bucket changes what is gathered.
+    inventory = Inventory.of(models.GPT(d=128, layers=8, heads=2), world=2, block_classes=["Block"])
+    deep = predict(inventory, Placement(), bucket_size=PrefetchConfig().bucket_size, accelerator=accelerator)
+    shallow = predict(inventory, Placement(), bucket_size=0, accelerator=accelerator)
+    saved = (deep.total(accelerator) - shallow.total(accelerator)) // 3
+    blocks = tuple(BlockProfile(f"blocks.{i}", "Block", flops=10**8, saved=saved, inputs=saved // 4) for i in range(8))
+    profile = ForwardProfile(flops=9 * 10**8, outside=0, blocks=blocks, seconds_per_flop=1e-11,
+                             recompute_seconds_per_flop=1e-11)
+    budget = shallow.total(accelerator) + 8 * saved * (2 if roomy else 1)
+    rates = Bandwidths(collective=1e12, host_step=1e-8, device_step=1e-10)
+    return plan_memory(inventory, budget, accelerator=accelerator, bandwidths=rates, profile=profile), deep, shallow
+
+
+def test_on_an_accelerator_the_plan_gathers_one_unit_ahead_when_that_keeps_activations() -> None:
+    """The prefetch depth is chosen with the rest on an accelerator: where the default bucket's
+    gathers leave room to keep only some blocks' activations and one unit ahead (which the time
+    model says hides the gathers as well) leaves room for all, the plan gathers one unit ahead and
+    recomputes nothing; with room for both, it keeps the user's bucket. On a CPU device the bucket
+    shrinks only when nothing fits."""
+    tight, deep, shallow = _depth_case(accelerator=True, roomy=False)
+    assert tight.prefetch.bucket_size == 0 and tight.kept_blocks == 8, tight.describe()
+    assert tight.step.recompute == 0 and tight.prediction.total(True) == shallow.total(True)
+    roomy, _, _ = _depth_case(accelerator=True, roomy=True)
+    assert roomy.prefetch.bucket_size == PrefetchConfig().bucket_size and roomy.kept_blocks == 8
+    cpu, _, _ = _depth_case(accelerator=False, roomy=False)
+    assert cpu.prefetch.bucket_size == PrefetchConfig().bucket_size and cpu.kept_blocks < 8, cpu.describe()

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from lightning_zinf import MixedPrecisionConfig, OffloadConfig, meta_parameters  # noqa: E402
+from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, meta_parameters  # noqa: E402
 from lightning_zinf.engine_setup import build_engine  # noqa: E402
 from lightning_zinf.heap import keep_within  # noqa: E402
 from lightning_zinf.options import ZeroOptions  # noqa: E402
@@ -101,6 +101,7 @@ def _train(rank: int, port: int, job: dict, out: str) -> None:
     if job.get("budget"):  # the micro-batch the plan profiles (Lightning's example_input_array)
         model.example_input_array = torch.zeros(BATCH, CFG.seq_len, dtype=torch.long)
     options = ZeroOptions(block_classes=["Block"], offload=OffloadConfig(**job["offload"]),
+                          prefetch=PrefetchConfig(bucket_size=job.get("bucket", BUCKET)),
                           activation_checkpointing=["Block"] if job.get("ckpt") else (),
                           memory_budget=job.get("budget"))
     engine = build_engine(model, options, device=torch.device("cpu"), ranks_per_node=WORLD,

@@ -416,13 +416,14 @@ class ZeroEngine:
         """Start a new peak window of :meth:`memory` (call at the start of a training step)."""
         self.accounting.reset_peaks()
 
-    def offload_activations(self) -> contextlib.AbstractContextManager[None]:
+    def offload_activations(self, fresh: bool = True) -> contextlib.AbstractContextManager[None]:
         """A context in which the tensors autograd saves for backward are kept in host memory,
         except parameters and views of gathered parameter buffers (the re-gather restores those):
-        :class:`~lightning_zinf.offload.activations.ActivationOffload`."""
+        :class:`~lightning_zinf.offload.activations.ActivationOffload`. ``fresh=False``: the
+        next block of the forward the last context began (the copies back ahead cross blocks)."""
         if self._activation_offload is None:
             self._activation_offload = ActivationOffload(self.transfers, self.states.holds_storage_of)
-        return self._activation_offload()
+        return self._activation_offload(fresh)
 
     # --- rank agreement --------------------------------------------------------------------------
     def verify_ranks_agree(self, where: str = "an agreement check of the engine") -> None:

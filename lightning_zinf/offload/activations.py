@@ -95,9 +95,12 @@ class ActivationOffload:
         self._order = _Order()
 
     @contextmanager
-    def __call__(self) -> Iterator[None]:
-        """Offload what autograd saves inside the block."""
-        self._order = _Order()
+    def __call__(self, fresh: bool = True) -> Iterator[None]:
+        """Offload what autograd saves inside the block. ``fresh``: a new forward starts (the
+        copies back ahead follow the saving order of one forward); ``False`` continues the order of
+        the last one (the next offloaded block of the same forward)."""
+        if fresh:
+            self._order = _Order()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 

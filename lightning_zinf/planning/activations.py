@@ -1,5 +1,11 @@
-"""Activations under a memory budget: which blocks keep theirs for backward, chosen from the
-first training step.
+"""Activations under a memory budget: which blocks keep theirs for backward, which keep them in
+host memory, and which are checkpointed.
+
+With an example input the choice is the plan's, made at setup (:attr:`MemoryPlan.kept_blocks
+<lightning_zinf.planning.MemoryPlan.kept_blocks>`, ``offloaded_blocks``): the first blocks keep
+their activations, the next ones run inside the engine's activation offload (their saved tensors
+wait in host memory, ZeRO-Infinity §5.1.2), the rest are checkpointed. Without one it is made from
+the first training step, as follows (keeping or checkpointing only).
 
 What autograd keeps depends on the batch, which setup does not see, so the state is placed first
 (:mod:`lightning_zinf.planning.planner`) and the activations are planned with what the first
@@ -26,7 +32,7 @@ import functools
 import logging
 import warnings
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -88,25 +94,43 @@ class ActivationPlan:
         kept: Blocks (the first ones) that keep their activations, chosen at setup from the example
             input (:attr:`MemoryPlan.kept_blocks <lightning_zinf.planning.MemoryPlan.kept_blocks>`):
             decided at once, nothing measured. ``None``: decided after the first training step.
+        offloaded: With ``kept``: blocks after the kept ones whose saved tensors wait in host memory
+            between forward and backward (:attr:`MemoryPlan.offloaded_blocks
+            <lightning_zinf.planning.MemoryPlan.offloaded_blocks>`); the rest are checkpointed.
+        offload: With ``offloaded``: the engine's activation offload context
+            (:meth:`ZeroEngine.offload_activations <lightning_zinf.engine.ZeroEngine.offload_activations>`),
+            called with ``fresh=True`` at the first offloaded block of a forward (the copies back
+            ahead follow that forward's order across the offloaded blocks).
+
+    Raises:
+        ValueError: ``offloaded`` without ``kept`` or without ``offload``, or more blocks kept and
+            offloaded than there are.
 
     Attributes:
         measured: Block class name -> bytes one block of it saved in the first step.
         outside: Bytes saved outside the blocks in the first step.
         inputs: Bytes of the blocks' inputs kept by checkpointing (all blocks, per step).
         kept: Names of the blocks whose activations are kept (not checkpointed) once decided.
+        offloaded: Names of the blocks whose activations are offloaded to host memory.
         checkpointed: Names of the blocks checkpointed once decided.
         decided: The choice is made (at the second training pass).
         over: Bytes by which the activations exceed the budget with every block checkpointed (0 if none).
     """
 
     def __init__(self, blocks: list[tuple[str, nn.Module]], budget: int, planned: int,
-                 is_gathered: Callable[[Tensor], bool], kept: Optional[int] = None) -> None:
+                 is_gathered: Callable[[Tensor], bool], kept: Optional[int] = None, offloaded: int = 0,
+                 offload: Optional[Callable[[bool], ContextManager[None]]] = None) -> None:
+        if offloaded and (kept is None or offload is None or kept + offloaded > len(blocks)):
+            raise ValueError(f"ActivationPlan: offloaded={offloaded} needs kept (given {kept}) and an offload context, "
+                             f"and at most {len(blocks)} blocks kept and offloaded together.")
         self.blocks, self.budget, self.planned = blocks, budget, planned
+        self.offload = offload
         self.is_gathered = is_gathered
         self.measured: dict[str, int] = {}
         self.outside = 0
         self.inputs = 0
         self.kept: list[str] = []
+        self.offloaded: list[str] = []
         self.checkpointed: list[str] = []
         self.decided = False
         self.over = 0
@@ -115,7 +139,7 @@ class ActivationPlan:
         self._inputs: dict[str, int] = {}
         self._originals = {name: module.forward for name, module in blocks}
         if kept is not None:
-            self._decide(kept)
+            self._decide(kept, offloaded)
             return
         seen_classes: set[str] = set()
         for name, module in blocks:
@@ -153,6 +177,19 @@ class ActivationPlan:
             if not self.decided:
                 self._inputs[name] = _tensor_bytes(args, kwargs)
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+        return run
+
+    def _offloaded(self, forward: Callable[..., Any], first: bool) -> Callable[..., Any]:
+        assert self.offload is not None
+        offload = self.offload
+
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            with offload(first):
+                return forward(*args, **kwargs)
 
         return run
 
@@ -229,13 +266,17 @@ class ActivationPlan:
                 f"{format_bytes(self.planned)} exceed the budget by {format_bytes(self.over)}. Lower the batch size "
                 "per device or raise memory_budget.", RuntimeWarning, stacklevel=2)
 
-    def _decide(self, count: int) -> None:
-        """The first ``count`` blocks keep their activations, the others are checkpointed."""
+    def _decide(self, count: int, offloaded: int = 0) -> None:
+        """The first ``count`` blocks keep their activations, the next ``offloaded`` offload them,
+        the others are checkpointed."""
         for index, (name, module) in enumerate(self.blocks):
             original = self._originals[name]
             if index < count:
                 module.forward = original  # type: ignore[method-assign]
                 self.kept.append(name)
+            elif index < count + offloaded:
+                module.forward = self._offloaded(original, first=index == count)  # type: ignore[method-assign]
+                self.offloaded.append(name)
             else:
                 module.forward = self._checkpointed(original, name)  # type: ignore[method-assign]
                 self.checkpointed.append(name)
@@ -245,7 +286,8 @@ class ActivationPlan:
     def describe(self) -> str:
         """What the first step measured and what is kept: one line for the log."""
         decision = (f"{len(self.kept)} of {len(self.blocks)} blocks keep their activations, "
-                    f"{len(self.checkpointed)} are checkpointed")
+                    + (f"{len(self.offloaded)} keep them in host memory, " if self.offloaded else "")
+                    + f"{len(self.checkpointed)} are checkpointed")
         if not self.measured:
             return f"from the example input's plan: {decision}"
         classes = ", ".join(f"{cls} {format_bytes(n)}" for cls, n in self.measured.items())

@@ -12,17 +12,24 @@ where the engine allows it: an NVMe placement keeps as many of the first groups'
 memory as the budget leaves room for (``OffloadConfig.host_bytes``), each kept byte a byte the disk
 no longer reads and writes every step, and gives the rest to the staging cap. Placements whose
 step overlaps come first; then, if none fits, NVMe ones with the least staging (a synchronous
-step); then all of them with the prefetch bucket shrunk to the next unit. A refusal names the
-smallest budget that would fit and what would then be placed where.
+step); then all of them with the prefetch bucket shrunk to the next unit (on an accelerator the
+user's bucket and one unit ahead are weighed together). A refusal names the smallest budget that
+would fit and what would then be placed where.
+
+With the example input profiled (:mod:`~lightning_zinf.planning.profile`) each placement is weighed
+with every count of blocks that keep their activations, and on an accelerator with some of the
+others keeping theirs in host memory (ZeRO-Infinity §5.1.2's activation offload, per block), the
+rest checkpointed, by the predicted step (:mod:`~lightning_zinf.planning.timing`). Without one,
+activations are planned from the first training step (:mod:`~lightning_zinf.planning.activations`).
 
 DeepSpeed and FSDP2 leave every tier to the user (DeepSpeed's one partial knob is
 ``offload_optimizer.ratio``); DeepSpeed's DeepCompile plans activation offload under ``torch.compile``.
-Activations are planned from the first training step (:mod:`~lightning_zinf.planning.activations`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -69,6 +76,8 @@ class MemoryPlan:
             ``None``: chosen from the first training step (no example input profiled).
         activations: Predicted peak bytes of activations with ``kept_blocks`` (0 when ``None``).
         profile: The example input's forward the activations and compute were planned from, or ``None``.
+        offloaded_blocks: Blocks after the kept ones whose activations wait in host memory between
+            forward and backward (an accelerator's), the rest checkpointed.
     """
 
     budget: int
@@ -85,6 +94,14 @@ class MemoryPlan:
     kept_blocks: Optional[int] = None
     activations: int = 0
     profile: Optional[ForwardProfile] = None
+    offloaded_blocks: int = 0
+
+    @property
+    def host_activations(self) -> int:
+        """Bytes of host memory the offloaded blocks' activations take (0 without a profile)."""
+        if self.profile is None or self.kept_blocks is None:
+            return 0
+        return self.profile.offloaded_bytes(self.kept_blocks, self.offloaded_blocks)
 
     def offload_config(self, given: OffloadConfig) -> OffloadConfig:
         """``given`` (its ``nvme_path``, ``aio``, ``read_ahead``...) with the planned tiers and sizes."""
@@ -95,6 +112,23 @@ class MemoryPlan:
             fields["read_ahead"] = self.placement.read_ahead
         return dataclasses.replace(given, **fields)
 
+    def _activation_choice(self, blocks: int) -> str:
+        kept, offloaded = self.kept_blocks, self.offloaded_blocks
+        checkpointed = blocks - kept - offloaded
+        if kept == blocks:
+            return "every block keeping its own"
+        if checkpointed == blocks:
+            return "every block checkpointed"
+        if offloaded == blocks:
+            return "every block keeping its own in host memory"
+        parts = [f"the first {kept} of {blocks} blocks keeping theirs"] if kept else []
+        if offloaded:
+            parts.append(f"the next {offloaded} keeping theirs in host memory" if kept else
+                         f"the first {offloaded} of {blocks} blocks keeping theirs in host memory")
+        if checkpointed:
+            parts.append("the rest checkpointed")
+        return ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+
     def describe(self) -> str:
         """The plan as the strategy logs it: the budget, the placement, the predicted peak per
         ledger category and in total, the bytes a step moves (and their time at the measured
@@ -103,7 +137,8 @@ class MemoryPlan:
         where = "device and host together (one memory)" if not self.accelerator else "device"
         lines = [f"lightning_zinf memory plan: budget {format_bytes(self.budget)} per rank ({where})"
                  + (f", host {format_bytes(self.host_budget)}" if self.host_budget is not None else ""),
-                 f"  placement: {self.placement.describe()}, bucket_size={self.prefetch.bucket_size}, "
+                 f"  placement: {self.placement.describe()}, bucket_size={self.prefetch.bucket_size}"
+                 f"{' (one unit gathered ahead)' if not self.prefetch.bucket_size else ''}, "
                  f"sub_group_size={self.sub_group_size}"]
         if self.placement.host_bytes:
             lines.append(f"  groups kept in host memory instead of NVMe: {p.kept_groups}")
@@ -115,17 +150,18 @@ class MemoryPlan:
                 lines.append(f"    {category:<15} {format_bytes(nbytes)}")
         if self.kept_blocks is not None:
             blocks = len(self.profile.blocks) if self.profile is not None else self.kept_blocks
-            which = ("every block keeping its own" if self.kept_blocks == blocks else "every block checkpointed"
-                     if self.kept_blocks == 0 else
-                     f"the first {self.kept_blocks} of {blocks} blocks keeping theirs and the rest checkpointed")
-            lines.append(f"  activations: {format_bytes(self.activations)} at the peak, {which} (from the example "
-                         f"input); in all {format_bytes(p.total(self.accelerator) + self.activations)}")
-        traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(p.link_bytes)} host link"
+            lines.append(f"  activations: {format_bytes(self.activations)} at the peak, {self._activation_choice(blocks)} "
+                         f"(from the example input); in all {format_bytes(p.total(self.accelerator) + self.activations)}"
+                         + (f"; {format_bytes(self.host_activations)} of activations in host memory"
+                            if self.offloaded_blocks else ""))
+        link = p.link_bytes + 2 * self.host_activations
+        traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(link)} host link" + (
+            f" ({format_bytes(2 * self.host_activations)} of offloaded activations)" if self.host_activations else "")
         b = self.bandwidths
         if b.disk or b.link:
             measured = ", ".join(f"{name} {value / 1e9:.2f} GB/s" for name, value in (("disk", b.disk), ("link", b.link))
                                  if value)
-            traffic += f": {b.seconds(p.disk_bytes, p.link_bytes):.3f} s at the measured {measured} per rank"
+            traffic += f": {b.seconds(p.disk_bytes, link):.3f} s at the measured {measured} per rank"
         lines.append(traffic)
         if self.step is not None:
             lines.append(f"  {self.step.describe()}")
@@ -179,7 +215,9 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
                 state_bytes: int = 8, optimizer_on_nvme: bool = True,
                 bandwidths: Bandwidths = Bandwidths(), activation_bytes: int = 0,
                 profile: Optional[ForwardProfile] = None, plan_activations: bool = True) -> MemoryPlan:
-    """Choose the placement whose predicted per-rank peak fits ``budget`` with the least traffic.
+    """Choose the placement whose predicted per-rank peak fits ``budget`` with the least traffic
+    (with ``profile``: the least predicted step), and with it which blocks keep, offload or
+    recompute their activations and the prefetch depth.
 
     Among the placements that fit, the one whose step moves the fewest bytes over the disk and the
     host link (in seconds at ``bandwidths``) wins, ties going to the faster tiers; a step that
@@ -205,8 +243,9 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
         activation_bytes: Bytes of ``budget`` left to activations beyond what ``profile`` counts
             (``activation_memory``); the placement fits in the rest.
         profile: The forward on the example input (:mod:`~lightning_zinf.planning.profile`), timed;
-            with it, the number of blocks that keep their activations is planned too, and
-            placements are weighed by their predicted step (:func:`~lightning_zinf.planning.timing.step_time`).
+            with it, the number of blocks that keep their activations is planned too (and on an
+            accelerator with a measured link, of those that offload them), and placements are
+            weighed by their predicted step (:func:`~lightning_zinf.planning.timing.step_time`).
         plan_activations: The plan may choose which blocks checkpoint; ``False`` when the user
             checkpoints them (``activation_checkpointing``, or the model's own): all are, and
             ``profile``'s activations are counted so.
@@ -224,50 +263,55 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     smallest: Optional[tuple[int, Placement, int]] = None
     candidates = _candidates(accelerator, offload.nvme_path is not None, optimizer_on_nvme)
     timed = profile is not None and profile.seconds_per_flop is not None
-    # With the example's forward profiled, how many blocks keep their activations is chosen with
-    # the placement: every count from all of them to none, each leaving the placement the rest.
-    counts: list[Optional[int]] = [None] if profile is None else \
-        list(range(len(profile.blocks), -1, -1)) if plan_activations else [0]
+    choices = _activation_choices(profile, plan_activations, offloads=accelerator and bandwidths.link is not None)
+    fits: dict[tuple, tuple[Placement, Prediction]] = {}
     # Placements whose step overlaps first (NVMe staging of four sub-groups), weighed by their
     # predicted step (their traffic without an example input); then NVMe ones with the least
     # staging (a synchronous step); all of it at the user's bucket before the bucket of one unit.
     phases = [[(c, _SUB_GROUPS) for c in candidates], [(c, 1) for c in candidates if "nvme" in c]]
-    for bucket, tries in ((b, p) for b in buckets for p in phases):
+    # The prefetch depth: on an accelerator the user's bucket and one unit ahead are weighed together
+    # (one unit ahead hides the gathers as well in the time model, and its memory may keep more
+    # activations); on a CPU device, where the model has no overlap for the depth to buy, the
+    # smaller bucket is tried only when nothing fits the user's.
+    rounds = [(buckets, p) for p in phases] if accelerator else [([b], p) for b in buckets for p in phases]
+    for depths, tries in rounds:
         fitting = []
-        for order, ((param, optimizer), sub_groups) in enumerate(tries):
-            fixed = None  # a placement without NVMe is the same whatever room the activations leave
-            for kept in counts:
-                activations = profile.activation_bytes(kept) if profile is not None and kept is not None else 0
-                room = state_budget - activations
-                if fixed is None:
-                    placement, prediction = _fit(inventory, param, optimizer, room, host_budget,
-                                                 accelerator=accelerator,
-                                                 offload=offload, bucket=bucket, state_bytes=state_bytes,
-                                                 sub_groups=sub_groups)
-                    if not placement.nvme:
-                        fixed = placement, prediction
-                else:
-                    placement, prediction = fixed
-                peak = prediction.total(accelerator)
-                step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
-                                 profile=profile, kept=kept or 0)
-                seconds = step.total if timed else bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
-                if bucket == prefetch.bucket_size and kept == counts[0]:
-                    considered.append((placement, peak + activations, seconds))
-                if peak <= room and (host_budget is None or not accelerator or prediction.host <= host_budget):
-                    # The least predicted time (traffic at the measured bandwidths, or bytes if none),
-                    # then the faster tiers, then more blocks kept.
-                    cost = seconds if timed or bandwidths.disk or bandwidths.link else \
-                        prediction.disk_bytes + prediction.link_bytes
-                    fitting.append((cost, order, -(kept or 0), placement, prediction, kept, step, activations))
-                if smallest is None or peak + activations < smallest[0]:
-                    smallest = (peak + activations, placement, bucket)
+        for (depth, bucket), (order, ((param, optimizer), sub_groups)), (kept, offloaded) in \
+                itertools.product(enumerate(depths), enumerate(tries), choices):
+            activations = profile.activation_bytes(kept or 0, offloaded) if profile is not None else 0
+            host_activations = profile.offloaded_bytes(kept or 0, offloaded) if profile is not None else 0
+            room = state_budget - activations
+            host_room = None if host_budget is None else host_budget - host_activations
+            # A placement is sized by the room it is given only where it has NVMe records to
+            # keep in memory: on a CPU device that room, on an accelerator the host's.
+            key = (bucket, sub_groups, param, optimizer,
+                   None if "nvme" not in (param, optimizer) else host_room if accelerator else room)
+            if key not in fits:
+                fits[key] = _fit(inventory, param, optimizer, room, host_room, accelerator=accelerator,
+                                 offload=offload, bucket=bucket, state_bytes=state_bytes, sub_groups=sub_groups)
+            placement, prediction = fits[key]
+            peak = prediction.total(accelerator)
+            step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
+                             profile=profile, kept=kept or 0, offloaded=offloaded)
+            seconds = step.total if timed else bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
+            if bucket == prefetch.bucket_size and (kept, offloaded) == choices[0]:
+                considered.append((placement, peak + activations, seconds))
+            if peak <= room and (host_room is None or not accelerator or prediction.host <= host_room):
+                # The least predicted time (traffic at the measured bandwidths, or bytes if none),
+                # then the faster tiers, then more blocks kept, then fewer offloaded.
+                cost = seconds if timed or bandwidths.disk or bandwidths.link else \
+                    prediction.disk_bytes + prediction.link_bytes
+                fitting.append((cost, depth, order, -(kept or 0), offloaded, placement, prediction, kept,
+                                offloaded, step, activations, bucket))
+            if smallest is None or peak + activations < smallest[0]:
+                smallest = (peak + activations, placement, bucket)
         if fitting:
-            _, _, _, placement, prediction, kept, step, activations = min(fitting, key=lambda f: f[:3])
+            *_, placement, prediction, kept, offloaded, step, activations, bucket = min(fitting, key=lambda f: f[:5])
             return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
                               dataclasses.replace(prefetch, bucket_size=bucket),
                               _sub_group_size(inventory, offload, placement), bandwidths, tuple(considered),
-                              activation_bytes, step, kept if plan_activations else None, activations, profile)
+                              activation_bytes, step, kept if plan_activations else None, activations, profile,
+                              offloaded)
     assert smallest is not None
     peak, placement, bucket = smallest
     peak += activation_bytes
@@ -286,6 +330,27 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     if accelerator and host_budget is not None:
         message += f", or raise host_memory_budget (now {format_bytes(host_budget)})"
     raise BudgetError(message + ".")
+
+
+def _activation_choices(profile: Optional[ForwardProfile], plan_activations: bool,
+                        offloads: bool) -> list[tuple[Optional[int], int]]:
+    """The ``(kept, offloaded)`` block counts to weigh, the most memory first: without a profile
+    ``(None, 0)`` (activations planned from the first step); when the user checkpoints every block
+    ``(0, 0)``; else every count of kept blocks, and where activations may be offloaded (an
+    accelerator with a measured host link) each with none, a quarter, half, three quarters and all
+    of the blocks after them offloaded (the rest checkpointed). Blocks of a class are alike, so the
+    count after the kept ones matters, not which; quarters keep the plan's time linear in depth."""
+    if profile is None:
+        return [(None, 0)]
+    if not plan_activations:
+        return [(0, 0)]
+    blocks = len(profile.blocks)
+    choices = []
+    for kept in range(blocks, -1, -1):
+        rest = blocks - kept
+        shares = sorted({0, rest // 4, rest // 2, (3 * rest) // 4, rest}) if offloads else [0]
+        choices.extend((kept, offloaded) for offloaded in shares)
+    return choices
 
 
 def _sub_group_size(inventory: Inventory, offload: OffloadConfig, placement: Placement) -> int:

@@ -95,17 +95,25 @@ class ForwardProfile:
     seconds_per_flop: Optional[float] = None
     recompute_seconds_per_flop: Optional[float] = None
 
-    def activation_bytes(self, kept: int) -> int:
-        """Peak bytes of activations when the first ``kept`` blocks keep theirs and the rest are
-        checkpointed: what is kept outside, by the kept blocks and of the checkpointed blocks'
-        inputs, and one checkpointed block's own during its recompute in backward."""
+    def activation_bytes(self, kept: int, offloaded: int = 0) -> int:
+        """Peak bytes of activations on the compute device when the first ``kept`` blocks keep
+        theirs, the next ``offloaded`` keep theirs in host memory and the rest are checkpointed:
+        what is kept outside, by the kept blocks and of the checkpointed blocks' inputs, and one
+        block's own while backward recomputes it or copies it back (the copy back of an offloaded
+        block's tensors runs about one tensor ahead of its use; a whole block bounds it)."""
         saved = [b.saved for b in self.blocks]
-        return (self.outside + sum(saved[:kept]) + sum(b.inputs for b in self.blocks[kept:])
+        return (self.outside + sum(saved[:kept]) + sum(b.inputs for b in self.blocks[kept + offloaded:])
                 + max(saved[kept:], default=0))
 
-    def recompute_flops(self, kept: int) -> int:
-        """FLOPs backward spends recomputing the forwards of the blocks after the first ``kept``."""
-        return sum(b.flops for b in self.blocks[kept:])
+    def offloaded_bytes(self, kept: int, offloaded: int) -> int:
+        """Bytes the blocks after the first ``kept`` keep in host memory when ``offloaded`` of them
+        are offloaded: their saved tensors, copied there in the forward and back in backward."""
+        return sum(b.saved for b in self.blocks[kept:kept + offloaded])
+
+    def recompute_flops(self, kept: int, offloaded: int = 0) -> int:
+        """FLOPs backward spends recomputing the forwards of the checkpointed blocks (those after
+        the first ``kept + offloaded``)."""
+        return sum(b.flops for b in self.blocks[kept + offloaded:])
 
 
 class _Saved:

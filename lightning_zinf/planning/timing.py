@@ -13,7 +13,9 @@ Each term is a count of this run's work over a rate measured on this machine at 
   all-gather bandwidth of a probe among the run's ranks;
 - optimizer step: the trainable elements of this rank's shard at the seconds per element of
   torch's AdamW on the tier that steps them (host or device);
-- disk and host link: :class:`~lightning_zinf.planning.cost.Prediction`'s bytes at their bandwidths.
+- disk and host link: :class:`~lightning_zinf.planning.cost.Prediction`'s bytes at their bandwidths,
+  and on the link the saved tensors of the blocks whose activations are offloaded, to the host in
+  the forward and back in backward.
 
 How they add (the engine's schedule): on a CPU device compute, collectives (gloo, on the same
 cores) and the optimizer step follow one another, and the NVMe reads and writes proceed during the
@@ -137,9 +139,11 @@ def collective_bytes(inventory: Inventory) -> int:
 
 
 def step_time(inventory: Inventory, placement: Placement, prediction: Prediction, rates: Bandwidths, *,
-              accelerator: bool, profile: Optional[ForwardProfile] = None, kept: int = 0) -> StepTime:
+              accelerator: bool, profile: Optional[ForwardProfile] = None, kept: int = 0,
+              offloaded: int = 0) -> StepTime:
     """The predicted step of ``placement`` (whose cost is ``prediction``) with the first ``kept``
-    blocks of ``profile`` keeping their activations and the others checkpointed.
+    blocks of ``profile`` keeping their activations, the next ``offloaded`` keeping theirs in host
+    memory and the others checkpointed.
 
     Args:
         inventory: The model's flat groups.
@@ -150,12 +154,13 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
         profile: The forward on the example, timed (``seconds_per_flop`` set); ``None``: compute
             not predicted.
         kept: Blocks of ``profile`` that keep their activations (the first ones).
+        offloaded: Blocks after those whose activations are offloaded (an accelerator's).
     """
     forward = backward = recompute = None
     if profile is not None and profile.seconds_per_flop is not None:
         forward = profile.flops * profile.seconds_per_flop
         backward = 2 * forward
-        recompute = profile.recompute_flops(kept) * (profile.recompute_seconds_per_flop or 0.0)
+        recompute = profile.recompute_flops(kept, offloaded) * (profile.recompute_seconds_per_flop or 0.0)
     collectives = None
     if inventory.world == 1:
         collectives = 0.0
@@ -165,6 +170,7 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
     per_element = rates.device_step if accelerator and placement.optimizer == "none" else rates.host_step
     if per_element is not None:
         optimizer = sum(g.shard_numel for g in inventory.groups if g.trainable) * per_element
+    link = prediction.link_bytes + (2 * profile.offloaded_bytes(kept, offloaded) if profile is not None else 0)
     return StepTime(forward, backward, recompute, collectives, optimizer,
                     prediction.disk_bytes / rates.disk if rates.disk else 0.0,
-                    prediction.link_bytes / rates.link if rates.link else 0.0, accelerator)
+                    link / rates.link if rates.link else 0.0, accelerator)
