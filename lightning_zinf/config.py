@@ -153,6 +153,17 @@ class OffloadConfig:
             (:mod:`lightning_zinf.offload.host`). DeepSpeed's ``offload_optimizer.ratio`` makes the
             same trade between the device and the CPU. ``0`` (the default): everything on NVMe,
             as in ZeRO-Infinity.
+        device_bytes: With ``optimizer="cpu"`` and ``param="none"`` (ZeRO-Offload): bytes per rank of
+            device memory for the optimizer side of whole trainable flat groups, the first ones in
+            the model's order until the next does not fit, each counted at 16 bytes per element of
+            its shard (an fp32 master, an fp32 gradient shard and two fp32 moments, AdamW's). Those
+            groups are placed as without offload (their shard in its dtype on the device, the
+            master beside it or the shard itself) and stepped there by the optimizer itself,
+            during ``optimizer.step()``; the others are stepped on the host as ZeRO-Offload does,
+            their gradients and new values crossing the host link. Counted in the memory ledger's
+            ``optimizer_device``. DeepSpeed's ``offload_optimizer.ratio`` (Twin-Flow) sets by hand
+            the share of the parameters updated on the CPU. ``0`` (the default): every group on
+            the host.
         pin_memory: Page-lock the staging buffers (faster, asynchronous copies to an accelerator).
             ``None``: on when the compute device is an accelerator, off on the CPU, where pinning
             fails; ``True`` without an accelerator is an error. On CUDA the pool registers buffers
@@ -171,7 +182,8 @@ class OffloadConfig:
     Raises:
         ValueError: an unknown tier, ``"nvme"`` without ``nvme_path``, a non-positive
             ``sub_group_size`` or ``staging_bytes``, a negative ``read_ahead``, ``copy_ahead_bytes`` or
-            ``host_bytes``, a ``host_bytes`` with no ``nvme`` tier.
+            ``host_bytes``, a ``host_bytes`` with no ``nvme`` tier, a negative ``device_bytes`` or one
+            without ``optimizer="cpu"`` and ``param="none"``.
     """
 
     param: str = "none"
@@ -186,6 +198,7 @@ class OffloadConfig:
     aio: AioConfig = AioConfig()
     staging_bytes: Optional[int] = None
     host_bytes: int = 0
+    device_bytes: int = 0
     pin_memory: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -234,6 +247,14 @@ class OffloadConfig:
                 f"OffloadConfig.host_bytes={self.host_bytes} keeps NVMe-tier state in host memory, but neither param nor "
                 "optimizer is 'nvme' (everything is in memory already). Drop host_bytes, or set param='nvme' or "
                 "optimizer='nvme'."
+            )
+        _require(isinstance(self.device_bytes, int) and not isinstance(self.device_bytes, bool) and self.device_bytes >= 0,
+                 "OffloadConfig", "device_bytes", self.device_bytes, "an integer >= 0 (bytes per rank, e.g. 2_000_000_000)")
+        if self.device_bytes and (self.optimizer, self.param) != ("cpu", "none"):
+            raise ValueError(
+                f"OffloadConfig.device_bytes={self.device_bytes} keeps the first groups' optimizer state on the device "
+                f"beside ZeRO-Offload, but optimizer={self.optimizer!r} and param={self.param!r}: it needs "
+                "optimizer='cpu' and param='none'. Drop device_bytes, or offload the optimizer to 'cpu' alone."
             )
 
 

@@ -103,14 +103,14 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
     sizes it chooses) and those it cannot count yet.
 
     Raises:
-        ValueError: ``offload.param``, ``optimizer``, ``host_bytes``, ``staging_bytes`` or
-            ``activations`` is given (the plan offloads activations per block, on an accelerator);
+        ValueError: ``offload.param``, ``optimizer``, ``host_bytes``, ``staging_bytes``,
+            ``device_bytes`` or ``activations`` is given (the plan offloads activations per block, on an accelerator);
             ZeRO++'s hpZ, qwZ or ``frozen_bits``, or ``tiling``, is on. The message names each.
     """
     offload = options["offload"]
     chosen = [f"offload.{name}={getattr(offload, name)!r}" for name, default in
               (("param", "none"), ("optimizer", "none"), ("host_bytes", 0), ("staging_bytes", None),
-               ("activations", False))
+               ("activations", False), ("device_bytes", 0))
               if getattr(offload, name) != default]
     if chosen:
         raise ValueError(

@@ -9,6 +9,7 @@ engine), and that a budget too small is refused on every rank with a size that t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Optional
 
@@ -20,6 +21,7 @@ from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, 
 from lightning_zinf.engine_setup import build_engine, memory_plan
 from lightning_zinf.offload import SwapError
 from lightning_zinf.options import ZeroOptions
+from lightning_zinf.planning.bandwidth import Bandwidths
 from lightning_zinf.planning import BudgetError, Inventory, Placement, parse_bytes, plan_memory, predict
 from tests import models
 from tests.harness import run_distributed
@@ -49,7 +51,8 @@ def _ledger_against_prediction(rank: int, world: int, model_name: str, offload: 
     model = models.GPT(**kwargs)
     mp = BF16 if bf16 else MixedPrecisionConfig()
     placement = Placement(param=offload.get("param", "none"), optimizer=offload.get("optimizer", "none"),
-                          host_bytes=offload.get("host_bytes", 0), staging_bytes=offload.get("staging_bytes", 0))
+                          host_bytes=offload.get("host_bytes", 0), staging_bytes=offload.get("staging_bytes", 0),
+                          device_bytes=offload.get("device_bytes", 0))
     inventory = Inventory.of(model, world=world, block_classes=blocks, mixed_precision=mp,
                              persistence_threshold=prefetch.persistence_threshold)
     predicted = predict(inventory, placement, bucket_size=prefetch.bucket_size)
@@ -80,9 +83,10 @@ LEDGER_MODELS = {
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("offload", [
-    {}, dict(optimizer="cpu"), dict(param="cpu", optimizer="cpu"), dict(param="nvme", optimizer="nvme", **NVME),
+    {}, dict(optimizer="cpu"), dict(optimizer="cpu", device_bytes=3 << 20), dict(param="cpu", optimizer="cpu"),
+    dict(param="nvme", optimizer="nvme", **NVME),
     dict(optimizer="nvme", host_bytes=2 << 20, **NVME), dict(param="nvme", optimizer="nvme", host_bytes=3 << 20, **NVME),
-], ids=["device", "zero-offload", "cpu", "nvme", "optimizer-nvme-kept", "nvme-kept"])
+], ids=["device", "zero-offload", "zero-offload-split", "cpu", "nvme", "optimizer-nvme-kept", "nvme-kept"])
 @pytest.mark.parametrize("model_name", list(LEDGER_MODELS))
 def test_prediction_bounds_every_ledger_category(model_name: str, offload: dict, bf16: bool, tmp_path) -> None:
     for result in run_distributed(_ledger_against_prediction, 2, model_name, offload, bf16, str(tmp_path)):
@@ -529,3 +533,54 @@ def test_fabric_counts_what_the_loss_saves_outside_the_forward() -> None:
     its log-softmax keeps a tensor the size of the logits, in fp32: counted as the output's."""
     for r in run_distributed(_fabric_outside_and_loss, 2, init_pg=False):
         assert r["outside"] >= r["loss"] > 0, r
+
+
+def test_device_split_costs_add_up_to_the_prediction() -> None:
+    """``device_split_costs`` says what each group stepped on the device adds to the predicted
+    device peak (the planner sizes ``device_bytes`` with it, without predicting every count):
+    for every count of groups, fp32 and bf16, on an accelerator and on the CPU, the prediction
+    with those groups placed is the one without plus their sum, and ``stepped_on_device`` names
+    exactly those groups."""
+    from lightning_zinf.planning.cost import device_split_costs, stepped_on_device
+
+    for mp in (MixedPrecisionConfig(), BF16):
+        inventory = Inventory.of(models.GPT(d=64, layers=3, heads=2), world=2, block_classes=["Block"],
+                                 mixed_precision=mp)
+        trainable = [i for i, g in enumerate(inventory.groups) if g.trainable]
+        for accelerator in (True, False):
+            costs = device_split_costs(inventory, accelerator=accelerator)
+            base = predict(inventory, Placement(optimizer="cpu"), bucket_size=10_000_000, accelerator=accelerator)
+            for k in range(len(costs) + 1):
+                placement = Placement(optimizer="cpu", device_bytes=sum(c for c, _ in costs[:k]))
+                split = predict(inventory, placement, bucket_size=10_000_000, accelerator=accelerator)
+                assert split.device == base.device + sum(a for _, a in costs[:k]), (mp, accelerator, k)
+                assert [i for i, on in enumerate(stepped_on_device(inventory, placement)) if on] == trainable[:k]
+                assert (split.categories.get("optimizer_device", 0) > 0) == (k > 0)
+
+
+def test_an_accelerator_plan_steps_the_first_groups_on_the_device_where_there_is_room() -> None:
+    """Between ZeRO-3's peak and ZeRO-Offload's, an accelerator's plan keeps ZeRO-Offload and
+    steps the first groups on the device (``device_bytes``): as many as the room holds, the
+    predicted peak within the budget, fewer bytes over the host link than all on the host, and an
+    optimizer step timed at the device's rate for those groups and the host's for the rest."""
+    from lightning_zinf.planning.cost import stepped_on_device
+
+    inventory = Inventory.of(models.GPT(d=192, layers=24, vocab=1024, seq=32, heads=4), world=2,
+                             block_classes=["Block"])
+    zero3 = predict(inventory, Placement(), bucket_size=0, accelerator=True)
+    offload = predict(inventory, Placement(optimizer="cpu"), bucket_size=10_000_000, accelerator=True)
+    budget = (zero3.device + offload.device) // 2
+    rates = Bandwidths(link=1e10, host_step=1e-8, device_step=1e-10)
+    plan = plan_memory(inventory, budget, accelerator=True, bandwidths=rates)
+    assert (plan.placement.param, plan.placement.optimizer) == ("none", "cpu"), plan.describe()
+    assert 0 < plan.placement.device_bytes and plan.prediction.device <= budget
+    on_device = stepped_on_device(inventory, plan.placement)
+    assert 0 < sum(on_device) < sum(g.trainable for g in inventory.groups)
+    more = dataclasses.replace(plan.placement, device_bytes=plan.placement.device_bytes
+                               + 16 * inventory.groups[on_device.index(False)].shard_numel)
+    assert predict(inventory, more, bucket_size=plan.prefetch.bucket_size, accelerator=True).device > budget
+    assert plan.prediction.link_bytes < offload.link_bytes
+    elements = [g.shard_numel for g in inventory.groups if g.trainable]
+    device = sum(g.shard_numel for g, on in zip(inventory.groups, on_device) if on)
+    assert plan.step.optimizer == pytest.approx(device * 1e-10 + (sum(elements) - device) * 1e-8)
+    assert plan.offload_config(OffloadConfig()).device_bytes == plan.placement.device_bytes

@@ -46,7 +46,9 @@ def _train(rank: int, world: int, offload: dict, accumulate: int, clip: float | 
     with engine.gathered():
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     staging = {"peak": engine.space.pool.peak, "held": engine.space.pool.held} if engine.space is not None else {}
-    return {"losses": losses, "weights": weights, "tiers": tiers, "staging": staging}
+    stepped_on_device = [g.optimizer_on_device for g in engine.groups]
+    return {"losses": losses, "weights": weights, "tiers": tiers, "staging": staging,
+            "on_device": stepped_on_device, "ledger": {k: now for k, (now, _) in engine.memory().items()}}
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +62,23 @@ TIERS = ("none", "cpu", "nvme")
 GRID = [{"param": p, "optimizer": o} for p in TIERS for o in TIERS if (p, o) != ("none", "none")]
 
 
+#: The groups of models.GPT() on two ranks hold 1024, 256, 6352, 6352 and 32 shard elements: 16 bytes
+#: each for the first three fit, the fourth does not (nor then the fifth, which would alone).
+SPLIT = 16 * (1024 + 256 + 6352) + 1000
+
+
 @pytest.mark.parametrize("accumulate, clip", [(1, None), (2, 0.5)], ids=["plain", "accumulate-clip"])
 @pytest.mark.parametrize(
     "offload",
-    [*GRID, {"param": "nvme", "optimizer": "nvme", "overlap": False, "read_ahead": 0}],
-    ids=[f"param-{c['param']}-optimizer-{c['optimizer']}" for c in GRID] + ["nvme-no-overlap"],
+    [*GRID, {"param": "nvme", "optimizer": "nvme", "overlap": False, "read_ahead": 0},
+     {"param": "none", "optimizer": "cpu", "device_bytes": SPLIT}],
+    ids=[f"param-{c['param']}-optimizer-{c['optimizer']}" for c in GRID] + ["nvme-no-overlap", "zero-offload-split"],
 )
 def test_offload_is_bit_exact(reference: dict, tmp_path: Path, offload: dict, accumulate: int, clip) -> None:
     """Every combination of parameter and optimizer tiers gives the losses and weights of no
-    offload, bit for bit (small sub-groups, so an offloaded step runs in several)."""
+    offload, bit for bit (small sub-groups, so an offloaded step runs in several); so does
+    ZeRO-Offload with the first groups' optimizer state kept and stepped on the device
+    (``device_bytes``), where the memory ledger holds those groups' state apart."""
     nvme = "nvme" in (offload["param"], offload["optimizer"])
     if nvme:
         offload = {**offload, "nvme_path": str(tmp_path)}
@@ -81,6 +91,9 @@ def test_offload_is_bit_exact(reference: dict, tmp_path: Path, offload: dict, ac
         for name, value in want["weights"].items():
             assert torch.equal(got["weights"][name], value), name
     tiers = ranks[0]["tiers"][-1]
+    for r in ranks:
+        assert r["on_device"] == ([True] * 3 + [False] * 2 if offload.get("device_bytes") else [False] * 5)
+        assert (r["ledger"]["optimizer_device"] > 0) == bool(offload.get("device_bytes"))
     if not nvme:
         assert tiers["cpu"] > 0 and tiers["nvme"] == 0
     else:
@@ -192,6 +205,10 @@ def test_bad_offload_settings_name_the_fix() -> None:
         OffloadConfig(sub_group_size=0)
     with pytest.raises(ValueError, match="staging_bytes"):
         OffloadConfig(staging_bytes=0)
+    with pytest.raises(ValueError, match="device_bytes=1000 .* needs optimizer='cpu' and param='none'"):
+        OffloadConfig(optimizer="cpu", param="cpu", device_bytes=1000)
+    with pytest.raises(ValueError, match="device_bytes=-1 is invalid"):
+        OffloadConfig(optimizer="cpu", device_bytes=-1)
 
 
 def test_pinning_without_an_accelerator_is_refused(tmp_path: Path) -> None:
@@ -709,3 +726,36 @@ def test_gradient_shards_stay_in_staging_memory_unwritten_until_staging_needs_ro
     for room, tight in zip(runs["room"], runs["tight"]):
         assert room["before_checkpoint"] == [], room
         assert room["grad_files"] == tight["grad_files"]  # the checkpoint wrote every one
+
+
+def _split_across_checkpoints(rank: int, world: int, folder: str, first: dict, second: dict) -> dict:
+    from lightning_zinf import ZeroInfinityFabricStrategy
+    from tests.test_fabric import _build, _fabric, _train
+
+    fabric = _fabric(ZeroInfinityFabricStrategy(block_classes=["Block"], offload=first))
+    model, optimizer = _build(fabric)
+    _train(fabric, model, optimizer, range(2))
+    fabric.save(folder, {"model": model, "optimizer": optimizer})
+    straight, norms = _train(fabric, model, optimizer, range(2, 5))
+    on_device = [g.optimizer_on_device for g in fabric.strategy.engine.groups]
+
+    fabric = _fabric(ZeroInfinityFabricStrategy(block_classes=["Block"], offload=second))
+    model, optimizer = _build(fabric)
+    fabric.load(folder, {"model": model, "optimizer": optimizer})
+    resumed, resumed_norms = _train(fabric, model, optimizer, range(2, 5))
+    return {"straight": (straight, norms), "resumed": (resumed, resumed_norms), "on_device": on_device,
+            "then": [g.optimizer_on_device for g in fabric.strategy.engine.groups]}
+
+
+@pytest.mark.parametrize("first, second", [
+    ({"optimizer": "cpu", "device_bytes": SPLIT}, {"optimizer": "cpu"}),
+    ({"optimizer": "cpu"}, {"optimizer": "cpu", "device_bytes": SPLIT}),
+], ids=["split-then-host", "host-then-split"])
+def test_a_device_split_is_not_part_of_a_checkpoint(tmp_path: Path, first: dict, second: dict) -> None:
+    """Under Fabric with gradient accumulation and clipping: a checkpoint saved with the first
+    groups' optimizer state on the device loads with all of it on the host, and the other way
+    round, and training goes on with the losses and gradient norms of the run that never stopped
+    (placement is not part of a checkpoint's meaning)."""
+    for r in run_distributed(_split_across_checkpoints, 2, str(tmp_path / "ckpt"), first, second, init_pg=False):
+        assert any(r["on_device"] + r["then"]) and not all(r["on_device"] + r["then"])
+        assert r["resumed"] == r["straight"]

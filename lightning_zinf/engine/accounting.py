@@ -27,7 +27,7 @@ __all__ = ["MemoryAccounting", "MOVING"]
 #: Ledger categories the engine allocates and frees during a step; all on the compute device.
 MOVING = ("gathered", "secondary", "grad_buffers", "reduce_pending", "staged", "pooled", "gathers_kept")
 
-_STATE = ("shards_device", "shards_cpu", "shards_nvme", "grad_shards", "optimizer", "optimizer_nvme")
+_STATE = ("shards_device", "shards_cpu", "shards_nvme", "grad_shards", "optimizer", "optimizer_device", "optimizer_nvme")
 
 
 class MemoryAccounting:
@@ -64,7 +64,8 @@ class MemoryAccounting:
 
         ``device``: parameter shards, gathered parameters, hpZ secondary partitions and gradient
         buffers (in use and pooled), plus the fp32 masters, fp32 gradient shards and optimizer
-        states when the optimizer is not offloaded.
+        states when the optimizer is not offloaded, or of the groups stepped on the device when
+        it is (``OffloadConfig.device_bytes``).
         ``cpu``: with parameter or optimizer offload, those tensors currently in CPU memory.
         ``nvme``: with NVMe offload, the bytes of those tensors that are in swap files now. On a
         machine without an accelerator the device is the CPU as well; the split says which tier
@@ -75,7 +76,7 @@ class MemoryAccounting:
         optimizer_side = state["grad_shards"] + state["optimizer"]
         offloaded = self.offload is not None
         return {
-            "device": state["shards_device"] + moving + (0 if offloaded else optimizer_side),
+            "device": state["shards_device"] + moving + (0 if offloaded else optimizer_side) + state["optimizer_device"],
             "cpu": state["shards_cpu"] + (optimizer_side if offloaded else 0),
             "nvme": state["shards_nvme"] + state["optimizer_nvme"],
         }
@@ -126,14 +127,15 @@ class MemoryAccounting:
             for t in (group.shard, group.codes, group.scales):
                 add(shards, t)
             add("shards_device" if group.keeps_device_copy else shards, group.compute_shard)
-            add("optimizer", group.master)
-            add("grad_shards", group.grad_shard)
+            add("optimizer_device" if group.optimizer_on_device else "optimizer", group.master)
+            add("optimizer_device" if group.optimizer_on_device else "grad_shards", group.grad_shard)
+        on_device = {id(f) for g in self.groups if g.optimizer_on_device for f in g.fragments}
         for optimizer in self.optimizers:
             # Snapshots: a step in the background (offload.stepping) may be adding states now.
-            for state in list(optimizer.state.values()):
+            for fragment, state in list(optimizer.state.items()):
                 for value in list(state.values()):
                     if isinstance(value, Tensor):
-                        add("optimizer", value)
+                        add("optimizer_device" if id(fragment) in on_device else "optimizer", value)
         if self.param_offload is not None:
             out["shards_nvme"] = self.param_offload.tier_bytes()["nvme"]
         if self.offload is not None:

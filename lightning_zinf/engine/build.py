@@ -29,6 +29,7 @@ from lightning_zinf.engine.construction import Replayer, recorder_of
 from lightning_zinf.engine.partition import UnitSpec, materialize, parameter_slots, parent_modules
 from lightning_zinf.engine.transfer import Transfers
 from lightning_zinf.engine.units import Unit
+from lightning_zinf.offload.host import DEVICE_STATE_BYTES
 from lightning_zinf.offload.params import ParamOffload
 from lightning_zinf.offload.preflight import ensure_space
 from lightning_zinf.offload.stale import reclaim_stale_folders, swap_folder_name
@@ -61,6 +62,11 @@ class UnitBuilder:
             trainable groups keep their fp32 shard on the host (the ``cpu`` tier's master; beside
             the ``nvme`` tier's swapped master, the values exact reads read) and a 16-bit compute
             copy on the device (:class:`FlatGroup`'s ``device_copy``).
+        device_state_bytes: With ``device_copies`` under the ``cpu`` tier: ``OffloadConfig.device_bytes``.
+            The first trainable groups, as they are made, until the next does not fit at
+            :data:`~lightning_zinf.offload.host.DEVICE_STATE_BYTES` per shard element, are placed
+            as without offload instead (no device copy) and marked
+            :attr:`FlatGroup.optimizer_on_device`.
         preloaded: Qualified names of parameters the caller loads right after construction: built on
             the meta device, they get memory but no initialisation.
     """
@@ -68,8 +74,8 @@ class UnitBuilder:
     def __init__(self, module: nn.Module, comm: Collectives, *, device: torch.device, shard_device: torch.device,
                  mixed_precision: MixedPrecisionConfig, zero_pp: ZeroPPConfig, persistence_threshold: int,
                  ledger: MemoryLedger, transfers: Transfers, param_offload: Optional[ParamOffload],
-                 host_copies: bool = False, device_copies: bool = False, preloaded: Collection[str] = (),
-                 gathers: Optional[GatherPool] = None) -> None:
+                 host_copies: bool = False, device_copies: bool = False, device_state_bytes: int = 0,
+                 preloaded: Collection[str] = (), gathers: Optional[GatherPool] = None) -> None:
         self.module = module
         self.comm = comm
         self.device = device
@@ -83,6 +89,7 @@ class UnitBuilder:
         self.param_offload = param_offload
         self.host_copies = host_copies
         self.device_copies = device_copies
+        self._device_room = device_state_bytes  # left for groups stepped on the device; < 0: one did not fit
         self.preloaded = preloaded
         self._created_groups = 0
 
@@ -136,18 +143,32 @@ class UnitBuilder:
             torch.set_rng_state(own_rng)
         return units  # type: ignore[return-value]  # every index filled
 
+    def _fits_on_device(self, numel: int) -> bool:
+        """Whether the next trainable group (``numel`` shard elements) is stepped on the device:
+        it and the ones before it fit ``device_state_bytes``, and none before it did not."""
+        cost = DEVICE_STATE_BYTES * numel
+        if not 0 <= cost <= self._device_room:
+            self._device_room = -1  # the first groups only: once one does not fit, none after it does
+            return False
+        self._device_room -= cost
+        return True
+
     def _flat_group(self, members: list[tuple[str, nn.Parameter]], from_rank0: bool) -> FlatGroup:
         params = [p for _, p in members]
         # Replayed values are where eager construction made them (an accelerator, or the CPU).
         source = torch.cat([p.detach().reshape(-1).to(self.device) for p in params])
         if from_rank0:
             self.comm.broadcast(source)  # ranks must shard identical values
+        on_device = self.device_copies and params[0].requires_grad and self._fits_on_device(
+            shard_numel(sum(p.numel() for p in params), self.comm.world_size))
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self.shard_device,
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
                           reduce_dtype=self.mixed_precision.gradient_reduce_dtype, ledger=self.ledger,
                           transfers=self.transfers, pin_shard=self.param_offload is None,
-                          host_copy=self.host_copies, device_copy=self.device_copies, gathers=self.gathers)
+                          host_copy=self.host_copies, device_copy=self.device_copies and not on_device,
+                          gathers=self.gathers)
+        group.optimizer_on_device = on_device
         if stored_quantized(self.zero_pp, group.trainable):
             group.store_quantized(self.zero_pp.frozen_bits, self.zero_pp.block)
         elif self.param_offload is not None:

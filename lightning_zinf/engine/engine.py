@@ -209,6 +209,7 @@ class ZeroEngine:
                                 timeout=timeout, device=self.device)
         on_device = list(MOVING)
         on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
+        on_device += ["optimizer_device"] * bool(offload.device_bytes)
         self.ledger = MemoryLedger(tuple(on_device))
         self.tracer = Tracer(self.comm, enabled=prefetch.enabled)
         shards_offloaded = offload.param != "none"
@@ -232,6 +233,7 @@ class ZeroEngine:
                                  transfers=self.transfers, param_offload=self.param_offload,
                                  host_copies=offload.param == "cpu",
                                  device_copies=offload.param == "none" and offload.optimizer != "none",
+                                 device_state_bytes=offload.device_bytes,
                                  preloaded=preloaded, gathers=self.gathers).build(specs)
         self.pool = BufferPool(self.device, self.ledger)
         self._activation_offload: Optional[ActivationOffload] = None

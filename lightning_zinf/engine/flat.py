@@ -109,6 +109,9 @@ class FlatGroup:
             optimizer is offloaded (:meth:`make_master` with ``separate=True``).
         host_state: The optimizer is offloaded to host memory: reduced gradient slices travel to
             ``grad_shard`` through the copy stream (:meth:`finish_host_grads` completes them).
+        optimizer_on_device: Under ``cpu`` optimizer offload with ``OffloadConfig.device_bytes``,
+            this group was placed as without offload and is stepped on the device by the
+            optimizer itself (set by :class:`~lightning_zinf.engine.build.UnitBuilder`).
         swapped_optimizer: Set by the NVMe optimizer offload, which then swaps ``master`` and
             ``grad_shard`` and does the post-step copy into ``shard`` itself. Gradients are handed to
             the optimizer only inside its step (``exposed`` says which fragments have one meanwhile),
@@ -203,6 +206,7 @@ class FlatGroup:
         self.grad_norms: list[Tensor] = []
         self.state_device = device
         self.host_state = False  # master and gradient shard offloaded to host memory
+        self.optimizer_on_device = False  # stepped on the device beside an offloaded optimizer
         self.swapped_optimizer = False
         self.exposed = [False] * len(params)
         self._ready = [False] * len(params)

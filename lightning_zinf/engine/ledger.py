@@ -30,6 +30,8 @@ CATEGORIES = {
     "shards_nvme": "parameter shards in NVMe swap files",
     "grad_shards": "fp32 gradient shards accumulated over micro-batches (resident bytes)",
     "optimizer": "fp32 master shards separate from the parameter shards, and optimizer states (resident bytes)",
+    "optimizer_device": "fp32 master shards, gradient shards and optimizer states of the groups stepped on the "
+                        "device beside an offloaded optimizer (OffloadConfig.device_bytes)",
     "optimizer_nvme": "fp32 masters, gradient shards and optimizer states in NVMe swap files",
     "staging": "host staging buffers holding records swapped in from or out to NVMe (the resident part of "
                "shards_cpu, grad_shards and optimizer under NVMe offload lives in them: they overlap; not the "

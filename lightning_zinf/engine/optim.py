@@ -95,11 +95,19 @@ def clip_grad_norm_(fragments: Iterable[Tensor], max_norm: float, comm: Collecti
         the gradients non-finite too (a mixed-precision loss scaler then skips the step).
     """
     grads = [f.grad for f in fragments if f.grad is not None]
-    # Multi-tensor kernels: a few launches for all fragments, not four per fragment.
-    norm = comm.all_reduce_sum(local_grad_sq_norm(list(torch._foreach_norm(grads)) if grads else [])).sqrt()
+    # Multi-tensor kernels: a few launches for all fragments, not four per fragment, per device
+    # (fragments on the device and on the host under OffloadConfig.device_bytes), the norms then
+    # combined in the fragments' order.
+    devices = list(dict.fromkeys(g.device for g in grads))
+    norms: list[Optional[Tensor]] = [None] * len(grads)
+    for device in devices:
+        at = [i for i, g in enumerate(grads) if g.device == device]
+        for i, n in zip(at, torch._foreach_norm([grads[i] for i in at])):
+            norms[i] = n
+    norm = comm.all_reduce_sum(local_grad_sq_norm(norms)).sqrt()  # type: ignore[arg-type]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    for device in devices:
+        torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device, grads[0].dtype))
     return norm
 
 
@@ -112,4 +120,5 @@ def local_grad_sq_norm(norms: list[Tensor]) -> Tensor:
     on the CPU."""
     if not norms:
         return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms)).float().pow(2)
+    # Norms of fragments on two devices (OffloadConfig.device_bytes) are combined on the first's.
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])).float().pow(2)

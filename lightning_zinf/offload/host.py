@@ -22,7 +22,11 @@ with parameters alone on NVMe each shard is kept as it is made, never written
 
 from __future__ import annotations
 
-__all__ = ["first_that_fit"]
+__all__ = ["DEVICE_STATE_BYTES", "first_that_fit"]
+
+#: Bytes per shard element ``OffloadConfig.device_bytes`` counts for a group stepped on the device
+#: beside ZeRO-Offload: an fp32 master, an fp32 gradient shard and two fp32 moments (AdamW's).
+DEVICE_STATE_BYTES = 16
 
 
 def first_that_fit(costs: list[int], budget: int) -> int:

@@ -94,15 +94,18 @@ class OptimizerOffload:
 
     @property
     def trainable(self) -> list[int]:
-        """Indices of the groups with an optimizer side: trainable now, or given a master before
-        (a group frozen again keeps its master and states, as torch keeps a frozen parameter's)."""
-        return [i for i, g in enumerate(self.groups) if g.trainable or g.master is not None]
+        """Indices of the groups with an offloaded optimizer side: trainable now, or given a master
+        before (a group frozen again keeps its master and states, as torch keeps a frozen
+        parameter's), but those stepped on the device (``OffloadConfig.device_bytes``)."""
+        return [i for i, g in enumerate(self.groups)
+                if (g.trainable or g.master is not None) and not g.optimizer_on_device]
 
     # --- placement --------------------------------------------------------------------------------
     def place_masters(self, shard_resident: Callable[[FlatGroup], ContextManager[None]],
                       indices: Optional[list[int]] = None) -> None:
         """Create every trainable group's fp32 master on the CPU (separate from the compute shard),
-        and with ``nvme`` swap it out. Idempotent; call before the optimizer is sharded.
+        and with ``nvme`` swap it out; a group stepped on the device (``device_bytes``) gets its
+        master there, as without offload. Idempotent; call before the optimizer is sharded.
 
         Args:
             shard_resident: Keeps a group's parameter shard in memory for the block (it may be on
@@ -117,6 +120,9 @@ class OptimizerOffload:
         for i in self.trainable if indices is None else indices:
             group = self.groups[i]
             if group.master is not None:
+                continue
+            if group.optimizer_on_device:
+                group.make_master()
                 continue
             with shard_resident(group):
                 self._place_master(i, group, cpu)

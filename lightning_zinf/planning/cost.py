@@ -32,11 +32,11 @@ import torch
 from lightning_zinf.engine.buffers import SLACK
 from lightning_zinf.engine.units import COALESCE_BYTES
 from lightning_zinf.offload.aligned import ALIGNMENT
-from lightning_zinf.offload.host import first_that_fit
+from lightning_zinf.offload.host import DEVICE_STATE_BYTES, first_that_fit
 from lightning_zinf.offload.swapped import record_layout
 from lightning_zinf.planning.inventory import GroupFacts, Inventory
 
-__all__ = ["Placement", "Prediction", "predict", "host_costs"]
+__all__ = ["Placement", "Prediction", "device_split_costs", "host_costs", "predict", "stepped_on_device"]
 
 #: Bytes of per-parameter scalar state an optimizer may keep (torch's Adam keeps ``step`` as a tensor).
 _SCALARS = 8
@@ -52,6 +52,8 @@ class Placement:
         staging_bytes: The NVMe staging cap (``OffloadConfig.staging_bytes``); 0 without NVMe.
         read_ahead: ``OffloadConfig.read_ahead`` when the plan sets it (0 with the least staging);
             ``None``: the user's.
+        device_bytes: With ``optimizer="cpu"`` and ``param="none"``: ``OffloadConfig.device_bytes``,
+            the first trainable groups stepped on the device.
     """
 
     param: str = "none"
@@ -59,6 +61,7 @@ class Placement:
     host_bytes: int = 0
     staging_bytes: int = 0
     read_ahead: Optional[int] = None
+    device_bytes: int = 0
 
     @property
     def nvme(self) -> bool:
@@ -71,6 +74,8 @@ class Placement:
         if self.nvme:
             text += f", host_bytes={self.host_bytes}, staging_bytes={self.staging_bytes}"
             text += f", read_ahead={self.read_ahead}" if self.read_ahead is not None else ""
+        if self.device_bytes:
+            text += f", device_bytes={self.device_bytes}"
         return text
 
 
@@ -226,8 +231,12 @@ def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, sta
     # (FlatGroup.accumulate): on the CPU a pooled buffer, possibly larger than the shard.
     exact_grads, largest = accelerator or inventory.reduce_bytes != 4, _largest_request(inventory)
     position = 0  # among the groups with records host_bytes may keep
-    for g, rs, ks in zip(inventory.groups, records, keepable):
+    on_device = stepped_on_device(inventory, placement)
+    for index, (g, rs, ks) in enumerate(zip(inventory.groups, records, keepable)):
         s = g.shard_numel
+        if index < len(on_device) and on_device[index]:
+            _on_device(g, put, state_bytes, exact_grads, largest)
+            continue
         surely_kept = bool(ks) and position < fewest
         for r in ks if position < most else ():
             kept_bytes[r.category] += r.nbytes
@@ -284,6 +293,54 @@ def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, sta
     host = where["host"] + staging + ALIGNMENT * buffers
     cats["device_total"] = device
     return Prediction(dict(cats), device, host, disk_bytes, link_bytes, fewest)
+
+
+def stepped_on_device(inventory: Inventory, placement: Placement) -> list[bool]:
+    """Per group (in order), whether ``placement.device_bytes`` steps it on the device: the first
+    trainable groups until the next does not fit at :data:`~lightning_zinf.offload.host.DEVICE_STATE_BYTES`
+    per shard element, as :class:`~lightning_zinf.engine.build.UnitBuilder` chooses them."""
+    room = placement.device_bytes if (placement.param, placement.optimizer) == ("none", "cpu") else 0
+    chosen = []
+    for g in inventory.groups:
+        cost = DEVICE_STATE_BYTES * g.shard_numel
+        fits = g.trainable and 0 <= cost <= room
+        if g.trainable:
+            room = room - cost if fits else -1
+        chosen.append(fits)
+    return chosen
+
+
+def device_split_costs(inventory: Inventory, state_bytes: int = 8,
+                       accelerator: bool = True) -> list[tuple[int, int]]:
+    """Per trainable group, in order: the ``device_bytes`` it takes when stepped on the device
+    (what :func:`stepped_on_device` counts), and the bytes it then adds to the device's predicted
+    peak over ZeRO-Offload's layout (its shard in its dtype and its optimizer side, less the 16-bit
+    copy it no longer needs): ``predict``'s device total with the first ``k`` groups so placed is
+    that of none plus the first ``k`` of these."""
+    exact_grads, largest = accelerator or inventory.reduce_bytes != 4, _largest_request(inventory)
+    out = []
+    for g in inventory.groups:
+        if not g.trainable:
+            continue
+        added = [0]
+
+        def put(category: str, tier: str, nbytes: int) -> None:
+            added[0] += nbytes if tier == "device" else 0
+
+        _on_device(g, put, state_bytes, exact_grads, largest)
+        offloaded = (g.compute_bytes if g.keeps_copy else g.storage_bytes) * g.shard_numel
+        out.append((DEVICE_STATE_BYTES * g.shard_numel, added[0] - offloaded))
+    return out
+
+
+def _on_device(g: GroupFacts, put, state_bytes: int, exact_grads: bool, largest: int) -> None:
+    """A trainable group stepped on the device beside ZeRO-Offload: placed as without offload."""
+    s = g.shard_numel
+    put("shards_device", "device", g.storage_bytes * s)
+    if not _master_is_shard(g, Placement()):
+        put("optimizer_device", "device", 4 * s)
+    put("optimizer_device", "device", (4 * s if exact_grads else _served(4 * s, largest)) + state_bytes * s)
+    put("optimizer_device", "device", _SCALARS * g.tensors)
 
 
 @dataclass

@@ -10,7 +10,9 @@ state on the host, and the NVMe tiers of ZeRO-Infinity (Rajbhandari et al., SC'2
 device, where the host tiers are the same memory, only the NVMe ones free any. Placement is partial
 where the engine allows it: an NVMe placement keeps as many of the first groups' records in host
 memory as the budget leaves room for (``OffloadConfig.host_bytes``), each kept byte a byte the disk
-no longer reads and writes every step, and gives the rest to the staging cap. Placements whose
+no longer reads and writes every step, and gives the rest to the staging cap; on an accelerator
+ZeRO-Offload keeps as many of the first groups' optimizer state on the device as the room holds
+(``OffloadConfig.device_bytes``: stepped there, nothing of theirs on the host link). Placements whose
 step overlaps come first; then, if none fits, NVMe ones with the least staging (a synchronous
 step); then all of them with the prefetch bucket shrunk to the next unit (on an accelerator the
 user's bucket and one unit ahead are weighed together). A refusal names the smallest budget that
@@ -37,7 +39,7 @@ from lightning_zinf.config import OffloadConfig, PrefetchConfig
 from lightning_zinf.offload.aligned import ALIGNMENT, round_up
 from lightning_zinf.offload.host import first_that_fit
 from lightning_zinf.planning.bandwidth import Bandwidths
-from lightning_zinf.planning.cost import Placement, Prediction, host_costs, predict
+from lightning_zinf.planning.cost import Placement, Prediction, device_split_costs, host_costs, predict
 from lightning_zinf.planning.inventory import Inventory
 from lightning_zinf.planning.profile import ForwardProfile
 from lightning_zinf.planning.timing import StepTime, step_time
@@ -107,7 +109,7 @@ class MemoryPlan:
         """``given`` (its ``nvme_path``, ``aio``, ``read_ahead``...) with the planned tiers and sizes."""
         fields = dict(param=self.placement.param, optimizer=self.placement.optimizer,
                       host_bytes=self.placement.host_bytes, sub_group_size=self.sub_group_size,
-                      staging_bytes=self.placement.staging_bytes or None)
+                      staging_bytes=self.placement.staging_bytes or None, device_bytes=self.placement.device_bytes)
         if self.placement.read_ahead is not None:
             fields["read_ahead"] = self.placement.read_ahead
         return dataclasses.replace(given, **fields)
@@ -265,6 +267,7 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     timed = profile is not None and profile.seconds_per_flop is not None
     choices = _activation_choices(profile, plan_activations, offloads=accelerator and bandwidths.link is not None)
     fits: dict[tuple, tuple[Placement, Prediction]] = {}
+    split_costs = device_split_costs(inventory, state_bytes, accelerator)
     # Placements whose step overlaps first (NVMe staging of four sub-groups), weighed by their
     # predicted step (their traffic without an example input); then NVMe ones with the least
     # staging (a synchronous step); all of it at the user's bucket before the bucket of one unit.
@@ -283,12 +286,22 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
             room = state_budget - activations
             host_room = None if host_budget is None else host_budget - host_activations
             # A placement is sized by the room it is given only where it has NVMe records to
-            # keep in memory: on a CPU device that room, on an accelerator the host's.
+            # keep in memory (on a CPU device that room, on an accelerator the host's), or, for
+            # ZeRO-Offload on an accelerator, groups to step on the device (as many as the room holds).
+            split = accelerator and (param, optimizer) == ("none", "cpu") and bool(split_costs)
             key = (bucket, sub_groups, param, optimizer,
                    None if "nvme" not in (param, optimizer) else host_room if accelerator else room)
+            if split:
+                base = fits.get(key) or _fit(inventory, param, optimizer, room, host_room, accelerator=accelerator,
+                                             offload=offload, bucket=bucket, state_bytes=state_bytes,
+                                             sub_groups=sub_groups)
+                fits[key] = base
+                groups = first_that_fit([added for _, added in split_costs], room - base[1].device)
+                key = (*key, groups)
             if key not in fits:
                 fits[key] = _fit(inventory, param, optimizer, room, host_room, accelerator=accelerator,
-                                 offload=offload, bucket=bucket, state_bytes=state_bytes, sub_groups=sub_groups)
+                                 offload=offload, bucket=bucket, state_bytes=state_bytes, sub_groups=sub_groups,
+                                 device_bytes=sum(cost for cost, _ in split_costs[:groups]) if split else 0)
             placement, prediction = fits[key]
             peak = prediction.total(accelerator)
             step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
@@ -363,15 +376,15 @@ def _sub_group_size(inventory: Inventory, offload: OffloadConfig, placement: Pla
 
 def _fit(inventory: Inventory, param: str, optimizer: str, budget: int, host_budget: Optional[int], *,
          accelerator: bool, offload: OffloadConfig, bucket: int, state_bytes: int,
-         sub_groups: int) -> tuple[Placement, Prediction]:
+         sub_groups: int, device_bytes: int = 0) -> tuple[Placement, Prediction]:
     """The placement ``(param, optimizer)`` sized to the budget: with NVMe, the staging of
     ``sub_groups`` optimizer sub-groups, then as many records kept in host memory as the room left holds, then the
-    rest of the room as staging (up to the bytes on NVMe)."""
+    rest of the room as staging (up to the bytes on NVMe); ZeRO-Offload with ``device_bytes`` as given."""
     def run(placement: Placement) -> Prediction:
         return predict(inventory, placement, bucket_size=bucket, state_bytes=state_bytes, accelerator=accelerator,
                        copy_ahead_bytes=offload.copy_ahead_bytes)
 
-    placement = Placement(param=param, optimizer=optimizer)
+    placement = Placement(param=param, optimizer=optimizer, device_bytes=device_bytes)
     if not placement.nvme:
         return placement, run(placement)
     read_ahead = offload.read_ahead if sub_groups > 1 else 0  # the least staging reads no unit ahead

@@ -12,7 +12,8 @@ Each term is a count of this run's work over a rate measured on this machine at 
   gradient reduce-scattered; tied and frozen units as :func:`collective_bytes` says), at the
   all-gather bandwidth of a probe among the run's ranks;
 - optimizer step: the trainable elements of this rank's shard at the seconds per element of
-  torch's AdamW on the tier that steps them (host or device);
+  torch's AdamW on the tier that steps them (host or device; under ``OffloadConfig.device_bytes``
+  the first groups on the device, the rest on the host);
 - disk and host link: :class:`~lightning_zinf.planning.cost.Prediction`'s bytes at their bandwidths,
   and on the link the saved tensors of the blocks whose activations are offloaded, to the host in
   the forward and back in backward.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_zinf.planning.bandwidth import Bandwidths
-from lightning_zinf.planning.cost import Placement, Prediction
+from lightning_zinf.planning.cost import Placement, Prediction, stepped_on_device
 from lightning_zinf.planning.inventory import Inventory
 from lightning_zinf.planning.profile import ForwardProfile
 
@@ -166,10 +167,17 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
         collectives = 0.0
     elif rates.collective:
         collectives = collective_bytes(inventory) / rates.collective
+    # Elements stepped on the device (every one without optimizer offload, the first groups' under
+    # OffloadConfig.device_bytes) at the device's rate, the others at the host's.
+    on_device = stepped_on_device(inventory, placement)
+    device_elements = sum(g.shard_numel for g, there in zip(inventory.groups, on_device)
+                          if g.trainable and (there or placement.optimizer == "none"))
+    host_elements = sum(g.shard_numel for g in inventory.groups if g.trainable) - device_elements
+    if not accelerator:
+        device_elements, host_elements = 0, device_elements + host_elements
     optimizer = None
-    per_element = rates.device_step if accelerator and placement.optimizer == "none" else rates.host_step
-    if per_element is not None:
-        optimizer = sum(g.shard_numel for g in inventory.groups if g.trainable) * per_element
+    if (rates.device_step is not None or not device_elements) and (rates.host_step is not None or not host_elements):
+        optimizer = device_elements * (rates.device_step or 0.0) + host_elements * (rates.host_step or 0.0)
     link = prediction.link_bytes + (2 * profile.offloaded_bytes(kept, offloaded) if profile is not None else 0)
     return StepTime(forward, backward, recompute, collectives, optimizer,
                     prediction.disk_bytes / rates.disk if rates.disk else 0.0,
