@@ -134,6 +134,33 @@ def test_profile_of_a_transformers_model(kind: str, cls: str) -> None:
         assert b.saved == sum(seen[b.name].values()) > 0, b
 
 
+def test_a_model_in_eval_mode_is_profiled_as_it_trains() -> None:
+    """A model fresh from ``from_pretrained`` is in eval mode; its training steps run in train
+    mode, where GPT-2's dropout keeps masks for backward. The profile counts what a real forward
+    in train mode saves per block, timing runs the blocks in train mode too, and both leave every
+    submodule in the mode it was in."""
+    model, blocks = _transformers_model("gpt2")
+    ids = torch.randint(0, 512, (2, 32))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = _saved_per_block(blocks, lambda t: t.untyped_storage().data_ptr() in params)
+    model.train()
+    model(input_ids=ids)
+    training = {name: sum(s.values()) for name, s in seen.items()}
+    model.eval()
+    model.transformer.h[1].attn.train()  # one submodule in a mode of its own
+    modes = {name: m.training for name, m in model.named_modules()}
+    profile = profile_forward(model, {"input_ids": ids}, blocks, device=torch.device("cpu"), dtype=None)
+    assert {b.name: b.saved for b in profile.blocks} == training
+    dropouts = []
+    for _, block in blocks:
+        for m in block.modules():
+            if isinstance(m, nn.Dropout):
+                m.register_forward_hook(lambda m, *_: dropouts.append(m.training))
+    time_blocks(profile, blocks, device=torch.device("cpu"), dtype=None)
+    assert dropouts and all(dropouts)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
 class _ReadsValues(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -32,9 +32,9 @@ import dataclasses
 import logging
 import statistics
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -178,7 +178,7 @@ def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.
                 lambda v: torch.empty(v.shape, dtype=v.dtype, device=device) if isinstance(v, Tensor) else v, example)
         ids = {id(t) for t in parameters.values()}
         outside = _Saved(ids)
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounterMode(display=False) as flops, in_training_mode(module):
             for name, block in blocks:
                 handles.extend(_watch(name, block, found, flops, ids))
             with mode, torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
@@ -194,6 +194,20 @@ def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextmanager
+def in_training_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` and its submodules in training mode for the block, as the training step runs
+    them (a model fresh from ``from_pretrained`` is in eval mode: dropout would save no masks),
+    each submodule's own mode restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: FlopCounterMode,
@@ -331,8 +345,9 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
         if b.cls in timed or not b.flops:
             continue
         timed.add(b.cls)
-        plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
-        checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
+        with in_training_mode(modules[b.name]):
+            plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
+            checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
         flops += b.flops
     if device.type != "cpu":
         # The timed blocks' parameters and activations are free now: give the cached blocks back
