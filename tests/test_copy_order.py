@@ -164,16 +164,21 @@ def test_activation_reloads_run_one_saved_tensor_ahead_without_waiting_for_compu
         assert torch.equal(p.grad, g)
 
 
-def _count_reloads_found_ahead(fresh_every_block: bool) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
-    """Blocks 1-3 of four offloaded through :class:`ActivationPlan` (block 0 keeps its own): how
-    many of backward's requests for an offloaded tensor found its copy under way, of how many."""
+def _four_blocks() -> tuple[nn.Module, torch.Tensor, list[torch.Tensor]]:
+    """Four blocks (a linear layer and a tanh each), an input, and plain autograd's gradients."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)))
     x = torch.randn(8, 16, requires_grad=True)
     model(x).square().sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    return model, x, want
 
+
+def _count_reloads_found_ahead(fresh_every_block: bool) -> tuple[int, int, list[torch.Tensor], list[torch.Tensor]]:
+    """Blocks 1-3 of four offloaded through :class:`ActivationPlan` (block 0 keeps its own): how
+    many of backward's requests for an offloaded tensor found its copy under way, of how many."""
+    model, x, want = _four_blocks()
     streams = RecordingStreams()
     offload = ActivationOffload(Transfers(torch.device("cpu"), streams=streams), lambda tensor: False)
     unpack, found = offload._unpack, []
@@ -204,3 +209,32 @@ def test_blocks_offloaded_by_the_plan_copy_back_ahead_across_blocks() -> None:
         assert torch.equal(g, w)
     apart, _, _, _ = _count_reloads_found_ahead(fresh_every_block=True)
     assert apart <= ahead - 2, (apart, ahead)  # the observer tells the two apart
+
+
+def test_copies_of_offloaded_blocks_to_the_host_trail_the_forward_by_one_block_at_most() -> None:
+    """The plan counts one offloaded block's saved tensors on the device at a time: the forward's
+    copies to the host run on their own stream, and the device memory of a tensor being copied is
+    not reused until its copy is done, so a forward that outruns the link would hold every earlier
+    block's tensors too. So when an offloaded block starts, the host has waited for the copies of
+    the blocks before it. Gradients equal plain autograd's, bit for bit."""
+    model, x, want = _four_blocks()
+    streams = RecordingStreams()
+    offload = ActivationOffload(Transfers(torch.device("cpu"), streams=streams), lambda tensor: False)
+    plan = ActivationPlan([(str(i), block) for i, block in enumerate(model)], budget=0, planned=0,
+                          is_gathered=lambda tensor: False, kept=1, offloaded=3, offload=offload)
+    assert plan.offloaded == ["1", "2", "3"]
+    seen = []  # per offloaded block, at its start: copies to the host queued, how far the host waited for them
+
+    def started(*_) -> None:
+        streams.compute_work()
+        queued = sum(1 for stream, _ in streams.blocks if stream == "copy1")
+        waited = max((clock.get("copy1", 0) for stream, clock in streams.host_waits if stream == "copy1"), default=0)
+        seen.append((queued, waited))
+
+    for block in list(model)[1:]:  # inside the block's offload context: its first layer
+        block[0].register_forward_pre_hook(started)
+    model(x).square().sum().backward()
+    assert [queued for queued, _ in seen] == [0, 3, 6], seen  # a block saves three tensors
+    assert all(waited == queued for queued, waited in seen), seen
+    for p, g in zip(model.parameters(), want):
+        assert torch.equal(p.grad, g)

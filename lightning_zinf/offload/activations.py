@@ -7,7 +7,9 @@ released after forward and gathered again for backward, so the saved view is val
 backward reads it, and copying it would move every weight of the model to the host and back each
 step. The copies to the host run on the device-to-host copy stream
 (:class:`~lightning_zinf.engine.transfer.Transfers`) into page-locked memory, so forward neither
-waits for them nor delays the parameter copies going the other way. In backward a tensor comes
+waits for them nor delays the parameter copies going the other way; each entry of the context
+(a block the memory plan offloads) first waits for the copies of the one before, so the forward runs at most one block
+ahead of the link. In backward a tensor comes
 back through the host-to-device stream without waiting for compute, and compute waits for it on the
 device, not on the host. When backward asks for one tensor, the copy of the latest saved tensor not
 yet asked for starts too (backward mostly asks in reverse order of saving), so that copy overlaps
@@ -93,12 +95,22 @@ class ActivationOffload:
         self.copied_bytes = 0
         self.kept = 0
         self._order = _Order()
+        self._copied: Optional[Any] = None  # the event of the latest copy to the host
 
     @contextmanager
     def __call__(self, fresh: bool = True) -> Iterator[None]:
         """Offload what autograd saves inside the block. ``fresh``: a new forward starts (the
         copies back ahead follow the saving order of one forward); ``False`` continues the order of
-        the last one (the next offloaded block of the same forward)."""
+        the last one (the next offloaded block of the same forward).
+
+        The host first waits for the copies to the host made so far (the block before's): the
+        device memory of a tensor being copied is not reused until its copy is done, so a forward
+        that outran the link would hold every earlier block's saved tensors on the device, where
+        the plan counts one block's (:meth:`ForwardProfile.activation_bytes
+        <lightning_zinf.planning.profile.ForwardProfile.activation_bytes>`). A link that keeps up
+        has finished them by then."""
+        self.transfers.wait_on_host(self._copied)
+        self._copied = None
         if fresh:
             self._order = _Order()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -120,6 +132,7 @@ class ActivationOffload:
         self.copied_bytes += host.numel() * host.element_size()
         if not self.transfers.overlapped:
             return host
+        self._copied = copied
         return _Saved(host, copied, self._order)
 
     def _unpack(self, packed: Any) -> Tensor:

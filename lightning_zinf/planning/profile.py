@@ -100,7 +100,8 @@ class ForwardProfile:
         theirs, the next ``offloaded`` keep theirs in host memory and the rest are checkpointed:
         what is kept outside, by the kept blocks and of the checkpointed blocks' inputs, and one
         block's own while backward recomputes it or copies it back (the copy back of an offloaded
-        block's tensors runs about one tensor ahead of its use; a whole block bounds it)."""
+        block's tensors runs about one tensor ahead of its use; a whole block bounds it), or while
+        the forward copies it to the host (the next offloaded block waits for those copies)."""
         saved = [b.saved for b in self.blocks]
         return (self.outside + sum(saved[:kept]) + sum(b.inputs for b in self.blocks[kept + offloaded:])
                 + max(saved[kept:], default=0))
