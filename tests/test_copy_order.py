@@ -211,6 +211,25 @@ def test_blocks_offloaded_by_the_plan_copy_back_ahead_across_blocks() -> None:
     assert apart <= ahead - 2, (apart, ahead)  # the observer tells the two apart
 
 
+def test_a_forward_that_skips_the_first_offloaded_block_starts_its_own_saving_order() -> None:
+    """A forward that skips the first offloaded block (LayerDrop) starts a saving order of its own
+    at the first offloaded block it reaches, as one that runs them all does: the copies back ahead
+    follow that forward's tensors alone, and no order grows with every step."""
+    model, x, _ = _four_blocks()
+    offload = ActivationOffload(Transfers(torch.device("cpu"), streams=RecordingStreams()), lambda tensor: False)
+    ActivationPlan([(str(i), block) for i, block in enumerate(model)], budget=0, planned=0,
+                   is_gathered=lambda tensor: False, kept=1, offloaded=3, offload=offload)
+    lengths = []
+    for skipped in (None, 1, 1, None):
+        h = x
+        for i, block in enumerate(model):
+            if i != skipped:
+                h = block(h)
+        h.square().sum().backward()
+        lengths.append(len(offload._order.saved))
+    assert lengths == [9, 6, 6, 9]  # three saved tensors per offloaded block run
+
+
 def test_copies_of_offloaded_blocks_to_the_host_trail_the_forward_by_one_block_at_most() -> None:
     """The plan counts one offloaded block's saved tensors on the device at a time: the forward's
     copies to the host run on their own stream, and the device memory of a tensor being copied is

@@ -406,6 +406,22 @@ def test_step_time_terms_add_as_the_schedule_runs() -> None:
     assert step_time(inventory, placement, prediction, rates, accelerator=False).total is None
 
 
+def test_offloaded_activations_show_where_a_pass_cannot_hide_them() -> None:
+    """The copies out of offloaded activations overlap the forward alone (each offloaded block
+    waits for the block before's), the copies back backward: a link whose whole traffic the step's
+    compute would cover still shows where the forward is shorter than the copies out."""
+    from lightning_zinf.planning.timing import StepTime
+
+    def step(activation_link: float, other: float) -> StepTime:
+        return StepTime(forward=0.1, backward=0.2, recompute=0.0, collectives=0.0, optimizer=0.0, disk=0.0,
+                        link=2 * activation_link + other, accelerator=True, activation_link=activation_link)
+
+    assert step(0.15, 0.0).exposed_link == pytest.approx(0.05)  # 0.3 s of copies against 0.3 s of compute
+    assert step(0.05, 0.0).exposed_link == 0
+    assert step(0.0, 0.3).exposed_link == pytest.approx(0.05)  # other copies: half in each pass
+    assert step(0.0, 0.3).total == pytest.approx(0.35)
+
+
 def _fit_with_example(rank: int, world: int, budget) -> dict:
     from lightning_zinf import ZeroInfinityStrategy
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
@@ -577,12 +593,14 @@ def _offloading_blocks(rank: int, world: int, offloaded: int) -> dict:
     # one it is handed), the weights and their views left out.
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     plain = {name: 0 for name, _ in blocks}
+    pinned = {name: 0 for name, _ in blocks}  # each copy in a page-locked block of a power of two
     scopes = []
 
     def enter(name):
         def pack(t):
             if t.untyped_storage().data_ptr() not in weights:
                 plain[name] += t.numel() * t.element_size()
+                pinned[name] += 1 << (t.numel() * t.element_size() - 1).bit_length()
             return t
         scopes.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         scopes[-1].__enter__()
@@ -617,15 +635,17 @@ def _offloading_blocks(rank: int, world: int, offloaded: int) -> dict:
         losses.append(loss.item())
     activation_plan = engine.activation_plan
     copied = engine._activation_offload.copied_bytes if engine._activation_offload is not None else 0
-    return {"losses": losses, "calls": calls, "copied": copied, "plain": plain,
-            "plan": (activation_plan.kept, activation_plan.offloaded, activation_plan.checkpointed)}
+    return {"losses": losses, "calls": calls, "copied": copied, "plain": plain, "pinned": pinned,
+            "plan": (activation_plan.kept, activation_plan.offloaded, activation_plan.checkpointed),
+            "profiled": (forced.profile.offloaded_traffic(1, offloaded), forced.profile.offloaded_bytes(1, offloaded))}
 
 
 def test_blocks_the_plan_offloads_run_once_and_copy_what_they_save() -> None:
     """The engine runs a plan's per-block choice: with block 0 kept, blocks 1-3 offloaded and 4-5
     checkpointed, the test's forward hooks see blocks 0-3 run once a step and 4-5 twice (the
     recompute, as hooks on their first layer see it); the engine copies to host memory what the test's own hooks see blocks 1-3 save in a
-    plain forward, the weights and their views left out (the engine's re-gather restores those);
+    plain forward, the weights and their views left out (the engine's re-gather restores those), which
+    is what the plan's profile says they move and, rounded per copy, hold in page-locked memory;
     the losses equal those of no offload, bit for bit."""
     offloaded = run_distributed(_offloading_blocks, 2, 3)
     checkpointed = run_distributed(_offloading_blocks, 2, 0)
@@ -636,6 +656,8 @@ def test_blocks_the_plan_offloads_run_once_and_copy_what_they_save() -> None:
         assert c["calls"]["blocks.1"] == 6 and c["copied"] == 0
         per_step = sum(r["plain"][f"blocks.{i}"] for i in (1, 2, 3))
         assert r["copied"] == 3 * per_step, (r["copied"], per_step)
+        # The plan's profile (fake tensors) gives those bytes, and the page-locked blocks they take.
+        assert r["profiled"] == (per_step, sum(r["pinned"][f"blocks.{i}"] for i in (1, 2, 3)))
         assert r["losses"] == c["losses"]
 
 

@@ -99,8 +99,9 @@ class ActivationPlan:
             <lightning_zinf.planning.MemoryPlan.offloaded_blocks>`); the rest are checkpointed.
         offload: With ``offloaded``: the engine's activation offload context
             (:meth:`ZeroEngine.offload_activations <lightning_zinf.engine.ZeroEngine.offload_activations>`),
-            called with ``fresh=True`` at the first offloaded block of a forward (the copies back
-            ahead follow that forward's order across the offloaded blocks).
+            called with ``fresh=True`` where the offloaded blocks start over (a block entered that
+            is not after the last one entered: a new forward), so that the copies back ahead follow
+            one forward's order across its offloaded blocks.
 
     Raises:
         ValueError: ``offloaded`` without ``kept`` or without ``offload``, or more blocks kept and
@@ -138,6 +139,7 @@ class ActivationPlan:
         self._outside: Optional[_Count] = None  # the count of the scope in progress, if measuring
         self._inputs: dict[str, int] = {}
         self._originals = {name: module.forward for name, module in blocks}
+        self._last_offloaded = len(blocks)  # the index of the offloaded block entered last
         if kept is not None:
             self._decide(kept, offloaded)
             return
@@ -180,7 +182,7 @@ class ActivationPlan:
 
         return run
 
-    def _offloaded(self, forward: Callable[..., Any], first: bool) -> Callable[..., Any]:
+    def _offloaded(self, forward: Callable[..., Any], index: int) -> Callable[..., Any]:
         assert self.offload is not None
         offload = self.offload
 
@@ -188,7 +190,11 @@ class ActivationPlan:
         def run(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
-            with offload(first):
+            # A new saving order where the blocks start over (a new forward, whichever offloaded
+            # block it reaches first: one may be skipped, as under LayerDrop), not at one block.
+            fresh = index <= self._last_offloaded
+            self._last_offloaded = index
+            with offload(fresh):
                 return forward(*args, **kwargs)
 
         return run
@@ -275,7 +281,7 @@ class ActivationPlan:
                 module.forward = original  # type: ignore[method-assign]
                 self.kept.append(name)
             elif index < count + offloaded:
-                module.forward = self._offloaded(original, first=index == count)  # type: ignore[method-assign]
+                module.forward = self._offloaded(original, index)  # type: ignore[method-assign]
                 self.offloaded.append(name)
             else:
                 module.forward = self._checkpointed(original, name)  # type: ignore[method-assign]

@@ -156,9 +156,11 @@ class MemoryPlan:
                          f"(from the example input); in all {format_bytes(p.total(self.accelerator) + self.activations)}"
                          + (f"; {format_bytes(self.host_activations)} of activations in host memory"
                             if self.offloaded_blocks else ""))
-        link = p.link_bytes + 2 * self.host_activations
+        moved = 2 * self.profile.offloaded_traffic(self.kept_blocks, self.offloaded_blocks) \
+            if self.offloaded_blocks and self.profile is not None and self.kept_blocks is not None else 0
+        link = p.link_bytes + moved
         traffic = f"  per step: {format_bytes(p.disk_bytes)} NVMe I/O, {format_bytes(link)} host link" + (
-            f" ({format_bytes(2 * self.host_activations)} of offloaded activations)" if self.host_activations else "")
+            f" ({format_bytes(moved)} of offloaded activations)" if moved else "")
         b = self.bandwidths
         if b.disk or b.link:
             measured = ", ".join(f"{name} {value / 1e9:.2f} GB/s" for name, value in (("disk", b.disk), ("link", b.link))

@@ -62,6 +62,11 @@ class BlockProfile:
         saved: Bytes autograd keeps for its backward when it is not checkpointed.
         inputs: Bytes of its tensor arguments (what checkpointing keeps of it instead).
         arguments: Its ``(args, kwargs)``, tensors as meta tensors of their shapes and dtypes.
+        copied: Bytes the activation offload copies to the host when it is offloaded: each saved
+            tensor, dense, as often as it is saved (views of one storage each copied); ``None``:
+            ``saved``.
+        pinned: The page-locked host memory those copies take on an accelerator: each rounded up
+            to a power of two, as torch's caching host allocator rounds its blocks; ``None``: ``saved``.
     """
 
     name: str
@@ -70,6 +75,8 @@ class BlockProfile:
     saved: int
     inputs: int
     arguments: Any = field(default=((), {}), compare=False, repr=False)
+    copied: Optional[int] = None
+    pinned: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +114,14 @@ class ForwardProfile:
                 + max(saved[kept:], default=0))
 
     def offloaded_bytes(self, kept: int, offloaded: int) -> int:
-        """Bytes the blocks after the first ``kept`` keep in host memory when ``offloaded`` of them
-        are offloaded: their saved tensors, copied there in the forward and back in backward."""
-        return sum(b.saved for b in self.blocks[kept:kept + offloaded])
+        """Bytes of host memory the blocks after the first ``kept`` take when ``offloaded`` of them
+        are offloaded: their saved tensors' copies, in page-locked blocks (:attr:`BlockProfile.pinned`)."""
+        return sum(b.saved if b.pinned is None else b.pinned for b in self.blocks[kept:kept + offloaded])
+
+    def offloaded_traffic(self, kept: int, offloaded: int) -> int:
+        """Bytes those blocks' saved tensors move over the host link each way (to the host in the
+        forward, back in backward: :attr:`BlockProfile.copied`)."""
+        return sum(b.saved if b.copied is None else b.copied for b in self.blocks[kept:kept + offloaded])
 
     def recompute_flops(self, kept: int, offloaded: int = 0) -> int:
         """FLOPs backward spends recomputing the forwards of the checkpointed blocks (those after
@@ -124,15 +136,23 @@ class _Saved:
     def __init__(self, parameters: set[int]) -> None:
         self.parameters = parameters
         self.seen: dict[int, Tensor] = {}  # holding the bases keeps their ids unique
+        self.copies: list[int] = []  # bytes of each saved tensor, as the activation offload copies it
 
     def add(self, tensor: Tensor) -> None:
         base = tensor._base if tensor._base is not None else tensor
         if id(base) not in self.parameters and tensor.layout == torch.strided:
             self.seen.setdefault(id(base), base)
+            if tensor.numel():
+                self.copies.append(tensor.numel() * tensor.element_size())
 
     @property
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.seen.values())
+
+    @property
+    def pinned(self) -> int:
+        """Page-locked bytes of the copies: each rounded up to a power of two."""
+        return sum(1 << (n - 1).bit_length() for n in self.copies)
 
     def pack(self, tensor: Tensor) -> Tensor:
         self.add(tensor)
@@ -234,8 +254,9 @@ def _watch(name: str, block: nn.Module, found: dict[str, BlockProfile], flops: F
         if not state:
             return
         scopes.close()
+        saved = state["saved"]
         found[name] = BlockProfile(name, type(block).__name__, flops.get_total_flops() - state["flops"],
-                                   state["saved"].nbytes, state["inputs"], state["shapes"])
+                                   saved.nbytes, state["inputs"], state["shapes"], sum(saved.copies), saved.pinned)
         state.clear()
 
     return [block.register_forward_pre_hook(enter, with_kwargs=True),

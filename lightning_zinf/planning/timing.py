@@ -24,7 +24,9 @@ forward (the step's records are read ahead and written behind it,
 :mod:`~lightning_zinf.offload.stepping`), so what exceeds the forward shows, and at least half of
 them, since the swapper and the background step share the cores with the compute. On an accelerator
 the collectives and the host-link copies run on their own streams beside the compute and show only
-where they exceed it; those terms were not yet measured on a GPU.
+where they exceed it (the link per pass: the forward against the activations copied out and half
+the other copies, backward against the copies back and the other half); those terms were not yet
+measured on a GPU.
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ class StepTime:
         collectives: The gathers and reduce-scatters (0 with one rank; ``None``: not measured).
         optimizer: The optimizer step on this rank's shard (``None``: not measured).
         disk: NVMe reads and writes, all of them (what shows is :attr:`exposed_disk`).
-        link: Host-link copies, all of them (an accelerator's).
+        link: Host-link copies, all of them (an accelerator's), the offloaded activations' included.
         accelerator: The compute device is an accelerator (terms overlap there).
+        activation_link: Of ``link``, the offloaded activations' copies one way (to the host in
+            the forward; as many back in backward).
     """
 
     forward: Optional[float]
@@ -67,6 +71,7 @@ class StepTime:
     disk: float
     link: float
     accelerator: bool
+    activation_link: float = 0.0
 
     @property
     def exposed_disk(self) -> float:
@@ -83,8 +88,16 @@ class StepTime:
 
     @property
     def exposed_link(self) -> float:
-        """Host-link seconds beyond the compute (an accelerator's copies run beside it)."""
-        return max(0.0, self.link - self._compute)
+        """Host-link seconds the compute does not hide (an accelerator's copies run beside it):
+        per pass, the forward against the offloaded activations' copies to the host (the next
+        offloaded block waits for them) and half the other traffic (shards copied for the
+        forward's gathers, or new values sent after the step), backward and its recompute against
+        the copies back and the other half (gradients, the backward's gathers)."""
+        other = max(0.0, self.link - 2 * self.activation_link)
+        forward = self.forward or 0.0
+        backward = (self.backward or 0.0) + (self.recompute or 0.0)
+        return (max(0.0, self.activation_link + other / 2 - forward)
+                + max(0.0, self.activation_link + other / 2 - backward))
 
     @property
     def _compute(self) -> float:
@@ -178,7 +191,9 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
     optimizer = None
     if (rates.device_step is not None or not device_elements) and (rates.host_step is not None or not host_elements):
         optimizer = device_elements * (rates.device_step or 0.0) + host_elements * (rates.host_step or 0.0)
-    link = prediction.link_bytes + (2 * profile.offloaded_bytes(kept, offloaded) if profile is not None else 0)
+    moved = profile.offloaded_traffic(kept, offloaded) if profile is not None else 0
+    link = prediction.link_bytes + 2 * moved
     return StepTime(forward, backward, recompute, collectives, optimizer,
                     prediction.disk_bytes / rates.disk if rates.disk else 0.0,
-                    link / rates.link if rates.link else 0.0, accelerator)
+                    link / rates.link if rates.link else 0.0, accelerator,
+                    moved / rates.link if rates.link else 0.0)
