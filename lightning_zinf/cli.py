@@ -192,7 +192,6 @@ def plan(args: Optional[list[str]] = None) -> None:
             or has no ``memory_budget``, or no placement fits (the message names the smallest
             budget that would).
     """
-    from lightning_zinf.engine import meta_parameters
     from lightning_zinf.planning import BudgetError
     from lightning_zinf.strategy import ZeroInfinityStrategy
 
@@ -202,12 +201,11 @@ def plan(args: Optional[list[str]] = None) -> None:
         cli.parser.error("zinf plan needs the strategy lightning_zinf.ZeroInfinityStrategy with a memory_budget: "
                          "trainer.strategy: {class_path: lightning_zinf.ZeroInfinityStrategy, init_args: "
                          "{memory_budget: 12GiB, offload: {nvme_path: /local_nvme}}}")
-    with meta_parameters():
-        cli.model.configure_model()
     try:
         print(strategy.memory_plan(cli.model).describe())
     except BudgetError as error:
-        cli.parser.error(str(error))
+        print(f"zinf plan: {error}", file=sys.stderr)  # the refusal alone, not the command's usage
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

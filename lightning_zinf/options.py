@@ -116,7 +116,7 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
         raise ValueError(
             f"memory_budget chooses the offload tiers and sizes itself (and, on an accelerator, which blocks offload "
             f"their activations), but {', '.join(chosen)} is given too: leave "
-            "them unset (with a budget, offload gives nvme_path, read_ahead, aio, copy_ahead_bytes and at most "
+            "them unset (with a budget, offload may still set nvme_path, read_ahead, aio, copy_ahead_bytes and at most "
             "sub_group_size), or leave memory_budget unset to choose the tiers yourself."
         )
     zero_pp = options["zero_pp"]

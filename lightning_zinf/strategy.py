@@ -185,17 +185,20 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             refused, as are hpZ, qwZ, ``frozen_bits`` and ``tiling``, which the planner does not
             count yet. The plan is logged at setup and kept as
             ``strategy.engine.memory_plan``; :meth:`memory_plan` prints it without training.
-            Activations are not in the budget yet. Default ``None``: the tiers you give.
+            With the model's ``example_input_array`` the plan counts the step's activations and
+            chooses which blocks keep them; without, the first training step measures them.
+            Default ``None``: the tiers you give.
             Raises :class:`~lightning_zinf.planning.BudgetError` at setup, naming the smallest
             budget that fits, when none does.
         host_memory_budget: With ``memory_budget`` on an accelerator: bytes per rank of host
             memory the plan may use (host tiers, NVMe staging, records kept); default no cap.
         activation_memory: With ``memory_budget``: bytes of it (per rank, as ``memory_budget``)
-            that the placement leaves to activations. Setup cannot see the batch, so by default
-            (``None``: 0) the placement may take the whole budget and the first training step's
-            activations get what it leaves: every block then runs checkpointed but those that fit
-            (``strategy.engine.activation_plan``). Give what a step's activations need (the log
-            line of the first step says) to keep them.
+            that the placement leaves to activations beyond those the example input's plan counts.
+            Without ``example_input_array`` setup cannot see the batch, so by default (``None``: 0)
+            the placement may take the whole budget and the first training step's activations get
+            what it leaves: every block then runs checkpointed but those that fit
+            (``strategy.engine.activation_plan``). Give ``example_input_array``, or what a step's
+            activations need (the log line of the first step says), to keep them.
 
     Raises:
         ValueError: an invalid option value (the message names the field and what is allowed).
@@ -263,7 +266,10 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """The placement ``memory_budget`` gives ``model`` (the LightningModule, real or built on
         the meta device) on this strategy's devices, without building or training anything:
         ``print(strategy.memory_plan(model).describe())``. Call it once the Trainer is built
-        (it sets the devices and precision).
+        (it sets the devices and precision). A LightningModule's ``configure_model`` is called
+        first, under :func:`~lightning_zinf.meta_parameters` (on the meta device, recorded: the
+        fit that follows builds the same model), as the fit would call it: Lightning asks that
+        hook to be idempotent.
 
         Raises:
             ValueError: no ``memory_budget`` was given.
@@ -271,6 +277,9 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         """
         if self.options.memory_budget is None:
             raise ValueError("memory_plan() needs memory_budget: ZeroInfinityStrategy(memory_budget='40GiB').")
+        if isinstance(model, pl.LightningModule):
+            with meta_parameters():
+                model.configure_model()
         plan = memory_plan(model, self.options, device=self.root_device, precision=policy_for(self.precision_plugin),
                            loss_scaling=getattr(self.precision_plugin, "scaler", None) is not None,
                            world=self.num_nodes * self.num_processes, ranks_per_node=self.num_processes)

@@ -197,7 +197,7 @@ def test_plan_order_and_nvme_path() -> None:
 FIT_GPT = dict(d=64, layers=6, heads=2)
 
 
-def _fit(rank: int, world: int, budget, nvme_path: str) -> dict:
+def _fit(rank: int, world: int, budget, nvme_path: str, ask_first: bool = False) -> dict:
     from lightning_zinf import ZeroInfinityStrategy
     from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
 
@@ -210,27 +210,33 @@ def _fit(rank: int, world: int, budget, nvme_path: str) -> dict:
     strategy = ZeroInfinityStrategy(memory_budget=budget, offload={"nvme_path": nvme_path})
     lit = Larger(GLOBAL_BATCH // world)
     trainer = _trainer(strategy, world)
+    # The plan asked for first, as the docs show (the model is built in configure_model).
+    asked = strategy.memory_plan(lit).placement if ask_first else None
     try:
         trainer.fit(lit)
     except BudgetError as error:
         return {"refused": str(error)}
     plan = trainer.strategy.engine.memory_plan
-    return {"losses": lit.train_losses, "plan": plan.placement, "offload": trainer.strategy.engine.offload is not None}
+    return {"losses": lit.train_losses, "plan": plan.placement, "offload": trainer.strategy.engine.offload is not None,
+            "asked": asked}
 
 
 def test_the_trainer_plans_from_a_budget_string(tmp_path) -> None:
     """``ZeroInfinityStrategy(memory_budget=...)`` (a string, as a YAML config gives it): the plan
     moves state to NVMe under a tight budget, and the fit's losses are those of the unplanned fit
-    (placement changes no value); a budget too small is refused on every rank, at setup."""
+    (placement changes no value); a budget too small is refused on every rank, at setup.
+    ``strategy.memory_plan(lit)`` asked before the fit, on a model ``configure_model`` builds, gives
+    the fit's placement, and the fit's values are unchanged by it."""
     unplanned = predict(Inventory.of(models.GPT(**FIT_GPT), world=2), Placement(), bucket_size=10_000_000).total(False)
     refused = run_distributed(_fit, 2, "1KiB", str(tmp_path), init_pg=False)
     assert all("Raise memory_budget to at least" in r["refused"] for r in refused)
     smallest = int(refused[0]["refused"].split("at least ")[1].split(" bytes")[0])
     assert smallest < unplanned
     roomy = run_distributed(_fit, 2, f"{unplanned * 2}B", str(tmp_path), init_pg=False)
-    tight = run_distributed(_fit, 2, f"{smallest}B", str(tmp_path), init_pg=False)
+    tight = run_distributed(_fit, 2, f"{smallest}B", str(tmp_path), True, init_pg=False)
     assert roomy[0]["plan"] == Placement() and not roomy[0]["offload"]
     assert tight[0]["plan"].optimizer == "nvme" and tight[0]["offload"]
+    assert tight[0]["asked"] == tight[0]["plan"]  # strategy.memory_plan(lit) on a model configure_model builds
     assert tight[0]["losses"] == roomy[0]["losses"]
 
 
@@ -584,3 +590,20 @@ def test_an_accelerator_plan_steps_the_first_groups_on_the_device_where_there_is
     device = sum(g.shard_numel for g, on in zip(inventory.groups, on_device) if on)
     assert plan.step.optimizer == pytest.approx(device * 1e-10 + (sum(elements) - device) * 1e-8)
     assert plan.offload_config(OffloadConfig()).device_bytes == plan.placement.device_bytes
+
+
+def test_a_refusal_says_why_nvme_did_not_help_a_model_of_one_large_group() -> None:
+    """A model whose state is mostly one flat group (a tied embedding of 50,000 x 64): NVMe's
+    staging of whole sub-groups costs more than it saves, so with ``nvme_path`` the least budget is
+    still an in-memory placement's, and the refusal says NVMe was weighed, what it needed, and why
+    (a new user who adds ``nvme_path`` as told is otherwise left wondering)."""
+    inventory = Inventory.of(models.GPT(vocab=50_000, d=64, layers=2, heads=2, seq=16), world=2,
+                             block_classes=["Block"])
+    unplanned = predict(inventory, Placement(), bucket_size=0).total(False)
+    with pytest.raises(BudgetError) as refused:
+        plan_memory(inventory, int(0.9 * unplanned), accelerator=False, offload=OffloadConfig(nvme_path="/tmp"))
+    message = str(refused.value)
+    assert "(param=none, optimizer=none" in message and "NVMe placements were weighed too" in message
+    assert "largest trainable flat group (1600000 elements per rank" in message
+    needed = message.split("the least needs ")[1].split(" (")[0]
+    assert parse_bytes(needed.replace(" ", ""), "needed") > unplanned

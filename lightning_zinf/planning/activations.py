@@ -244,7 +244,8 @@ class ActivationPlan:
 
         Warns:
             RuntimeWarning: with every block checkpointed the activations still exceed the budget
-                (the bytes over, and the fix: a smaller batch per device or a larger budget).
+                (the bytes over, and the fixes: ``example_input_array``, ``activation_memory``, a
+                smaller batch per device or a larger budget).
         """
         if self.decided or not self._stepped:
             return
@@ -269,8 +270,10 @@ class ActivationPlan:
                 f"memory_budget={format_bytes(self.budget)}: with every block checkpointed the activations of this "
                 f"micro-batch ({format_bytes(self.outside)} outside the blocks, {format_bytes(self.inputs)} of block "
                 f"inputs, {format_bytes(max(sizes, default=0))} to recompute one block) and the planned "
-                f"{format_bytes(self.planned)} exceed the budget by {format_bytes(self.over)}. Lower the batch size "
-                "per device or raise memory_budget.", RuntimeWarning, stacklevel=2)
+                f"{format_bytes(self.planned)} exceed the budget by {format_bytes(self.over)}. Give the model an "
+                "example_input_array (one micro-batch: the plan then counts the activations before it places the "
+                "state), or reserve them with activation_memory, lower the batch size per device or raise "
+                "memory_budget.", RuntimeWarning, stacklevel=2)
 
     def _decide(self, count: int, offloaded: int = 0) -> None:
         """The first ``count`` blocks keep their activations, the next ``offloaded`` offload them,

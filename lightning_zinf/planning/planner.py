@@ -136,7 +136,7 @@ class MemoryPlan:
         ledger category and in total, the bytes a step moves (and their time at the measured
         bandwidths), and the other placements weighed."""
         p = self.prediction
-        where = "device and host together (one memory)" if not self.accelerator else "device"
+        where = "device and host together: one memory" if not self.accelerator else "device"
         lines = [f"lightning_zinf memory plan: budget {format_bytes(self.budget)} per rank ({where})"
                  + (f", host {format_bytes(self.host_budget)}" if self.host_budget is not None else ""),
                  f"  placement: {self.placement.describe()}, bucket_size={self.prefetch.bucket_size}"
@@ -146,10 +146,14 @@ class MemoryPlan:
             lines.append(f"  groups kept in host memory instead of NVMe: {p.kept_groups}")
         lines.append(f"  predicted peak: device {format_bytes(p.device)}, host {format_bytes(p.host)}, "
                      f"total {format_bytes(p.total(self.accelerator))}"
-                     + (f", and {format_bytes(self.activation_bytes)} left to activations" if self.activation_bytes else ""))
+                     + (f", and {format_bytes(self.activation_bytes)} left to activations" if self.activation_bytes else "")
+                     + "; per ledger category, each at its own peak:")
         for category, nbytes in sorted(p.categories.items(), key=lambda kv: -kv[1]):
-            if nbytes and category != "device_total":
-                lines.append(f"    {category:<15} {format_bytes(nbytes)}")
+            if nbytes and category != "device_total" and not category.endswith("_nvme"):
+                lines.append(f"    {category:<16} {format_bytes(nbytes)}")
+        on_disk = [f"{c} {format_bytes(n)}" for c, n in p.categories.items() if c.endswith("_nvme") and n]
+        if on_disk:
+            lines.append(f"  in NVMe swap files (not memory): {', '.join(on_disk)}")
         if self.kept_blocks is not None:
             blocks = len(self.profile.blocks) if self.profile is not None else self.kept_blocks
             lines.append(f"  activations: {format_bytes(self.activations)} at the peak, {self._activation_choice(blocks)} "
@@ -265,6 +269,7 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
     considered: list[tuple[Placement, int, float]] = []
     buckets = [prefetch.bucket_size] + ([0] if prefetch.bucket_size else [])
     smallest: Optional[tuple[int, Placement, int]] = None
+    smallest_nvme: Optional[tuple[int, Placement, int]] = None
     candidates = _candidates(accelerator, offload.nvme_path is not None, optimizer_on_nvme)
     timed = profile is not None and profile.seconds_per_flop is not None
     choices = _activation_choices(profile, plan_activations, offloads=accelerator and bandwidths.link is not None)
@@ -320,6 +325,8 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
                                 offloaded, step, activations, bucket))
             if smallest is None or peak + activations < smallest[0]:
                 smallest = (peak + activations, placement, bucket)
+            if placement.nvme and (smallest_nvme is None or peak + activations < smallest_nvme[0]):
+                smallest_nvme = (peak + activations, placement, bucket)
         if fitting:
             *_, placement, prediction, kept, offloaded, step, activations, bucket = min(fitting, key=lambda f: f[:5])
             return MemoryPlan(budget, host_budget, accelerator, placement, prediction,
@@ -344,6 +351,12 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
                     "and optimizer state on NVMe")
     if accelerator and host_budget is not None:
         message += f", or raise host_memory_budget (now {format_bytes(host_budget)})"
+    if offload.nvme_path is not None and smallest_nvme is not None and not placement.nvme:
+        largest = max((g.shard_numel for g in inventory.groups if g.trainable), default=0)
+        message += (f". NVMe placements were weighed too: the least needs {format_bytes(smallest_nvme[0] + activation_bytes)}"
+                    f" ({smallest_nvme[1].describe()}), as its staging holds at least three optimizer sub-groups of "
+                    f"the largest trainable flat group ({largest} elements per rank, {state_bytes + 8} bytes each: a "
+                    "flat group is never split across sub-groups, and a large embedding is one), more than NVMe saves")
     raise BudgetError(message + ".")
 
 
