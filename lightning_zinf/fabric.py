@@ -46,7 +46,8 @@ from lightning_zinf.checkpoint.full import (full_optimizer_state_dict, load_full
                                             save_full_checkpoint, trainable_only, trainable_state_dict)
 from lightning_zinf.checkpoint_entries import module_buffers, optimizer_hyperparameters, restore_hyperparameters
 from lightning_zinf.distributed import RankLayout, all_reduce, barrier, broadcast, init_distributed
-from lightning_zinf.engine_setup import build_engine
+from lightning_zinf.engine_setup import build_engine, memory_plan
+from lightning_zinf.planning import MemoryPlan
 from lightning_zinf.failures import finish_run, start_watch
 from lightning_zinf.options import ZeroOptions, register_presets
 from lightning_zinf.preemption_exit import mark_script_launcher, preemption_exit_status, wait_for_launched
@@ -147,6 +148,23 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     def engines(self) -> list[ZeroEngine]:
         """The engines of the models set up so far, in the order they were set up."""
         return list(self._engines)
+
+    def memory_plan(self, module: nn.Module) -> MemoryPlan:
+        """The placement ``memory_budget`` gives ``module`` (real, or built in ``fabric.init_module()``)
+        on this strategy's devices, without setting anything up:
+        ``print(fabric.strategy.memory_plan(model).describe())``, after ``fabric.launch()``.
+
+        Raises:
+            ValueError: no ``memory_budget`` was given.
+            BudgetError: no placement fits (the message names the smallest budget that would).
+        """
+        if self.options.memory_budget is None:
+            raise ValueError("memory_plan() needs memory_budget: ZeroInfinityFabricStrategy(memory_budget='40GiB').")
+        plan = memory_plan(module, self.options, device=self.root_device, precision=policy_for(self.precision),
+                           loss_scaling=getattr(self.precision, "scaler", None) is not None,
+                           world=self.num_nodes * self.num_processes, ranks_per_node=self.num_processes)
+        assert plan is not None
+        return plan
 
     def engine_of(self, obj: Union[nn.Module, Optimizer]) -> ZeroEngine:
         """The engine partitioning the set-up model ``obj``, or the one whose model ``obj``, an

@@ -389,6 +389,8 @@ def _fabric_across_plans(rank: int, world: int, folder: str, nvme_path: str, roo
                                           offload={"nvme_path": nvme_path})
 
     fabric = _fabric(strategy(roomy))
+    with fabric.init_module():
+        asked = fabric.strategy.memory_plan(models.GPT(**FABRIC_GPT)).placement  # before any setup
     model, optimizer = _build(fabric)
     _train(fabric, model, optimizer, range(2))
     fabric.save(folder, {"model": model, "optimizer": optimizer})
@@ -400,14 +402,15 @@ def _fabric_across_plans(rank: int, world: int, folder: str, nvme_path: str, roo
     fabric.load(folder, {"model": model, "optimizer": optimizer})
     resumed, _ = _train(fabric, model, optimizer, range(2, 5))
     engine = fabric.strategy.engine
-    return {"straight": straight, "resumed": resumed, "first": first, "second": engine.memory_plan.placement,
+    return {"straight": straight, "resumed": resumed, "first": first, "asked": asked, "second": engine.memory_plan.placement,
             "activations": (engine.activation_plan.decided, len(engine.activation_plan.checkpointed))}
 
 
 def test_fabric_budget_and_a_checkpoint_loaded_under_another_plan(tmp_path) -> None:
     """``ZeroInfinityFabricStrategy(memory_budget=...)``: a checkpoint saved under one plan (all
     on the device) resumes bit for bit under another (NVMe, blocks checkpointed): placement is not
-    part of a checkpoint's meaning."""
+    part of a checkpoint's meaning. ``fabric.strategy.memory_plan(model)`` gives the plan before
+    any setup."""
     inventory = Inventory.of(models.GPT(**FABRIC_GPT), world=2, block_classes=["Block"])
     unplanned = predict(inventory, Placement(), bucket_size=10_000_000).total(False)
     nvme = OffloadConfig(nvme_path=str(tmp_path))
@@ -418,6 +421,7 @@ def test_fabric_budget_and_a_checkpoint_loaded_under_another_plan(tmp_path) -> N
                           init_pg=False)
     for r in out:
         assert r["first"] == Placement() and r["second"].optimizer == "nvme"
+        assert r["asked"] == r["first"]  # fabric.strategy.memory_plan(model) before setup
         assert r["activations"][0] and r["activations"][1] > 0  # the room left is too small for some blocks
         assert r["resumed"] == r["straight"]
 
