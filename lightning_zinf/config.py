@@ -18,7 +18,7 @@ import torch
 from lightning_zinf.offload.aio import AioConfig
 
 __all__ = ["MixedPrecisionConfig", "OffloadConfig", "PrefetchConfig", "PreemptionConfig", "TilingConfig", "ZeroPPConfig",
-           "coerce_config", "PREEMPTION_SIGNALS"]
+           "coerce_config", "sharding_mode", "PREEMPTION_SIGNALS"]
 
 _C = TypeVar("_C")
 
@@ -600,3 +600,28 @@ def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:
                 raise ValueError(f"{cls.__name__} has no option {key!r}.{hint} Valid options: {', '.join(names)}.")
         return cls(**value)
     raise TypeError(f"Expected a {cls.__name__} or a mapping of its fields, got {type(value).__name__}.")
+
+
+#: Lightning's ``FSDPStrategy(sharding_strategy=...)`` names (and torch FSDP's ``ShardingStrategy``
+#: members) for the modes this engine has.
+_SHARDING_ALIASES = {"full": "full", "full_shard": "full", "grad_op": "grad_op", "shard_grad_op": "grad_op"}
+
+
+def sharding_mode(value: Any) -> str:
+    """``sharding`` normalised: ``"full"`` or ``"grad_op"``, from those names or Lightning's
+    ``"FULL_SHARD"`` / ``"SHARD_GRAD_OP"`` (any case, or torch's ``ShardingStrategy`` members).
+
+    Raises:
+        ValueError: another value; hybrid sharding (``"HYBRID_SHARD"``) is named as not available.
+    """
+    name = getattr(value, "name", value)
+    mode = _SHARDING_ALIASES.get(name.lower()) if isinstance(name, str) else None
+    if mode is None:
+        hybrid = isinstance(name, str) and "hybrid" in name.lower()
+        raise ValueError(
+            f"sharding={value!r}: use 'full' (ZeRO-3, Lightning's 'FULL_SHARD': parameters gathered for each "
+            "forward and again for backward) or 'grad_op' (ZeRO-2, 'SHARD_GRAD_OP': gathered parameters kept from "
+            "forward to backward; gradients and optimizer state sharded)"
+            + (". Hybrid sharding (shard within a node, replicate across nodes) is not available yet; zero_pp's hpZ "
+               "keeps a secondary copy of the weights within a node for backward's gathers." if hybrid else "."))
+    return mode

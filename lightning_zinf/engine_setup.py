@@ -102,6 +102,7 @@ def build_engine(
         activation_checkpointing=_activation_checkpointing(module, options.activation_checkpointing),
         timeout=timeout,
         preloaded=preloaded,
+        sharding=options.sharding,
     )
     engine.memory_plan = plan
     # Host memory under a budget: the heap keeps no more free memory than the budget leaves.

@@ -18,6 +18,7 @@ from lightning_zinf.checkpoint import overlapping_prefixes
 from lightning_zinf.planning.sizes import parse_bytes
 from lightning_zinf.config import (
     MixedPrecisionConfig,
+    sharding_mode,
     OffloadConfig,
     PreemptionConfig,
     PrefetchConfig,
@@ -57,6 +58,7 @@ class ZeroOptions:
     memory_budget: Optional[Union[int, str]] = None
     host_memory_budget: Optional[Union[int, str]] = None
     activation_memory: Optional[Union[int, str]] = None
+    sharding: str = "full"
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
@@ -82,6 +84,7 @@ class ZeroOptions:
         for name in ("memory_budget", "host_memory_budget", "activation_memory"):
             value = getattr(self, name)
             coerced[name] = None if value is None else parse_bytes(value, name)
+        coerced["sharding"] = sharding_mode(self.sharding)
         for name in ("host_memory_budget", "activation_memory"):
             if coerced[name] is not None and coerced["memory_budget"] is None:
                 raise ValueError(f"{name} is part of a memory plan: give memory_budget too (the compute device's bytes "
@@ -121,6 +124,7 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
         )
     zero_pp = options["zero_pp"]
     uncounted = [name for name, on in (
+        ("sharding='grad_op' (units held from forward to backward)", options["sharding"] == "grad_op"),
         ("zero_pp.hpz (secondary partitions)", zero_pp.hpz), ("zero_pp.qwz (quantized rows)", zero_pp.qwz),
         ("zero_pp.frozen_bits (frozen weights stored quantized)", zero_pp.frozen_bits is not None),
         ("tiling (each tile a unit of its own)", options["tiling"] is not None)) if on]
@@ -173,6 +177,11 @@ def _weight_prefixes(sources: Mapping[Any, Any], load_prefix: Optional[str]) -> 
 # name -> (description, options): registered for the Trainer and for Fabric alike.
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero_infinity": ("ZeRO-3 partitioning of parameters, gradients and optimizer states (lightning_zinf)", {}),
+    "zero_infinity_grad_op": (
+        "ZeRO-2 (Lightning FSDP's SHARD_GRAD_OP): parameters gathered once a step, kept from forward to backward; "
+        "gradients and optimizer state sharded (lightning_zinf)",
+        {"sharding": "grad_op"},
+    ),
     "zero_infinity_offload": (
         "ZeRO-3 with parameters and optimizer state offloaded to CPU memory (lightning_zinf)",
         {"offload": OffloadConfig(param="cpu", optimizer="cpu")},

@@ -132,6 +132,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         activation_checkpointing: Module classes (or class names, e.g. ``["Block"]``) whose forward
             runs under torch's non-reentrant activation checkpointing: backward recomputes them,
             re-gathering their units. Lightning's ``FSDPStrategy(activation_checkpointing_policy=...)``.
+        sharding: ``"full"`` (default; ZeRO-3, Lightning's ``"FULL_SHARD"``): each unit is gathered
+            for its forward, released after it, and gathered again for its backward.
+            ``"grad_op"`` (ZeRO-2, ``"SHARD_GRAD_OP"``, FSDP2's ``reshard_after_forward=False``):
+            a unit gathered by a training forward stays gathered until its backward is done with
+            it, which saves backward's gathers for the memory of every unit's full parameters
+            through the step; gradients and optimizer state stay sharded. The same values, bit for
+            bit, and the same checkpoints. Lightning's names are accepted in any case. Not with
+            ``memory_budget`` yet.
         accelerator: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         parallel_devices: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         cluster_environment: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
@@ -238,6 +246,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         memory_budget: Optional[int | str] = None,
         host_memory_budget: Optional[int | str] = None,
         activation_memory: Optional[int | str] = None,
+        sharding: str = "full",
     ) -> None:
         refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
@@ -253,7 +262,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             load_full_weights=load_full_weights, load_prefix=load_prefix,
             exclude_frozen_parameters=exclude_frozen_parameters, state_dict_type=state_dict_type,
             preemption=preemption, memory_budget=memory_budget, host_memory_budget=host_memory_budget,
-            activation_memory=activation_memory,
+            activation_memory=activation_memory, sharding=sharding,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zinf.comm import Collectives
-from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig
+from lightning_zinf.config import (MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroPPConfig,
+                                   sharding_mode)
 from lightning_zinf.engine.access import StateAccess
 from lightning_zinf.engine.accounting import MOVING, MemoryAccounting
 from lightning_zinf.engine.activation import apply_activation_checkpointing
@@ -127,6 +128,11 @@ class ZeroEngine:
         preloaded: Qualified names of parameters whose values the caller loads right after
             construction (:func:`~lightning_zinf.checkpoint.load_full_state_dict`): built on the
             meta device, they get memory but no initialisation.
+        sharding: ``"full"`` (ZeRO-3: a unit is gathered for its forward, released, and gathered
+            again for its backward) or ``"grad_op"`` (ZeRO-2, FSDP's ``SHARD_GRAD_OP``: a unit
+            gathered by a forward that records a graph stays gathered until its backward is done
+            with it; gradients and optimizer state stay sharded). Lightning's names are accepted
+            (:func:`~lightning_zinf.config.sharding_mode`).
 
     Attributes:
         units: The units, in plan order (a unit's ``index`` is its position).
@@ -158,7 +164,7 @@ class ZeroEngine:
             ``memory_budget``, or ``None``; :meth:`begin_pass` consults it.
 
     Raises:
-        ValueError: the model has no parameters; a module made on the meta device has no
+        ValueError: an unknown ``sharding``; the model has no parameters; a module made on the meta device has no
             ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
             malformed, or an ``activation_checkpointing`` entry matches no module;
             ``zero_pp.ranks_per_node`` or (with hpZ) ``zero_pp.hpz_partition_size`` does not divide
@@ -186,7 +192,9 @@ class ZeroEngine:
         activation_checkpointing: Sequence[Union[str, type]] = (),
         timeout: Optional[timedelta] = None,
         preloaded: Collection[str] = (),
+        sharding: str = "full",
     ) -> None:
+        sharding = sharding_mode(sharding)
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
                 f"{type(module).__name__} is already partitioned by a ZeroEngine; reuse that engine "
@@ -266,7 +274,8 @@ class ZeroEngine:
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
                                  meet=self.agreement.waypoint,
-                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0)
+                                 copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0,
+                                 hold_for_backward=sharding == "grad_op")
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,

@@ -77,6 +77,9 @@ class Schedule:
         read_ahead: How many upcoming units' NVMe shards are read ahead.
         copy_ahead: Most bytes of host-tier shards copied to the device ahead of their gathers
             (``0``: none; :meth:`_copy_ahead`).
+        hold_for_backward: ``sharding="grad_op"`` (ZeRO-2): a unit gathered by a forward that
+            records a graph stays gathered until its backward is done with it, instead of being
+            released after the forward and gathered again for backward.
         begin_pass: Called with ``(training, grad enabled)`` at every forward of ``module`` itself,
             or None (the driver calls it).
         meet: Meets the other ranks at a waypoint (the end of backward:
@@ -90,7 +93,7 @@ class Schedule:
                  states: UnitStates, tracer: Tracer, comm: Collectives, pool: BufferPool, prefetch: PrefetchConfig,
                  mixed_precision: MixedPrecisionConfig, param_offload: Optional[ParamOffload], read_ahead: int,
                  begin_pass: Optional[Callable[[Hashable], None]], meet: Callable[[int], bool],
-                 copy_ahead: int = 0) -> None:
+                 copy_ahead: int = 0, hold_for_backward: bool = False) -> None:
         self.units = units
         self.groups = [g for u in units for g in u.groups]
         self.states = states
@@ -102,6 +105,7 @@ class Schedule:
         self.param_offload = param_offload
         self.read_ahead = read_ahead
         self.copy_ahead = copy_ahead
+        self.hold_for_backward = hold_for_backward
         self._begin_pass = begin_pass
         self._meet = meet
         self._uses = uses
@@ -279,12 +283,14 @@ class Schedule:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         units = self._uses[module]
         recompute = torch.is_grad_enabled() and _in_backward()
+        # ZeRO-2 (grad_op): a forward that records a graph keeps its units for their backward.
+        hold = recompute or (self.hold_for_backward and torch.is_grad_enabled())
         for unit in units:
             unit.forward_depth += 1
-            if recompute:
-                # Recomputed by activation checkpointing for the backward that follows: held until
-                # that backward has run (set before acquiring it, so that prefetch and copies
-                # ahead see that its next use in the trace needs no new gather).
+            if hold:
+                # Recomputed by activation checkpointing for the backward that follows, or gathered
+                # under grad_op: held until that backward has run (set before acquiring it, so that
+                # prefetch and copies ahead see that its next use in the trace needs no new gather).
                 unit.held = True
             self._acquire(unit)
         policy = self.mixed_precision

@@ -1,0 +1,143 @@
+"""Sharding modes (issue 41): ``grad_op`` (ZeRO-2, Lightning's ``SHARD_GRAD_OP``) against today's
+``full`` ZeRO-3.
+
+``grad_op`` keeps a unit gathered from its forward to its backward instead of gathering it again:
+the arithmetic is the same, so the losses and weights must equal ``full``'s bit for bit (fp32,
+gloo) at 1, 2 and 4 ranks, with gradient accumulation and clipping. What it costs is memory: the
+test reads the model's own parameters when backward starts (a released parameter is an empty
+tensor) and the ledger's peak of gathered bytes against the parameters' sizes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zinf import PrefetchConfig, ZeroEngine
+from lightning_zinf.options import ZeroOptions
+from tests import models
+from tests.harness import run_distributed
+
+GPT = dict(d=64, layers=6, vocab=64, heads=2)
+STEPS, BATCH, ACCUMULATE = 3, 8, 2
+
+
+def _train(rank: int, world: int, sharding: str) -> dict:
+    torch.manual_seed(0)
+    model = models.GPT(**GPT)
+    # No persistent units and one unit gathered ahead: every block is released after its forward
+    # under full sharding, so what grad_op keeps shows.
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(bucket_size=0, persistence_threshold=0),
+                        sharding=sharding)
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    seen_at_backward_start = []  # blocks.0's weight as the head's backward runs: gathered or released
+    model.head.register_full_backward_pre_hook(
+        lambda *_: seen_at_backward_start.append(model.blocks[0].qkv.weight.numel()))
+    losses, peaks = [], []
+    for step in range(STEPS):
+        engine.reset_memory_peaks()
+        for micro in range(ACCUMULATE):
+            x, y = models.make_batch("gpt", step * ACCUMULATE + micro, BATCH)
+            per_rank = BATCH // world
+            rows = slice(rank * per_rank, (rank + 1) * per_rank)
+            loss = models.loss_fn(model, x[rows], y[rows])
+            (loss / ACCUMULATE).backward()
+            losses.append(loss.item())
+        engine.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        peaks.append(engine.memory()["gathered"])
+    with engine.gathered():
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # The full parameters in the compute dtype (fp32 here), each tied tensor once.
+    full_bytes = sum(p.numel() * p.element_size() for p in weights.values())
+    return {"losses": losses, "weights": weights, "peaks": peaks, "full_bytes": full_bytes,
+            "seen": seen_at_backward_start}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_grad_op_trains_as_full_sharding_keeping_the_units_for_backward(world: int) -> None:
+    """``grad_op`` gives ``full``'s losses and weights bit for bit, with two micro-batches per step
+    and clipping. When backward starts, the first block's weights are still gathered under
+    ``grad_op`` and released under ``full``; the gathered bytes peak at every parameter's (the
+    whole model held through backward) under ``grad_op``, and at well under half of that under
+    ``full``, and nothing stays gathered after a step in either."""
+    full = run_distributed(_train, world, "full")
+    grad_op = run_distributed(_train, world, "SHARD_GRAD_OP")  # Lightning's name
+    for f, g in zip(full, grad_op):
+        assert g["losses"] == f["losses"]
+        for name, value in f["weights"].items():
+            assert torch.equal(g["weights"][name], value), name
+        shard = models.GPT(**GPT).blocks[0].qkv.weight.numel()
+        assert g["seen"] == [shard] * (STEPS * ACCUMULATE) and f["seen"] == [0] * (STEPS * ACCUMULATE)
+        for (g_now, g_peak), (f_now, f_peak) in zip(g["peaks"], f["peaks"]):
+            assert g_now == f_now == 0
+            assert g_peak >= g["full_bytes"] and f_peak <= 0.5 * f["full_bytes"], (g_peak, f_peak, g["full_bytes"])
+
+
+def _trainer_losses(rank: int, world: int, strategy: object) -> tuple[list[float], str]:
+    from lightning_zinf import ZeroInfinityStrategy
+    from tests.test_trainer import GLOBAL_BATCH, LitGPT, _trainer
+
+    if isinstance(strategy, dict):
+        strategy = ZeroInfinityStrategy(**strategy)
+    lit = LitGPT(GLOBAL_BATCH // world)
+    trainer = _trainer(strategy, world)
+    trainer.fit(lit)
+    return lit.train_losses, trainer.strategy.options.sharding
+
+
+def test_the_trainer_takes_lightnings_name_and_a_preset_for_grad_op() -> None:
+    """``ZeroInfinityStrategy(sharding="SHARD_GRAD_OP")`` and the ``"zero_infinity_grad_op"``
+    preset under a real Trainer (validation and clipping included) train with the default's
+    losses."""
+    full = run_distributed(_trainer_losses, 2, "zero_infinity", init_pg=False)
+    named = run_distributed(_trainer_losses, 2, {"sharding": "SHARD_GRAD_OP"}, init_pg=False)
+    preset = run_distributed(_trainer_losses, 2, "zero_infinity_grad_op", init_pg=False)
+    assert full[0][1] == "full" and named[0][1] == preset[0][1] == "grad_op"
+    assert named[0][0] == preset[0][0] == full[0][0] and len(full[0][0]) > 0
+
+
+def _across_modes(rank: int, world: int, folder: str, first: str, second: str) -> dict:
+    from lightning_zinf import ZeroInfinityFabricStrategy
+    from tests.test_fabric import _build, _fabric, _train as fabric_train
+
+    fabric = _fabric(ZeroInfinityFabricStrategy(block_classes=["Block"], sharding=first))
+    model, optimizer = _build(fabric)
+    fabric_train(fabric, model, optimizer, range(2))
+    fabric.save(folder, {"model": model, "optimizer": optimizer})
+    straight = fabric_train(fabric, model, optimizer, range(2, 4))
+    fabric = _fabric(ZeroInfinityFabricStrategy(block_classes=["Block"], sharding=second))
+    model, optimizer = _build(fabric)
+    fabric.load(folder, {"model": model, "optimizer": optimizer})
+    return {"straight": straight, "resumed": fabric_train(fabric, model, optimizer, range(2, 4))}
+
+
+@pytest.mark.parametrize("first, second", [("grad_op", "full"), ("full", "grad_op")])
+def test_a_checkpoint_moves_between_sharding_modes(tmp_path: Path, first: str, second: str) -> None:
+    """Under Fabric, a checkpoint saved in one mode resumes in the other with the losses and
+    gradient norms of the run that never stopped."""
+    for r in run_distributed(_across_modes, 2, str(tmp_path / "ckpt"), first, second, init_pg=False):
+        assert r["resumed"] == r["straight"]
+
+
+def test_sharding_names_and_what_is_refused() -> None:
+    """Lightning's and torch FSDP's names are accepted (by the options and by the engine); hybrid sharding is named as not available,
+    an unknown mode lists the known ones, and a memory budget refuses ``grad_op`` (its plan does
+    not count units held through backward)."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    assert ZeroOptions(sharding="FULL_SHARD").sharding == "full"
+    assert ZeroOptions(sharding="shard_grad_op").sharding == "grad_op"
+    assert ZeroOptions(sharding=ShardingStrategy.SHARD_GRAD_OP).sharding == "grad_op"
+    with pytest.raises(ValueError, match="Hybrid sharding .* is not available yet"):
+        ZeroOptions(sharding="HYBRID_SHARD")
+    with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
+        ZeroOptions(sharding="zero2")
+    with pytest.raises(ValueError, match="memory_budget does not plan sharding='grad_op'"):
+        ZeroOptions(sharding="grad_op", memory_budget="1GiB")
+    with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
+        ZeroEngine(nn.Linear(4, 4), sharding="zero2")  # the engine checks as the options do
