@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 run_lightning.py {zinf,fsdp2,ddp} --steps N --result-dir DIR
     torchrun --nproc_per_node 2 run_lightning.py zinf_nvme --nvme DIR [--overlap-step off] [--host-bytes B] --steps N --result-dir DIR
     torchrun --nproc_per_node 2 run_lightning.py {zinf,ddp} --compile {blocks,model} --steps N --result-dir DIR
+    torchrun --nproc_per_node 2 run_lightning.py {zinf,fsdp2} --sharding grad_op --steps N --result-dir DIR
     (any mode) [--precision {32-true,bf16-mixed}]
 
 ``zinf_nvme`` is ``zinf`` with parameters and optimizer state (fp32 masters, gradients, AdamW
@@ -40,11 +41,12 @@ from measure import LR, MICRO_BATCH, SEED, StepClock, swap_files, write_rank_res
 
 
 class GPTModule(L.LightningModule):
-    def __init__(self, mode: str, num_samples: int, compiled: str = "none") -> None:
+    def __init__(self, mode: str, num_samples: int, compiled: str = "none", sharding: str = "full") -> None:
         super().__init__()
         self.mode = mode
         self.num_samples = num_samples
         self.compiled = compiled
+        self.sharding = sharding
         self.model: GPT | None = None
 
     def configure_model(self) -> None:
@@ -54,7 +56,7 @@ class GPTModule(L.LightningModule):
         torch.manual_seed(SEED)
         self.model = GPT()
         if self.mode == "fsdp2":
-            shard_fsdp2(self.model, self.device_mesh["data_parallel"])
+            shard_fsdp2(self.model, self.device_mesh["data_parallel"], reshard_after_forward=self.sharding == "full")
         for module in {"blocks": self.model.blocks, "model": [self.model]}.get(self.compiled, []):
             module.compile()
 
@@ -72,13 +74,14 @@ class GPTModule(L.LightningModule):
         return DataLoader(RandomTokens(self.num_samples, seed=SEED), batch_size=MICRO_BATCH)
 
 
-def shard_fsdp2(model: GPT, mesh) -> None:
-    """FSDP2 as ZeRO-3: one communication unit per block, the rest (embeddings, head) in the root."""
+def shard_fsdp2(model: GPT, mesh, reshard_after_forward: bool = True) -> None:
+    """FSDP2 as ZeRO-3: one communication unit per block, the rest (embeddings, head) in the root
+    (``reshard_after_forward=False``: as ZeRO-2, the gathered weights kept from forward to backward)."""
     from torch.distributed.fsdp import fully_shard
 
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 class StepTimer(L.Callback):
@@ -111,7 +114,8 @@ class SwapFiles(L.Callback):
             print("swap files:", json.dumps(swap_files(self.root)), flush=True)
 
 
-def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = True, host_bytes: int = 0):
+def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = True, host_bytes: int = 0,
+                  sharding: str = "full"):
     if mode in ("zinf", "zinf_nvme"):
         import lightning_zinf  # noqa: F401  (registers the strategy names)
         from lightning_zinf import OffloadConfig, ZeroInfinityStrategy
@@ -119,7 +123,7 @@ def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = 
         offload = (OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path, overlap_step=overlap_step,
                                  host_bytes=host_bytes)
                    if mode == "zinf_nvme" else None)
-        return ZeroInfinityStrategy(block_classes=[Block.__name__], offload=offload)
+        return ZeroInfinityStrategy(block_classes=[Block.__name__], offload=offload, sharding=sharding)
     if mode == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -144,6 +148,8 @@ def main() -> None:
                         help="zinf_nvme: OffloadConfig.overlap_step (the step in the background; default: %(default)s)")
     parser.add_argument("--host-bytes", type=int, default=0,
                         help="zinf_nvme: OffloadConfig.host_bytes (NVMe-tier state kept in host memory; default: %(default)s)")
+    parser.add_argument("--sharding", choices=["full", "grad_op"], default="full",
+                        help="zinf's sharding, and fsdp2's reshard_after_forward (False for grad_op; default: %(default)s)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
@@ -154,7 +160,7 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     clock = StepClock()
     trainer = L.Trainer(
-        strategy=make_strategy(args.mode, args.nvme, args.overlap_step == "on", args.host_bytes),
+        strategy=make_strategy(args.mode, args.nvme, args.overlap_step == "on", args.host_bytes, args.sharding),
         accelerator="cpu",
         devices=world_size,
         max_steps=args.steps,
@@ -167,7 +173,8 @@ def main() -> None:
     )
     if args.mode == "zinf_nvme":
         clock.extra_counters = lambda: swapper_counters(trainer.strategy.engine.swapper)
-    trainer.fit(GPTModule(args.mode, num_samples=args.steps * world_size * MICRO_BATCH, compiled=args.compile))
+    trainer.fit(GPTModule(args.mode, num_samples=args.steps * world_size * MICRO_BATCH, compiled=args.compile,
+                          sharding=args.sharding))
     write_rank_result(args.result_dir, trainer.global_rank, clock)
 
 
