@@ -24,7 +24,8 @@ and reduce-scattering every block).
 
 from __future__ import annotations
 
-from throughput import HERE, WARMUP_STEPS, benchmark_parser, check_args, format_table, run_all, setup_record
+from throughput import (HERE, benchmark_parser, check_args, fastest, fastest_ratio, format_table, run_all,
+                        setup_record)
 
 SYSTEMS = ("zinf", "ddp")
 MODES = ("", "+blocks", "+model")
@@ -35,26 +36,17 @@ def ratio_columns(results: dict) -> list:
     """Table columns: the fastest step, the speed-up over the same system's eager run, and DDP's
     fastest step over zinf's for the same compilation (where both contenders finished)."""
 
-    def ratio(numerator: dict | None, denominator: dict | None) -> str:
-        if not numerator or not denominator or "ok" != numerator["status"] or "ok" != denominator["status"]:
-            return "-"
-        return f"{fastest(numerator) / fastest(denominator):.2f}"
-
     def speedup(res: dict) -> str:
         name = next(n for n, r in results.items() if r is res)
-        return ratio(results.get(name.partition("+")[0]), res)
+        return fastest_ratio(results.get(name.partition("+")[0]), res)
 
     def versus_ddp(res: dict) -> str:
         name = next(n for n, r in results.items() if r is res)
         system, plus, mode = name.partition("+")
-        return ratio(results.get("ddp" + plus + mode), res) if system == "zinf" else "-"
+        return fastest_ratio(results.get("ddp" + plus + mode), res) if system == "zinf" else "-"
 
     return [("fastest s/step", lambda res: f"{fastest(res):.3f}"), ("vs own eager", speedup), ("zinf vs ddp", versus_ddp)]
 
-
-def fastest(res: dict) -> float:
-    """The quickest timed step of a finished contender (rank 0), seconds."""
-    return min(res["step_times_s"][WARMUP_STEPS:])
 
 
 def main() -> None:

@@ -23,35 +23,27 @@ what holding every block's weights through backward costs.
 
 from __future__ import annotations
 
-from throughput import HERE, WARMUP_STEPS, benchmark_parser, check_args, format_table, run_all, setup_record
+from throughput import (HERE, benchmark_parser, check_args, fastest, fastest_ratio, format_table, run_all,
+                        setup_record)
 
 CONTENDERS = ("zinf", "zinf+grad_op", "fsdp2", "fsdp2+grad_op", "ddp")
 
-
-def fastest(res: dict) -> float:
-    """The quickest timed step of a finished contender (rank 0), seconds."""
-    return min(res["step_times_s"][WARMUP_STEPS:])
 
 
 def ratio_columns(results: dict) -> list:
     """Table columns: the fastest step, grad_op's speed-up over the same system's full sharding,
     and FSDP2's fastest step over zinf's in the same mode (where both contenders finished)."""
 
-    def ratio(numerator: dict | None, denominator: dict | None) -> str:
-        if not numerator or not denominator or "ok" != numerator["status"] or "ok" != denominator["status"]:
-            return "-"
-        return f"{fastest(numerator) / fastest(denominator):.2f}"
-
     def name_of(res: dict) -> str:
         return next(n for n, r in results.items() if r is res)
 
     def over_full(res: dict) -> str:
         system, plus, mode = name_of(res).partition("+")
-        return ratio(results.get(system), res) if mode else "-"
+        return fastest_ratio(results.get(system), res) if mode else "-"
 
     def versus_fsdp2(res: dict) -> str:
         system, plus, mode = name_of(res).partition("+")
-        return ratio(results.get("fsdp2" + plus + mode), res) if system == "zinf" else "-"
+        return fastest_ratio(results.get("fsdp2" + plus + mode), res) if system == "zinf" else "-"
 
     return [("fastest s/step", lambda res: f"{fastest(res):.3f}"), ("grad_op vs full", over_full),
             ("zinf vs fsdp2", versus_fsdp2)]

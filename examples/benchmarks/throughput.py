@@ -257,6 +257,19 @@ def setup_record(args: argparse.Namespace) -> dict:
     }
 
 
+def fastest(res: dict) -> float:
+    """The quickest timed step of a finished contender (rank 0), seconds: on a shared machine other
+    jobs only ever add time, so drivers that compare contenders use it."""
+    return min(res["step_times_s"][WARMUP_STEPS:])
+
+
+def fastest_ratio(numerator: dict | None, denominator: dict | None) -> str:
+    """``numerator``'s fastest step over ``denominator``'s, for a table (``-`` unless both finished)."""
+    if not numerator or not denominator or "ok" != numerator["status"] or "ok" != denominator["status"]:
+        return "-"
+    return f"{fastest(numerator) / fastest(denominator):.2f}"
+
+
 def run_all(
     args: argparse.Namespace, record: dict, tag: str, ours: str = "zinf", script_args: dict[str, list[str]] | None = None
 ) -> tuple[dict, dict]:
