@@ -158,7 +158,7 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
                        optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
                        activation_bytes=options.activation_memory or 0,
                        profile=_example_profile(module, options, device, precision, distributed),
-                       plan_activations=_plans_activations(module, options))
+                       plan_activations=_plans_activations(module, options), sharding=options.sharding)
 
 
 def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:

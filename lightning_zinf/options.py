@@ -124,7 +124,6 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
         )
     zero_pp = options["zero_pp"]
     uncounted = [name for name, on in (
-        ("sharding='grad_op' (units held from forward to backward)", options["sharding"] == "grad_op"),
         ("zero_pp.hpz (secondary partitions)", zero_pp.hpz), ("zero_pp.qwz (quantized rows)", zero_pp.qwz),
         ("zero_pp.frozen_bits (frozen weights stored quantized)", zero_pp.frozen_bits is not None),
         ("tiling (each tile a unit of its own)", options["tiling"] is not None)) if on]

@@ -138,8 +138,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             a unit gathered by a training forward stays gathered until its backward is done with
             it, which saves backward's gathers for the memory of every unit's full parameters
             through the step; gradients and optimizer state stay sharded. The same values, bit for
-            bit, and the same checkpoints. Lightning's names are accepted in any case. Not with
-            ``memory_budget`` yet.
+            bit, and the same checkpoints. Lightning's names are accepted in any case. A
+            ``memory_budget`` plans with the held units and the one gather a step.
         accelerator: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         parallel_devices: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         cluster_environment: As for any Lightning ``ParallelStrategy``; the Trainer sets it.

@@ -125,9 +125,8 @@ def test_a_checkpoint_moves_between_sharding_modes(tmp_path: Path, first: str, s
 
 
 def test_sharding_names_and_what_is_refused() -> None:
-    """Lightning's and torch FSDP's names are accepted (by the options and by the engine); hybrid sharding is named as not available,
-    an unknown mode lists the known ones, and a memory budget refuses ``grad_op`` (its plan does
-    not count units held through backward)."""
+    """Lightning's and torch FSDP's names are accepted (by the options and by the engine); hybrid
+    sharding is named as not available, and an unknown mode lists the known ones."""
     from torch.distributed.fsdp import ShardingStrategy
 
     assert ZeroOptions(sharding="FULL_SHARD").sharding == "full"
@@ -137,8 +136,6 @@ def test_sharding_names_and_what_is_refused() -> None:
         ZeroOptions(sharding="HYBRID_SHARD")
     with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
         ZeroOptions(sharding="zero2")
-    with pytest.raises(ValueError, match="memory_budget does not plan sharding='grad_op'"):
-        ZeroOptions(sharding="grad_op", memory_budget="1GiB")
     with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
         ZeroEngine(nn.Linear(4, 4), sharding="zero2")  # the engine checks as the options do
 
@@ -187,3 +184,27 @@ def test_grad_op_composes_with_offload_precision_checkpointing_lora_and_zero_pp(
     for f, g in zip(full, grad_op):
         assert g["losses"] == f["losses"]
         assert g["gathered"] == f["gathered"] == 0
+
+
+def test_a_memory_budget_counts_the_units_grad_op_holds() -> None:
+    """``memory_budget`` plans ``grad_op`` with the whole model's units gathered through backward
+    and one gather a step: at the budget ZeRO-3 fits on the device, ``grad_op``'s plan must move
+    optimizer state off it; a budget below the held units alone is refused; and the collectives
+    count one gather a step."""
+    from lightning_zinf.planning import BudgetError, Inventory, Placement, plan_memory
+    from lightning_zinf.planning.timing import collective_bytes
+
+    inventory = Inventory.of(models.GPT(d=128, layers=6, vocab=64, heads=2), world=2, block_classes=["Block"],
+                             persistence_threshold=0)
+    shallow = PrefetchConfig(bucket_size=0)  # one unit ahead: full sharding holds two or three units
+    full = plan_memory(inventory, 1 << 40, accelerator=True, prefetch=shallow)
+    held = plan_memory(inventory, 1 << 40, accelerator=True, prefetch=shallow, sharding="grad_op")
+    whole = sum(g.shard_numel * inventory.world * g.compute_bytes for g in inventory.groups)
+    assert held.prediction.categories["gathered"] >= whole > 2 * full.prediction.categories["gathered"]
+    tight = plan_memory(inventory, full.prediction.device, accelerator=True, prefetch=shallow, sharding="grad_op")
+    assert full.placement == Placement() and tight.placement.optimizer != "none"  # the held units push it off
+    assert tight.prediction.device <= full.prediction.device
+    with pytest.raises(BudgetError, match="Raise memory_budget to at least"):
+        plan_memory(inventory, held.prediction.categories["gathered"], accelerator=True, sharding="grad_op")
+    assert collective_bytes(inventory, "grad_op") < collective_bytes(inventory)
+    assert ZeroOptions(sharding="grad_op", memory_budget="1GiB").sharding == "grad_op"

@@ -191,7 +191,7 @@ def _resident(sizes: list[int], cap: int) -> int:
 
 
 def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, state_bytes: int = 8,
-            accelerator: bool = False, copy_ahead_bytes: int = 0) -> Prediction:
+            accelerator: bool = False, copy_ahead_bytes: int = 0, sharding: str = "full") -> Prediction:
     """The peak each ledger category reaches per rank under ``placement``, and the step's traffic.
 
     Args:
@@ -203,6 +203,8 @@ def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, sta
         accelerator: The compute device is an accelerator (else the CPU, whose engine keeps freed
             gradient and gather buffers for reuse: the ``pooled`` and ``gathers_kept`` categories).
         copy_ahead_bytes: ``OffloadConfig.copy_ahead_bytes`` (``param="cpu"`` on an accelerator).
+        sharding: ``"full"`` or ``"grad_op"`` (every unit a forward gathers held until its backward:
+            the gathered window is the whole model's units).
 
     Returns:
         The :class:`Prediction`: every category an upper bound of the ledger's peak on every rank.
@@ -285,7 +287,8 @@ def predict(inventory: Inventory, placement: Placement, *, bucket_size: int, sta
         if staging:  # the resident part of a category lives in staging buffers, within the cap
             cats[category] += _resident(sizes, staging)
     buffers = first_that_fit(sorted(n for sizes in on_disk.values() for n in sizes), staging) if staging else 0
-    moving, moving_total = _moving(inventory, bucket_size, accelerator, placement.param, copy_ahead_bytes)
+    moving, moving_total = _moving(inventory, bucket_size, accelerator, placement.param, copy_ahead_bytes,
+                                   hold=sharding == "grad_op")
     cats.update(moving)
     if staging:
         cats["staging"] = staging
@@ -470,13 +473,15 @@ def _pool_held(inventory: Inventory, units: dict[int, _Unit]) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _moving(inventory: Inventory, bucket_size: int, accelerator: bool, param: str,
-            copy_ahead: int) -> tuple[dict[str, int], int]:
-    """The step buffers' categories, and the most their sum (the moving part of ``device_total``) reaches."""
+            copy_ahead: int, hold: bool = False) -> tuple[dict[str, int], int]:
+    """The step buffers' categories, and the most their sum (the moving part of ``device_total``)
+    reaches; ``hold``: units held from their forward to their backward (``grad_op``)."""
     units = _units(inventory, accelerator)
     # Persistent units stay gathered; a tied one may stay from its first use to its last.
     persistent = [u for u in units.values() if u.persistent or u.tied]
     order = [u for _, u in sorted(units.items()) if not u.persistent]
-    window = _window(order + order[::-1], bucket_size)  # forward, then backward's reverse order
+    # Forward, then backward's reverse order; under grad_op every unit is held when backward starts.
+    window = sum(u.nbytes for u in order if not u.tied) if hold else _window(order + order[::-1], bucket_size)
     held = sum(u.nbytes for u in persistent) + window  # gather buffers in use at most, the re-gather's aside
     regathered = _regathered(inventory, accelerator, param)
     largest = max((u.grad_bytes for u in order), default=0)

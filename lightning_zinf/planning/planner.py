@@ -222,7 +222,8 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
                 prefetch: PrefetchConfig = PrefetchConfig(), host_budget: Optional[int] = None,
                 state_bytes: int = 8, optimizer_on_nvme: bool = True,
                 bandwidths: Bandwidths = Bandwidths(), activation_bytes: int = 0,
-                profile: Optional[ForwardProfile] = None, plan_activations: bool = True) -> MemoryPlan:
+                profile: Optional[ForwardProfile] = None, plan_activations: bool = True,
+                sharding: str = "full") -> MemoryPlan:
     """Choose the placement whose predicted per-rank peak fits ``budget`` with the least traffic
     (with ``profile``: the least predicted step), and with it which blocks keep, offload or
     recompute their activations and the prefetch depth.
@@ -257,6 +258,8 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
         plan_activations: The plan may choose which blocks checkpoint; ``False`` when the user
             checkpoints them (``activation_checkpointing``, or the model's own): all are, and
             ``profile``'s activations are counted so.
+        sharding: The user's ``sharding`` (``"grad_op"``: every unit held from its forward to its
+            backward, gathered once a step), which the peaks and the collectives count.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -301,18 +304,19 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
             if split:
                 base = fits.get(key) or _fit(inventory, param, optimizer, room, host_room, accelerator=accelerator,
                                              offload=offload, bucket=bucket, state_bytes=state_bytes,
-                                             sub_groups=sub_groups)
+                                             sub_groups=sub_groups, sharding=sharding)
                 fits[key] = base
                 groups = first_that_fit([added for _, added in split_costs], room - base[1].device)
                 key = (*key, groups)
             if key not in fits:
                 fits[key] = _fit(inventory, param, optimizer, room, host_room, accelerator=accelerator,
                                  offload=offload, bucket=bucket, state_bytes=state_bytes, sub_groups=sub_groups,
-                                 device_bytes=sum(cost for cost, _ in split_costs[:groups]) if split else 0)
+                                 device_bytes=sum(cost for cost, _ in split_costs[:groups]) if split else 0,
+                                 sharding=sharding)
             placement, prediction = fits[key]
             peak = prediction.total(accelerator)
             step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
-                             profile=profile, kept=kept or 0, offloaded=offloaded)
+                             profile=profile, kept=kept or 0, offloaded=offloaded, sharding=sharding)
             seconds = step.total if timed else bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
             if bucket == prefetch.bucket_size and (kept, offloaded) == choices[0]:
                 considered.append((placement, peak + activations, seconds))
@@ -391,13 +395,13 @@ def _sub_group_size(inventory: Inventory, offload: OffloadConfig, placement: Pla
 
 def _fit(inventory: Inventory, param: str, optimizer: str, budget: int, host_budget: Optional[int], *,
          accelerator: bool, offload: OffloadConfig, bucket: int, state_bytes: int,
-         sub_groups: int, device_bytes: int = 0) -> tuple[Placement, Prediction]:
+         sub_groups: int, device_bytes: int = 0, sharding: str = "full") -> tuple[Placement, Prediction]:
     """The placement ``(param, optimizer)`` sized to the budget: with NVMe, the staging of
     ``sub_groups`` optimizer sub-groups, then as many records kept in host memory as the room left holds, then the
     rest of the room as staging (up to the bytes on NVMe); ZeRO-Offload with ``device_bytes`` as given."""
     def run(placement: Placement) -> Prediction:
         return predict(inventory, placement, bucket_size=bucket, state_bytes=state_bytes, accelerator=accelerator,
-                       copy_ahead_bytes=offload.copy_ahead_bytes)
+                       copy_ahead_bytes=offload.copy_ahead_bytes, sharding=sharding)
 
     placement = Placement(param=param, optimizer=optimizer, device_bytes=device_bytes)
     if not placement.nvme:

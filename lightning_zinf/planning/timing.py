@@ -126,14 +126,15 @@ class StepTime:
                 f"recompute {self.recompute:.3f} s, {terms}")
 
 
-def collective_bytes(inventory: Inventory) -> int:
+def collective_bytes(inventory: Inventory, sharding: str = "full") -> int:
     """Bytes a step gathers and reduce-scatters, whole (all ranks' parts), as the engine schedules
     them: each unit gathered in the compute dtype for the forward and again for backward, a tied
     one (an embedding that is also the output layer) once more for its second use in the forward,
     and one that backward does not reach (frozen, before every trainable unit in the plan's order,
     the forward's for most models) not again; a persistent unit once, after the step, if the step
-    changes it; and each trainable group's gradient reduce-scattered in ``reduce_dtype``. 0 with
-    one rank."""
+    changes it; and each trainable group's gradient reduce-scattered in ``reduce_dtype``. Under
+    ``sharding="grad_op"`` a unit is gathered once a step, held from its first use to its backward.
+    0 with one rank."""
     if inventory.world == 1:
         return 0
     stepped = {g.unit for g in inventory.groups if g.trainable}
@@ -145,7 +146,7 @@ def collective_bytes(inventory: Inventory) -> int:
             gathers = 1 if g.unit in stepped else 0
         else:
             reached = first is not None and (g.tied or g.unit >= first)
-            gathers = (2 if g.tied else 1) + reached
+            gathers = 1 if sharding == "grad_op" else (2 if g.tied else 1) + reached
         total += gathers * full * g.compute_bytes
         if g.trainable:
             total += full * inventory.reduce_bytes
@@ -154,7 +155,7 @@ def collective_bytes(inventory: Inventory) -> int:
 
 def step_time(inventory: Inventory, placement: Placement, prediction: Prediction, rates: Bandwidths, *,
               accelerator: bool, profile: Optional[ForwardProfile] = None, kept: int = 0,
-              offloaded: int = 0) -> StepTime:
+              offloaded: int = 0, sharding: str = "full") -> StepTime:
     """The predicted step of ``placement`` (whose cost is ``prediction``) with the first ``kept``
     blocks of ``profile`` keeping their activations, the next ``offloaded`` keeping theirs in host
     memory and the others checkpointed.
@@ -169,6 +170,7 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
             not predicted.
         kept: Blocks of ``profile`` that keep their activations (the first ones).
         offloaded: Blocks after those whose activations are offloaded (an accelerator's).
+        sharding: ``"full"`` or ``"grad_op"`` (:func:`collective_bytes`).
     """
     forward = backward = recompute = None
     if profile is not None and profile.seconds_per_flop is not None:
@@ -179,7 +181,7 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
     if inventory.world == 1:
         collectives = 0.0
     elif rates.collective:
-        collectives = collective_bytes(inventory) / rates.collective
+        collectives = collective_bytes(inventory, sharding) / rates.collective
     # Elements stepped on the device (every one without optimizer offload, the first groups' under
     # OffloadConfig.device_bytes) at the device's rate, the others at the host's.
     on_device = stepped_on_device(inventory, placement)
