@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_zinf import PrefetchConfig, ZeroEngine
@@ -208,3 +209,65 @@ def test_a_memory_budget_counts_the_units_grad_op_holds() -> None:
         plan_memory(inventory, held.prediction.categories["gathered"], accelerator=True, sharding="grad_op")
     assert collective_bytes(inventory, "grad_op") < collective_bytes(inventory)
     assert ZeroOptions(sharding="grad_op", memory_budget="1GiB").sharding == "grad_op"
+
+
+def _without_backward(rank: int, world: int, sharding: str) -> dict:
+    from lightning_zinf import MixedPrecisionConfig
+
+    prefetch = PrefetchConfig(bucket_size=0, persistence_threshold=0)
+    torch.manual_seed(1)
+    teacher = models.GPT(**GPT).requires_grad_(False)
+    teachers = ZeroEngine(teacher, block_classes=["Block"], prefetch=prefetch, sharding=sharding)
+    torch.manual_seed(0)
+    model = models.GPT(**GPT)
+    # The Lightning strategy's engine: its steps begin the passes (auto_pass=False).
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=prefetch, sharding=sharding, auto_pass=False,
+                        mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    opt = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    per_rank = BATCH // world
+    x, y = (t[rank * per_rank:(rank + 1) * per_rank] for t in models.make_batch("gpt", 0, BATCH))
+    out: dict = {"losses": []}
+    for step in range(2):
+        engine.begin_pass("train")
+        # A frozen teacher's forward without torch.no_grad(): its outputs need no gradient, so no
+        # graph goes through it and no backward comes for it.
+        soft = teacher(x).softmax(-1)
+        out.setdefault("teacher", []).append(teachers.gathered_bytes)
+        # A forward whose graph is dropped (a metric computed with gradients on), then the
+        # weights read, then the step's own forward and backward.
+        models.loss_fn(model, x, y)
+        out.setdefault("dropped", []).append(engine.gathered_bytes)
+        with engine.gathered():
+            out.setdefault("norm", []).append(sum(p.double().square().sum() for p in model.parameters()).item())
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)) \
+            + F.kl_div(logits.float().log_softmax(-1), soft, reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+    # A step skipped after its forward (training_step returning None), then the engine released (a
+    # checkpoint's save, the end of a run).
+    engine.begin_pass("train")
+    models.loss_fn(model, x, y)
+    engine.release_all()
+    out["released"] = engine.gathered_bytes
+    return out
+
+
+def test_grad_op_holds_only_for_a_backward_that_can_come() -> None:
+    """Forwards with gradients on that no backward follows: a frozen teacher's (no graph through
+    it) is released after its forward under ``grad_op`` as under ``full``; a forward whose graph is
+    dropped keeps its units only until the weights are read (``gathered()``, under bf16 compute
+    weights: the next forward computes in bf16 again) or the engine is released
+    (``release_all``, a checkpoint's save or a run's end), which leaves nothing gathered; and the
+    step's losses equal ``full``'s. (Before: the teacher stayed gathered whole, the forward after
+    ``gathered()`` met fp32 weights and raised, ``release_all`` kept the held units.)"""
+    full = run_distributed(_without_backward, 2, "full")
+    grad_op = run_distributed(_without_backward, 2, "grad_op")
+    for f, g in zip(full, grad_op):
+        assert f["teacher"] == g["teacher"] == [0, 0]
+        # Held for a backward (full has at most the unit prefetched for the next use).
+        assert all(held > gathered for held, gathered in zip(g["dropped"], f["dropped"]))
+        assert g["norm"] == f["norm"] and g["losses"] == f["losses"]
+        assert g["released"] == f["released"] == 0

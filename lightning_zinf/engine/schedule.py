@@ -32,7 +32,7 @@ from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.negotiation import BACKWARD_END
 from lightning_zinf.engine.trace import Tracer
-from lightning_zinf.engine.units import RELEASED, Unit, UnitStates
+from lightning_zinf.engine.units import RELEASED, Unit, UnitStates, in_backward
 from lightning_zinf.offload.params import ParamOffload
 
 __all__ = ["Schedule"]
@@ -109,7 +109,8 @@ class Schedule:
         self._begin_pass = begin_pass
         self._meet = meet
         self._uses = uses
-        self._calls: dict[nn.Module, list[Optional[_Use]]] = {}  # per module, its forward calls in progress
+        # Per module, its forward calls in progress: each one's frozen use and the units it holds for backward.
+        self._calls: dict[nn.Module, list[tuple[Optional[_Use], list[Unit]]]] = {}
         self._backward_end_queued = False
         # Called once when a backward starts (the engine reads the next optimizer step's first
         # state ahead: OptimizerSteps.prepare_step).
@@ -282,9 +283,12 @@ class Schedule:
     @_eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         units = self._uses[module]
-        recompute = torch.is_grad_enabled() and _in_backward()
+        recompute = torch.is_grad_enabled() and in_backward()
         # ZeRO-2 (grad_op): a forward that records a graph keeps its units for their backward.
         hold = recompute or (self.hold_for_backward and torch.is_grad_enabled())
+        # Held by this call alone (not by a recompute, an enclosing forward or an earlier use):
+        # let go again after it if no graph goes through its outputs.
+        fresh = [u for u in units if not u.held] if hold and not recompute else []
         for unit in units:
             unit.forward_depth += 1
             if hold:
@@ -311,13 +315,13 @@ class Schedule:
                 signalled = iter(_PostBackward.apply(functools.partial(self._post_backward, use), *inputs))
                 swap = lambda t: next(signalled) if t.requires_grad else t  # noqa: E731  (_tensors_in's order)
                 args, kwargs = _map_tensors(args, swap), _map_tensors(kwargs, swap)
-        self._calls.setdefault(module, []).append(use)
+        self._calls.setdefault(module, []).append((use, fresh))
         return args, kwargs
 
     @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         units = self._uses[module]
-        use = self._calls[module].pop()
+        use, fresh = self._calls[module].pop()
         for unit in units:
             unit.forward_depth -= 1
         tensors = list(_tensors_in(output))
@@ -333,6 +337,11 @@ class Schedule:
             if outputs:
                 hook = functools.partial(self._pre_backward, units, use)
                 torch.autograd.graph.register_multi_grad_hook(outputs, hook, mode="any")
+            else:
+                # No backward comes for this call (a frozen teacher's forward with gradients on):
+                # grad_op's hold would keep the units gathered until the next pass.
+                for unit in fresh:
+                    unit.held = False
         for unit in units:
             self.states.maybe_release(unit)
         return output
@@ -466,12 +475,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         ctx.callback()
         return (None, *grads)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (a checkpointed module is then
-    being recomputed)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _cast_floating(t: Tensor, dtype: torch.dtype) -> Tensor:

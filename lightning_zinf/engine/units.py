@@ -38,7 +38,7 @@ from lightning_zinf.engine.transfer import HeldUntilWait, Transfers
 from lightning_zinf.offload.optimizer import OptimizerOffload
 from lightning_zinf.offload.params import ParamOffload
 
-__all__ = ["Unit", "UnitStates", "RELEASED", "INFLIGHT", "GATHERED", "COALESCE_BYTES"]
+__all__ = ["Unit", "UnitStates", "RELEASED", "INFLIGHT", "GATHERED", "COALESCE_BYTES", "in_backward"]
 
 RELEASED, INFLIGHT, GATHERED = "released", "inflight", "gathered"
 
@@ -53,6 +53,12 @@ _MAX_LANDING = 2
 #: buffer of its size. The persistent units (of at most ``persistence_threshold`` = 100k
 #: elements each by default) fit in one collective unless there are hundreds of them.
 COALESCE_BYTES = 32 << 20
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (a checkpointed module is then
+    being recomputed)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -81,7 +87,9 @@ class Unit:
             the unit requires no gradient (:meth:`count_kinds`).
         state: ``"released"``, ``"inflight"`` or ``"gathered"``.
         forward_depth: Forward calls (and exact holds) in progress that use the unit.
-        held: Held gathered for backward (from its first output gradient until it is reduced).
+        held: Held gathered for backward (from its first output gradient until it is reduced;
+            under ``sharding="grad_op"`` from a forward that records a graph through it, until
+            its backward is done with it or, when no backward has started, the next settle).
         reduced_groups: Trainable groups whose gradients are complete in this backward (each is
             then reduce-scattered).
         pending_backward: Forward uses whose input-side post-backward node has not run yet.
@@ -504,6 +512,10 @@ class UnitStates:
         At a pass boundary (``boundary``) no module is running, so use counts left over from a
         forward that raised (and was caught by user code) are cleared rather than keeping stale
         units gathered, and gradient buffers left by an abandoned backward are discarded.
+        Outside a backward, units a ``grad_op`` forward holds for its backward are released too
+        (their backward, if it comes, gathers them again, as under full sharding): settling
+        precedes reads and edits of the weights, steps, the end of ``keep_gathered`` and
+        ``release_all``, none of which may leave them gathered.
         """
         self.drain_reduces()
         self.finish_host_grads()
@@ -512,11 +524,16 @@ class UnitStates:
         # Between passes every unit's counters are reset; otherwise only units gathered or in flight
         # (``_live``) have anything to finish, so that a checkpoint's or a state dict's per-unit
         # calls cost O(1) each, not O(units).
+        backward = in_backward()
         for unit in self.units if boundary else list(self._live.values()):
             if boundary:
                 unit.forward_depth, unit.held, unit.reduced_groups, unit.pending_backward = 0, False, 0, 0
                 for group in unit.groups:
                     group.discard_grads(self.pool)
+            elif unit.held and not backward:
+                # A read for the user would replace the compute gather (bf16) of a unit that stays
+                # held, and the next forward would compute with it.
+                unit.held, unit.reduced_groups = False, 0
             self.wait_gather(unit)
             self.maybe_release(unit)
         if boundary and self.param_offload is not None:
