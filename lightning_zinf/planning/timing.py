@@ -133,7 +133,8 @@ def collective_bytes(inventory: Inventory, sharding: str = "full") -> int:
     and one that backward does not reach (frozen, before every trainable unit in the plan's order,
     the forward's for most models) not again; a persistent unit once, after the step, if the step
     changes it; and each trainable group's gradient reduce-scattered in ``reduce_dtype``. Under
-    ``sharding="grad_op"`` a unit is gathered once a step, held from its first use to its backward.
+    ``sharding="grad_op"`` a unit is gathered once a step, held from its first use to its backward
+    (a frozen tied one first used before every trainable unit twice: that use is not held).
     0 with one rank."""
     if inventory.world == 1:
         return 0
@@ -146,7 +147,13 @@ def collective_bytes(inventory: Inventory, sharding: str = "full") -> int:
             gathers = 1 if g.unit in stepped else 0
         else:
             reached = first is not None and (g.tied or g.unit >= first)
-            gathers = 1 if sharding == "grad_op" else (2 if g.tied else 1) + reached
+            if sharding == "grad_op":
+                # Held from its first use to its backward; but a use whose output needs no gradient
+                # (a frozen unit before every trainable one: a LoRA model's tied embedding) is not
+                # held, so a tied one is gathered again for its second use.
+                gathers = 2 if g.tied and g.unit not in stepped and (first is None or g.unit < first) else 1
+            else:
+                gathers = (2 if g.tied else 1) + reached
         total += gathers * full * g.compute_bytes
         if g.trainable:
             total += full * inventory.reduce_bytes
