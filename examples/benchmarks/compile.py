@@ -24,8 +24,7 @@ and reduce-scattering every block).
 
 from __future__ import annotations
 
-from throughput import (HERE, benchmark_parser, check_args, fastest, fastest_ratio, format_table, run_all,
-                        setup_record)
+from throughput import fastest, fastest_ratio, run_variants
 
 SYSTEMS = ("zinf", "ddp")
 MODES = ("", "+blocks", "+model")
@@ -50,15 +49,7 @@ def ratio_columns(results: dict) -> list:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, CONTENDERS, HERE / "results" / "compile.json")
-    args = parser.parse_args()
-    check_args(parser, args, CONTENDERS)
-    script_args = {name: ["--compile", name.partition("+")[2] or "none"] for name in args.only}
-    results, _ = run_all(args, setup_record(args), "compile", script_args=script_args)
-    print()
-    # format_table's own ratio columns compare tokens/s with the eager zinf run; ours say more.
-    print(format_table(results, {}, ratio_columns(results)))
-    print(f"\nresults: {args.out}")
+    run_variants(__doc__, CONTENDERS, "compile", "--compile", "none", ratio_columns)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,7 @@ what holding every block's weights through backward costs.
 
 from __future__ import annotations
 
-from throughput import (HERE, benchmark_parser, check_args, fastest, fastest_ratio, format_table, run_all,
-                        setup_record)
+from throughput import fastest, fastest_ratio, run_variants
 
 CONTENDERS = ("zinf", "zinf+grad_op", "fsdp2", "fsdp2+grad_op", "ddp")
 
@@ -50,14 +49,7 @@ def ratio_columns(results: dict) -> list:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, CONTENDERS, HERE / "results" / "sharding.json")
-    args = parser.parse_args()
-    check_args(parser, args, CONTENDERS)
-    script_args = {name: ["--sharding", name.partition("+")[2] or "full"] for name in args.only if name != "ddp"}
-    results, _ = run_all(args, setup_record(args), "sharding", script_args=script_args)
-    print()
-    print(format_table(results, {}, ratio_columns(results)))
-    print(f"\nresults: {args.out}")
+    run_variants(__doc__, CONTENDERS, "sharding", "--sharding", "full", ratio_columns, plain=("ddp",))
 
 
 if __name__ == "__main__":

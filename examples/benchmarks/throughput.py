@@ -270,6 +270,21 @@ def fastest_ratio(numerator: dict | None, denominator: dict | None) -> str:
     return f"{fastest(numerator) / fastest(denominator):.2f}"
 
 
+def run_variants(doc: str, contenders: Sequence[str], tag: str, option: str, default: str,
+                 columns: Callable[[dict], list], plain: Sequence[str] = ()) -> None:
+    """A driver whose contenders are ``system+variant`` names: parses ``--steps``/``--only``, runs
+    each with ``option <variant>`` (``default`` without a ``+``; none for the ``plain`` ones), and
+    prints the table with ``columns(results)`` (its own ratio columns, not format_table's)."""
+    parser = benchmark_parser(doc, contenders, HERE / "results" / f"{tag}.json")
+    args = parser.parse_args()
+    check_args(parser, args, contenders)
+    script_args = {name: [option, name.partition("+")[2] or default] for name in args.only if name not in plain}
+    results, _ = run_all(args, setup_record(args), tag, script_args=script_args)
+    print()
+    print(format_table(results, {}, columns(results)))
+    print(f"\nresults: {args.out}")
+
+
 def run_all(
     args: argparse.Namespace, record: dict, tag: str, ours: str = "zinf", script_args: dict[str, list[str]] | None = None
 ) -> tuple[dict, dict]:

@@ -199,7 +199,7 @@ def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.
                 lambda v: torch.empty(v.shape, dtype=v.dtype, device=device) if isinstance(v, Tensor) else v, example)
         ids = {id(t) for t in parameters.values()}
         outside = _Saved(ids)
-        with FlopCounterMode(display=False) as flops, in_training_mode(module):
+        with FlopCounterMode(display=False) as flops, _in_training_mode(module):
             for name, block in blocks:
                 handles.extend(_watch(name, block, found, flops, ids))
             with mode, torch.autograd.graph.saved_tensors_hooks(outside.pack, lambda t: t):
@@ -218,7 +218,7 @@ def profile_forward(module: nn.Module, example: Any, blocks: list[tuple[str, nn.
 
 
 @contextmanager
-def in_training_mode(module: nn.Module) -> Iterator[None]:
+def _in_training_mode(module: nn.Module) -> Iterator[None]:
     """``module`` and its submodules in training mode for the block, as the training step runs
     them (a model fresh from ``from_pretrained`` is in eval mode: dropout would save no masks),
     each submodule's own mode restored after."""
@@ -367,7 +367,7 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
         if b.cls in timed or not b.flops:
             continue
         timed.add(b.cls)
-        with in_training_mode(modules[b.name]):
+        with _in_training_mode(modules[b.name]):
             plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
             checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
         flops += b.flops
