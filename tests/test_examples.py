@@ -225,9 +225,9 @@ def test_offload_gpu_benchmark_dry_run_on_the_cpu(tmp_path: Path) -> None:
         cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert list(got["arms"]) == ["zinf_offload", "fsdp2_offload", "zinf_param_cpu", "deepspeed_offload"]
+    assert list(got["arms"]) == ["zinf_offload", "fsdp2_offload", "zinf_param_cpu", "deepspeed_offload", "zinf_planned"]
     reference = got["arms"]["fsdp2_offload"]["losses"]
-    for name in ("zinf_offload", "fsdp2_offload", "zinf_param_cpu"):
+    for name in ("zinf_offload", "fsdp2_offload", "zinf_param_cpu", "zinf_planned"):
         arm = got["arms"][name]
         assert arm["status"] == "ok", arm
         assert len(arm["step_times_s"]) == 3 and len(arm["losses"]) == 4  # 3 steps and the profiled one
@@ -239,7 +239,10 @@ def test_offload_gpu_benchmark_dry_run_on_the_cpu(tmp_path: Path) -> None:
         assert arm["losses"] == pytest.approx(reference, rel=1e-3), name
     assert got["arms"]["deepspeed_offload"] == {
         "status": "not run", "reason": "DeepSpeed ZeRO-Offload moves its partitions to a CUDA device; this is a CPU run"}
-    assert set(got["ratios"]) == {"zinf_offload/fsdp2_offload", "zinf_param_cpu/fsdp2_offload"}
+    assert set(got["ratios"]) == {"zinf_offload/fsdp2_offload", "zinf_param_cpu/fsdp2_offload",
+                                  "zinf_planned/fsdp2_offload"}
+    # The planned arm records its plan: on the CPU, with room for everything, nothing is offloaded.
+    assert got["arms"]["zinf_planned"]["plan"]["placement"] == "param=none, optimizer=none"
 
     sys.path.insert(0, str(root / "examples" / "benchmarks"))
     import offload_gpu

@@ -13,6 +13,11 @@ so a run cut short keeps the arms it finished):
                      parameters, gradients and AdamW state in page-locked host memory, the step on the CPU
   zinf_param_cpu     ZeroEngine(offload=OffloadConfig(param="cpu", optimizer="cpu")), bf16 gathers:
                      FSDP2's layout (parameter shards on the host too)
+  zinf_planned       the options a user writes instead of tiers: memory_budget at the cap (less
+                     ALLOCATOR_SLACK), bf16 gathers, one micro-batch as example_input_array: the
+                     plan chooses the tiers, the optimizer state kept on the device (device_bytes)
+                     and each block's activations (kept, offloaded or checkpointed); its plan is
+                     recorded
   deepspeed_offload  DeepSpeed ZeRO-Offload: ZeRO stage 2, "offload_optimizer": {"device": "cpu"},
                      "bf16": {"enabled": true}, its DeepSpeedCPUAdam (JIT-built with the host's
                      compiler on first use). Recorded as not run, with the reason, where DeepSpeed
@@ -52,6 +57,7 @@ all. ``--device cpu`` is the tests' dry run (tiny model, no cap, no device figur
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -71,8 +77,11 @@ from gpu_check import intervals_overlap  # noqa: E402
 from measure import LR, SEED, peak_rss_mib, run_killable, run_record  # noqa: E402
 from throughput import REPO_ROOT, WARMUP_STEPS, benchmark_parser, check_args, error_line, log_tail  # noqa: E402
 
-ARMS = ("zinf_offload", "fsdp2_offload", "zinf_param_cpu", "deepspeed_offload")  # most valuable first
-OURS = ("zinf_offload", "zinf_param_cpu")
+ARMS = ("zinf_offload", "fsdp2_offload", "zinf_param_cpu", "deepspeed_offload", "zinf_planned")  # most valuable first
+OURS = ("zinf_offload", "zinf_param_cpu", "zinf_planned")
+#: What zinf_planned's budget leaves below the allocator's cap: cuBLAS's workspace (up to 32 MiB on
+#: sm_90) and kernels' scratch, which the plan does not count.
+ALLOCATOR_SLACK = 256 << 20
 PEERS = ("fsdp2_offload", "deepspeed_offload")
 #: Dense bf16 tensor-core peaks (TFLOPS, no sparsity) from NVIDIA's data sheets, by a substring of
 #: ``torch.cuda.get_device_name()``, the more specific names first.
@@ -201,6 +210,29 @@ def _zinf(model, args, param: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return _train_step(model, engine.shard_optimizer(_adamw(model.parameters())), args.device)
 
 
+def _zinf_planned(model, args, plan: dict) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A train step of ``model`` under the engine ``memory_budget`` plans (as the strategies build
+    it); ``plan`` gets the plan's summary."""
+    from lightning_zinf import MixedPrecisionConfig
+    from lightning_zinf.engine_setup import build_engine
+    from lightning_zinf.options import ZeroOptions
+
+    budget = int(args.cap_gib * (1 << 30)) - ALLOCATOR_SLACK
+    model.example_input_array = torch.zeros(args.batch, args.seq_len, dtype=torch.long)
+    options = ZeroOptions(block_classes=["Block"], memory_budget=budget,
+                          mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
+    engine = build_engine(model, options, device=torch.device(args.device), ranks_per_node=1,
+                          precision=MixedPrecisionConfig(), loss_scaling=False, timeout=None, auto_pass=True)
+    memory_plan = engine.memory_plan
+    plan.update(budget=budget, placement=memory_plan.placement.describe(), kept_blocks=memory_plan.kept_blocks,
+                offloaded_blocks=memory_plan.offloaded_blocks, predicted_device=memory_plan.prediction.device,
+                predicted_activations=memory_plan.activations,
+                predicted_step_s=memory_plan.step.total if memory_plan.step is not None else None,
+                predicted_terms=memory_plan.step.describe() if memory_plan.step is not None else None,
+                bandwidths=dataclasses.asdict(memory_plan.bandwidths))
+    return _train_step(model, engine.shard_optimizer(_adamw(model.parameters())), args.device)
+
+
 def _init_world(backend: str) -> None:
     """A one-process group (what fully_shard and DeepSpeed need at world size 1)."""
     import torch.distributed as dist
@@ -294,8 +326,9 @@ def run_arm(args) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     model = _model(args)
     parameters = sum(p.numel() for p in model.parameters())
+    plan: dict[str, Any] = {}
     build = {"zinf_offload": lambda: _zinf(model, args, "none"), "zinf_param_cpu": lambda: _zinf(model, args, "cpu"),
-             "fsdp2_offload": lambda: _fsdp2(model, args), "deepspeed_offload": lambda: _deepspeed(model, args)}
+             "zinf_planned": lambda: _zinf_planned(model, args, plan), "fsdp2_offload": lambda: _fsdp2(model, args), "deepspeed_offload": lambda: _deepspeed(model, args)}
     train_step = build[args.arm]()
     gen = torch.Generator().manual_seed(SEED + 1)
     losses, times = [], []
@@ -327,7 +360,8 @@ def run_arm(args) -> dict[str, Any]:
             "profiled_step_s": times[-1], "mean_step_s": mean_step_s, "tokens_per_s": tokens_per_s,
             "model_tflops": tflops, "peak_bf16_tflops": peak, "mfu": tflops / peak if peak else None,
             **memory, "peak_rss_mib": peak_rss_mib(), **busy,
-            "optimizer": OPTIMIZER.get("optimizer", "DeepSpeed's AdamW (DeepSpeedCPUAdam)"), "losses": losses}
+            "optimizer": OPTIMIZER.get("optimizer", "DeepSpeed's AdamW (DeepSpeedCPUAdam)"), "losses": losses,
+            **({"plan": plan} if plan else {})}
 
 
 # --- the driver -----------------------------------------------------------------------------------

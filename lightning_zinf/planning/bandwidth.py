@@ -93,9 +93,9 @@ def _link(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / (time.perf_counter() - start)
 
 
-def _adamw(device: torch.device, numel: int = 1 << 18, repeats: int = 5) -> float:
-    """Seconds per element of one AdamW step (torch's, its default implementation for the device)
-    on ``numel`` fp32 elements, after one warm-up step."""
+def _adamw_seconds(device: torch.device, numel: int, repeats: int) -> float:
+    """Seconds of one AdamW step (torch's, its default implementation for the device) on ``numel``
+    fp32 elements: the mean of ``repeats`` steps after one warm-up step."""
     parameter = torch.zeros(numel, device=device, requires_grad=True)
     parameter.grad = torch.ones(numel, device=device)
     optimizer = torch.optim.AdamW([parameter])
@@ -107,7 +107,27 @@ def _adamw(device: torch.device, numel: int = 1 << 18, repeats: int = 5) -> floa
         optimizer.step()
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
-    return (time.perf_counter() - start) / (repeats * numel)
+    return (time.perf_counter() - start) / repeats
+
+
+#: Elements of the AdamW probes: the host's rate from the small one alone; an accelerator's from
+#: the difference between the two, since a step of the small one there is mostly kernel launches.
+ADAMW_PROBE_NUMEL = (1 << 18, 1 << 22)
+
+
+def _adamw(device: torch.device, repeats: int = 5) -> float:
+    """Seconds per element of one AdamW step on ``device`` (fp32). On the host, one step's time
+    over its elements. On an accelerator, the added time per added element between the two probe
+    sizes: there a step of 2^18 elements is mostly launches (torch's foreach AdamW launches a few
+    dozen kernels of a few microseconds each), and its time over its elements overstates a large
+    model's step on the device (on the H200 run of 2026-11-30 the plans that stepped everything on
+    the device predicted steps 30% and 12 times too long)."""
+    small, large = ADAMW_PROBE_NUMEL
+    if device.type == "cpu":
+        return _adamw_seconds(device, small, repeats) / small
+    rate = (_adamw_seconds(device, large, repeats) - _adamw_seconds(device, small, repeats)) / (large - small)
+    torch.accelerator.empty_cache()  # the probe's 64 MiB of state, given back to the driver
+    return max(rate, 0.0)
 
 
 def measure_collective(device: torch.device, nbytes: int = 4 << 20, repeats: int = 3) -> Optional[float]:
