@@ -4,6 +4,8 @@
 
 - ``zinf/gathered_bytes``: bytes this rank received in parameter all-gathers during the step;
 - ``zinf/reduce_scattered_bytes``: bytes it sent in gradient reduce-scatters;
+- ``zinf/all_reduced_bytes``: under hybrid sharding, bytes it sent in the all-reduces of its
+  gradient shards across the shard groups (as a ring sends them; 0 in the other modes);
 - ``zinf/intra_node_bytes`` and ``zinf/inter_node_bytes``: of those, the bytes exchanged with ranks
   on its own node and on other nodes (see :class:`~lightning_zinf.ZeroPPConfig`);
 - ``zinf/resident_bytes_{device,cpu,nvme}``: training state it holds on each tier
@@ -110,6 +112,7 @@ class ZeroMonitor(Callback):
         metrics = {
             "zinf/gathered_bytes": float(engine.comm.bytes.gathered),
             "zinf/reduce_scattered_bytes": float(engine.comm.bytes.reduce_scattered),
+            "zinf/all_reduced_bytes": float(engine.comm.bytes.all_reduced),
             "zinf/intra_node_bytes": float(engine.comm.bytes.intra_node),
             "zinf/inter_node_bytes": float(engine.comm.bytes.inter_node),
             **{f"zinf/resident_bytes_{tier}": float(n) for tier, n in engine.resident_bytes().items()},

@@ -604,24 +604,27 @@ def coerce_config(cls: type[_C], value: _C | Mapping[str, Any] | None) -> _C:
 
 #: Lightning's ``FSDPStrategy(sharding_strategy=...)`` names (and torch FSDP's ``ShardingStrategy``
 #: members) for the modes this engine has.
-_SHARDING_ALIASES = {"full": "full", "full_shard": "full", "grad_op": "grad_op", "shard_grad_op": "grad_op"}
+_SHARDING_ALIASES = {"full": "full", "full_shard": "full", "grad_op": "grad_op", "shard_grad_op": "grad_op",
+                     "hybrid": "hybrid", "hybrid_shard": "hybrid", "auto": "auto"}
 
 
 def sharding_mode(value: Any) -> str:
-    """``sharding`` normalised: ``"full"`` or ``"grad_op"``, from those names or Lightning's
-    ``"FULL_SHARD"`` / ``"SHARD_GRAD_OP"`` (any case, or torch's ``ShardingStrategy`` members).
+    """``sharding`` normalised: ``"full"``, ``"grad_op"``, ``"hybrid"`` or ``"auto"`` (the
+    strategies' choice at setup), from those names or Lightning's ``"FULL_SHARD"`` /
+    ``"SHARD_GRAD_OP"`` / ``"HYBRID_SHARD"`` (any case, or torch's ``ShardingStrategy`` members).
 
     Raises:
-        ValueError: another value; hybrid sharding (``"HYBRID_SHARD"``) is named as not available.
+        ValueError: another value (``"_HYBRID_SHARD_ZERO2"`` and ``"NO_SHARD"`` included: the
+            message names the modes there are).
     """
     name = getattr(value, "name", value)
     mode = _SHARDING_ALIASES.get(name.lower()) if isinstance(name, str) else None
     if mode is None:
-        hybrid = isinstance(name, str) and "hybrid" in name.lower()
         raise ValueError(
             f"sharding={value!r}: use 'full' (ZeRO-3, Lightning's 'FULL_SHARD': parameters gathered for each "
-            "forward and again for backward) or 'grad_op' (ZeRO-2, 'SHARD_GRAD_OP': gathered parameters kept from "
-            "forward to backward; gradients and optimizer state sharded)"
-            + (". Hybrid sharding (shard within a node, replicate across nodes) is not available yet; zero_pp's hpZ "
-               "keeps a secondary copy of the weights within a node for backward's gathers." if hybrid else "."))
+            "forward and again for backward), 'grad_op' (ZeRO-2, 'SHARD_GRAD_OP': gathered parameters kept from "
+            "forward to backward; gradients and optimizer state sharded) or 'hybrid' ('HYBRID_SHARD', MiCS: "
+            "ZeRO-3 within groups of shard_group_size ranks, by default a node, replicated across the groups), or "
+            "'auto' (full or hybrid, with or without ZeRO++'s quantized collectives, chosen by the strategy at setup "
+            "from the measured links).")
     return mode

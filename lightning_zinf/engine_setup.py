@@ -24,6 +24,8 @@ from lightning_zinf.options import ZeroOptions
 from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 from lightning_zinf.planning.activations import ActivationPlan
+from lightning_zinf.planning.cost import Placement
+from lightning_zinf.planning.sharding import ShardingChoice, auto_sharding
 from lightning_zinf.offload import SwapError
 from lightning_zinf.planning.bandwidth import measure_bandwidths, measure_collective
 from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
@@ -74,6 +76,9 @@ def build_engine(
         UserWarning: ``options.activation_checkpointing`` is set but the model already checkpoints
             some layers itself (:func:`checkpointed_layers`); the option is then ignored.
     """
+    choice = None
+    if options.sharding == "auto":
+        options, choice = _auto_sharding(module, options, device, options.mixed_precision or precision, ranks_per_node)
     plan = memory_plan(module, options, device=device, precision=options.mixed_precision or precision,
                        loss_scaling=loss_scaling, ranks_per_node=ranks_per_node)
     if plan is not None:
@@ -103,8 +108,10 @@ def build_engine(
         timeout=timeout,
         preloaded=preloaded,
         sharding=options.sharding,
+        shard_group_size=options.shard_group_size,
     )
     engine.memory_plan = plan
+    engine.sharding_choice = choice
     # Host memory under a budget: the heap keeps no more free memory than the budget leaves.
     if plan is not None and not plan.accelerator:
         keep_within(plan.budget - plan.prediction.total(False) - plan.activations - plan.activation_bytes)
@@ -145,6 +152,8 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
     distributed = dist.is_available() and dist.is_initialized()
     if world is None:
         world = dist.get_world_size() if distributed else 1
+    if options.sharding == "hybrid":  # the state is sharded over one shard group
+        world = options.shard_group_size or options.zero_pp.ranks_per_node or ranks_per_node
     bandwidths = _on_rank_0(lambda: measure_bandwidths(device, options.offload.nvme_path, options.offload.aio),
                             distributed, "measuring the disk and host link for memory_budget")
     if bandwidths.disk:  # the ranks of a node share its disk
@@ -159,6 +168,30 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
                        activation_bytes=options.activation_memory or 0,
                        profile=_example_profile(module, options, device, precision, distributed),
                        plan_activations=_plans_activations(module, options), sharding=options.sharding)
+
+
+def _auto_sharding(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
+                   ranks_per_node: int) -> tuple[ZeroOptions, ShardingChoice]:
+    """``sharding="auto"``: the options with the mode and ZeRO++ switches
+    :func:`~lightning_zinf.planning.sharding.auto_sharding` chooses (collective), the step's compute
+    taken from ``example_input_array`` where the model has one (:func:`_example_profile`); the
+    choice is logged on rank 0."""
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    per_node = options.zero_pp.ranks_per_node or ranks_per_node
+    profile = _example_profile(module, options, device, precision, distributed) if world // per_node > 1 else None
+    compute = (3 * profile.flops * profile.seconds_per_flop  # backward is two forwards
+               if profile is not None and profile.seconds_per_flop is not None else None)
+    choice = auto_sharding(module, world=world, ranks_per_node=per_node, device=device,
+                           block_classes=tuple(options.block_classes), mixed_precision=precision,
+                           persistence_threshold=options.prefetch.persistence_threshold,
+                           bucket_size=options.prefetch.bucket_size,
+                           placement=Placement(param=options.offload.param, optimizer=options.offload.optimizer),
+                           compute=compute)
+    rank_zero_info(f"lightning_zinf: {choice.describe()}")
+    zero_pp = dataclasses.replace(options.zero_pp, hpz=choice.zero_pp.hpz, qwz=choice.zero_pp.qwz,
+                                  qgz=choice.zero_pp.qgz)
+    return dataclasses.replace(options, sharding=choice.sharding, zero_pp=zero_pp), choice
 
 
 def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:

@@ -59,6 +59,7 @@ class ZeroOptions:
     host_memory_budget: Optional[Union[int, str]] = None
     activation_memory: Optional[Union[int, str]] = None
     sharding: str = "full"
+    shard_group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.state_dict_type not in ("sharded", "full"):
@@ -85,6 +86,16 @@ class ZeroOptions:
             value = getattr(self, name)
             coerced[name] = None if value is None else parse_bytes(value, name)
         coerced["sharding"] = sharding_mode(self.sharding)
+        size = self.shard_group_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"shard_group_size={size!r}: give a positive number of ranks that divides the world "
+                             "size (normally the ranks per node, the default), or leave it unset.")
+        if coerced["sharding"] == "auto" and (coerced["zero_pp"].hpz or coerced["zero_pp"].qwz or coerced["zero_pp"].qgz):
+            raise ValueError("sharding='auto' chooses ZeRO++'s hpz, qwz and qgz from the measured links: leave them "
+                             "unset, or choose the sharding mode yourself.")
+        if size is not None and coerced["sharding"] != "hybrid":
+            raise ValueError(f"shard_group_size={size} sets the groups of hybrid sharding: give sharding='hybrid' "
+                             "with it (Lightning's 'HYBRID_SHARD'), or drop it.")
         for name in ("host_memory_budget", "activation_memory"):
             if coerced[name] is not None and coerced["memory_budget"] is None:
                 raise ValueError(f"{name} is part of a memory plan: give memory_budget too (the compute device's bytes "
@@ -108,7 +119,8 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
     Raises:
         ValueError: ``offload.param``, ``optimizer``, ``host_bytes``, ``staging_bytes``,
             ``device_bytes`` or ``activations`` is given (the plan offloads activations per block, on an accelerator);
-            ZeRO++'s hpZ, qwZ or ``frozen_bits``, or ``tiling``, is on. The message names each.
+            ZeRO++'s hpZ, qwZ or ``frozen_bits``, ``tiling`` or ``sharding="auto"`` is on. The
+            message names each.
     """
     offload = options["offload"]
     chosen = [f"offload.{name}={getattr(offload, name)!r}" for name, default in
@@ -126,7 +138,8 @@ def _refuse_unplanned(options: Mapping[str, Any]) -> None:
     uncounted = [name for name, on in (
         ("zero_pp.hpz (secondary partitions)", zero_pp.hpz), ("zero_pp.qwz (quantized rows)", zero_pp.qwz),
         ("zero_pp.frozen_bits (frozen weights stored quantized)", zero_pp.frozen_bits is not None),
-        ("tiling (each tile a unit of its own)", options["tiling"] is not None)) if on]
+        ("tiling (each tile a unit of its own)", options["tiling"] is not None),
+        ("sharding='auto' (a mode chosen from the links)", options["sharding"] == "auto")) if on]
     if uncounted:
         raise ValueError(
             f"memory_budget does not plan {', '.join(uncounted)} yet: its predictions would not hold. Turn "
@@ -180,6 +193,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "ZeRO-2 (Lightning FSDP's SHARD_GRAD_OP): parameters gathered once a step, kept from forward to backward; "
         "gradients and optimizer state sharded (lightning_zinf)",
         {"sharding": "grad_op"},
+    ),
+    "zero_infinity_hybrid": (
+        "Hybrid sharding (Lightning FSDP's HYBRID_SHARD, MiCS): ZeRO-3 within each node, the sharded state "
+        "replicated across nodes; gradient shards all-reduced across them (lightning_zinf)",
+        {"sharding": "hybrid"},
     ),
     "zero_infinity_offload": (
         "ZeRO-3 with parameters and optimizer state offloaded to CPU memory (lightning_zinf)",

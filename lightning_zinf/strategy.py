@@ -138,8 +138,22 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             a unit gathered by a training forward stays gathered until its backward is done with
             it, which saves backward's gathers for the memory of every unit's full parameters
             through the step; gradients and optimizer state stay sharded. The same values, bit for
-            bit, and the same checkpoints. Lightning's names are accepted in any case. A
-            ``memory_budget`` plans with the held units and the one gather a step.
+            bit, and the same checkpoints. ``"hybrid"`` (``"HYBRID_SHARD"``, MiCS, FSDP2's 2-D
+            mesh): ZeRO-3 within groups of ``shard_group_size`` ranks (a node by default), each
+            group holding a replica of the sharded state; gathers and reduce-scatters stay in the
+            group, and each gradient shard is all-reduced across the groups. The values of
+            ``"full"`` up to the order of the two-level mean's additions; its checkpoints are
+            those of a world of ``shard_group_size`` ranks and load in any mode and world size.
+            ``"auto"``: at setup the ranks measure the links within and between nodes (and the
+            step's compute from ``example_input_array``) and run as ``"full"`` or ``"hybrid"``,
+            with or without ZeRO++'s hpZ, qwZ and qgZ, whichever is predicted fastest
+            (:mod:`lightning_zinf.planning.sharding`; logged, and kept as
+            ``engine.sharding_choice``). Lightning's names are accepted in any case. A
+            ``memory_budget`` plans with the held units and the one gather a step (``grad_op``),
+            or the shard group's state (``hybrid``).
+        shard_group_size: With ``sharding="hybrid"``: ranks per shard group, a divisor of the
+            world size (default: the devices per node). FSDPStrategy's ``device_mesh=(replicas,
+            shard_group_size)``, DeepSpeed's ``mics_shard_size``.
         accelerator: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         parallel_devices: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
         cluster_environment: As for any Lightning ``ParallelStrategy``; the Trainer sets it.
@@ -247,6 +261,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         host_memory_budget: Optional[int | str] = None,
         activation_memory: Optional[int | str] = None,
         sharding: str = "full",
+        shard_group_size: Optional[int] = None,
     ) -> None:
         refuse_checkpoint_io(checkpoint_io, type(self).__name__)
         super().__init__(
@@ -262,7 +277,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             load_full_weights=load_full_weights, load_prefix=load_prefix,
             exclude_frozen_parameters=exclude_frozen_parameters, state_dict_type=state_dict_type,
             preemption=preemption, memory_budget=memory_budget, host_memory_budget=host_memory_budget,
-            activation_memory=activation_memory, sharding=sharding,
+            activation_memory=activation_memory, sharding=sharding, shard_group_size=shard_group_size,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -148,3 +148,18 @@ def saved_by_autograd(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss_fn(model, *(t.to(device) for t in batch))
     return activation_bytes, weights
+
+
+def accumulate_step(model: nn.Module, rank: int, world: int, step: int, batch: int, micro_batches: int) -> list[float]:
+    """The forwards and backwards of one optimizer step of the GPT: ``micro_batches`` global
+    batches of ``batch`` rows (``make_batch``), this rank's ``batch // world`` rows of each, each
+    loss divided by ``micro_batches`` before its backward; the micro-batches' losses."""
+    losses = []
+    for micro in range(micro_batches):
+        x, y = make_batch("gpt", step * micro_batches + micro, batch)
+        per_rank = batch // world
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = loss_fn(model, x[rows], y[rows])
+        (loss / micro_batches).backward()
+        losses.append(loss.item())
+    return losses

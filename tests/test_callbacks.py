@@ -50,6 +50,7 @@ def test_monitor_counts_match_hand_computed_bytes(persistence: int) -> None:
     gathers_per_unit = 2 if persistence == 0 else 1
     assert metrics["zinf/gathered_bytes"] == gathers_per_unit * sum(half)
     assert metrics["zinf/reduce_scattered_bytes"] == sum(half)  # each flat gradient once
+    assert metrics["zinf/all_reduced_bytes"] == 0  # no replicas: ZeRO-3 over every rank
     # Resident: fp32 shards (also the masters) + fp32 gradient shards (SGD keeps no state) +
     # pooled gradient buffers + persistent units' gathered buffers + released units' gather memory
     # the CPU keeps for the next gathers (at most every unit's: the most gathered at once).

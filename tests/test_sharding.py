@@ -40,13 +40,7 @@ def _train(rank: int, world: int, sharding: str) -> dict:
     losses, peaks = [], []
     for step in range(STEPS):
         engine.reset_memory_peaks()
-        for micro in range(ACCUMULATE):
-            x, y = models.make_batch("gpt", step * ACCUMULATE + micro, BATCH)
-            per_rank = BATCH // world
-            rows = slice(rank * per_rank, (rank + 1) * per_rank)
-            loss = models.loss_fn(model, x[rows], y[rows])
-            (loss / ACCUMULATE).backward()
-            losses.append(loss.item())
+        losses += models.accumulate_step(model, rank, world, step, BATCH, ACCUMULATE)
         engine.clip_grad_norm_(0.5)
         opt.step()
         opt.zero_grad()
@@ -126,15 +120,13 @@ def test_a_checkpoint_moves_between_sharding_modes(tmp_path: Path, first: str, s
 
 
 def test_sharding_names_and_what_is_refused() -> None:
-    """Lightning's and torch FSDP's names are accepted (by the options and by the engine); hybrid
-    sharding is named as not available, and an unknown mode lists the known ones."""
+    """Lightning's and torch FSDP's names are accepted (by the options and by the engine), and an
+    unknown mode lists the known ones (hybrid sharding's names and refusals: test_hybrid.py)."""
     from torch.distributed.fsdp import ShardingStrategy
 
     assert ZeroOptions(sharding="FULL_SHARD").sharding == "full"
     assert ZeroOptions(sharding="shard_grad_op").sharding == "grad_op"
     assert ZeroOptions(sharding=ShardingStrategy.SHARD_GRAD_OP).sharding == "grad_op"
-    with pytest.raises(ValueError, match="Hybrid sharding .* is not available yet"):
-        ZeroOptions(sharding="HYBRID_SHARD")
     with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
         ZeroOptions(sharding="zero2")
     with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):

@@ -98,14 +98,14 @@ def full_optimizer_state_dict(engine: ZeroEngine, optimizer: torch.optim.Optimiz
         # device holds one state tensor of one group at once, whatever rank keeps the result.
         for key in keys:
             piece = local.pop(key).to(engine.device)
-            gathered = piece.new_empty(piece.numel() * comm.world_size)
+            gathered = piece.new_empty(piece.numel() * comm.shard_size)
             comm.all_gather(gathered, piece)
             del piece
             if not keep:
                 del gathered
                 continue
             scalar = key.endswith(".scalar")
-            values = gathered.view(comm.world_size, -1).cpu() if scalar else gathered
+            values = gathered.view(comm.shard_size, -1).cpu() if scalar else gathered
             for j, (p_offset, numel, shape) in enumerate(zip(group.offsets, group.numels, group.shapes)):
                 index = where.get((gi, j))
                 if index is None:
@@ -233,7 +233,7 @@ def trainable_state_dict(engine: ZeroEngine, *, rank0_only: bool = True) -> dict
     for group, names in _trainable_groups(engine):
         with engine.state_resident(write_back=False, groups=[group]):
             piece = group.shard.to(engine.device)
-            gathered = piece.new_empty(piece.numel() * comm.world_size)
+            gathered = piece.new_empty(piece.numel() * comm.shard_size)
             comm.all_gather(gathered, piece)
             del piece
         if keep:

@@ -226,6 +226,8 @@ def _shard_bytes(engine: ZeroEngine, owners: dict[int, tuple[int, torch.optim.Op
     NVMe): each group's shard, its fp32 master when separate, and the per-element state of the
     optimizer stepping it, plus the header's room; on rank 0 also room for ``meta.pt`` (the layout
     takes about a kilobyte per group, the caller's state usually less than the 64 KiB added)."""
+    if engine.comm.replica != 0:
+        return 0  # hybrid sharding: the first shard group writes the one copy of the state
     total = _HEADER_ROOM_BASE + _HEADER_ROOM_PER_GROUP * len(engine.groups)
     if engine.comm.rank == 0:
         total += (64 << 10) + 1024 * len(engine.groups)
@@ -257,25 +259,30 @@ def _write_shards(
     engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], folder: Path, save: _Save, save_id: str,
     exclude_frozen: bool,
 ) -> list[str]:
-    """Every rank writes its shard file into ``folder`` and flushes it to the disk; returns every
-    rank's SHA-256 (collective). The file's header records ``save_id``, the rank and the world size.
+    """Every rank of one copy of the sharded state (every rank; under hybrid sharding the first
+    shard group's, world ranks ``0 .. shard_size - 1``) writes its shard file into ``folder`` and
+    flushes it to the disk; returns their SHA-256s in shard order (collective). The file's header
+    records ``save_id``, the shard's rank and the ranks sharing the state: a hybrid checkpoint is
+    the checkpoint of a world of ``shard_size`` ranks, and loads at any world size and mode.
 
     Raises:
         CheckpointWriteError: on every rank, if any rank's write failed (full disk...), naming it."""
-    file = folder / shard_file(engine.comm.rank)
-    metadata = {"zinf_save": save_id, "zinf_rank": str(engine.comm.rank), "zinf_world_size": str(engine.comm.world_size)}
+    comm = engine.comm
+    file = folder / shard_file(comm.shard_rank)
+    metadata = {"zinf_save": save_id, "zinf_rank": str(comm.shard_rank), "zinf_world_size": str(comm.shard_size)}
     checksum = failure = None
     try:
-        checksum = _write_shard(engine, optimizer_owners(optimizers), file, exclude_frozen, metadata)
+        if comm.replica == 0:
+            checksum = _write_shard(engine, optimizer_owners(optimizers), file, exclude_frozen, metadata)
     except OSError as error:
         failure = (error.errno, describe_write_failure(error, save.path, file))
-    results = engine.comm.all_gather_object((checksum, failure))
+    results = comm.all_gather_object((checksum, failure))
     failed = [(rank, failure) for rank, (_, failure) in enumerate(results) if failure is not None]
     if failed:
         code, text = failed[0][1]
         ranks = ", ".join(str(rank) for rank, _ in failed)
         raise CheckpointWriteError(code, f"rank{'s' if len(failed) > 1 else ''} {ranks}: {text}")
-    return [checksum for checksum, _ in results]
+    return [checksum for checksum, _ in results[:comm.shard_size]]
 
 
 def _zinf_record(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], checksums: list[str],
@@ -284,7 +291,7 @@ def _zinf_record(engine: ZeroEngine, optimizers: list[torch.optim.Optimizer], ch
     # Per optimizer saved, where each parameter it was given went (ZeroEngine.plain_layouts): what
     # consolidation needs to number its state as the plain optimizer would.
     layouts = [engine.plain_layouts[k] for o in optimizers for k, mine in enumerate(engine.optimizers) if mine is o]
-    return {"format": FORMAT, "version": VERSION, "world_size": engine.comm.world_size, "groups": groups,
+    return {"format": FORMAT, "version": VERSION, "world_size": engine.comm.shard_size, "groups": groups,
             "sha256": checksums, "optimizers": layouts, "save": save_id, "dir": folder}
 
 

@@ -22,6 +22,8 @@ tensor read back with ``int()`` would.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -55,6 +57,66 @@ class _Done:
 
     def wait(self) -> bool:
         return True
+
+
+class _Task:
+    """A handle for a function run by a :class:`_Sequence`: ``wait()`` returns once it has run, or
+    raises what it raised."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as error:  # handed to the waiting thread
+            self.error = error
+        finally:
+            self.done.set()
+
+    def wait(self) -> bool:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Sequence:
+    """A daemon thread that runs functions in the order they were submitted: on gloo, hybrid
+    sharding's all-reduce of each gradient shard across the replicas, after its reduce-scatter.
+    gloo's waits block the thread that waits, so run in the caller they would stop the backward
+    for the reduce-scatter's remaining time and the whole all-reduce; here the next unit's backward
+    computes meanwhile, as it does during the reduce-scatter alone. One thread, so each rank issues
+    the replica group's all-reduces in the order of its reduce-scatters, which every rank shares. A
+    daemon, so that a thread stuck in a collective of a failed run does not hold the process at exit."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[_Task]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._failed: Optional[BaseException] = None
+
+    def submit(self, fn: Callable[[], None]) -> _Task:
+        """Queue ``fn``; the handle's ``wait()`` returns once it has run (raising what it raised).
+        After a function raised, the later ones do not run and their handles raise that error:
+        a rank that skipped one collective must not pair its next with the peers' skipped one."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zinf-replica-all-reduce", daemon=True)
+            self._thread.start()
+        task = _Task(fn)
+        self._queue.put(task)
+        return task
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            if self._failed is not None:
+                task.error = self._failed
+                task.done.set()
+                continue
+            task.run()
+            self._failed = task.error
 
 
 class _Then:
@@ -93,17 +155,21 @@ class CommBytes:
             rank's own shard), from the primary shards or (hpZ) the secondary partitions.
         reduce_scattered: Bytes sent by gradient reduce-scatters (the full flat gradient minus
             this rank's own shard).
-        intra_node: Of both, the bytes exchanged with ranks on this rank's node.
-        inter_node: Of both, the bytes exchanged with ranks on other nodes (what ZeRO++ reduces).
+        all_reduced: Bytes sent by hybrid sharding's all-reduce of gradient shards across the
+            replicas, as a ring sends them (``2 (R - 1) / R`` times the shard for ``R`` replicas).
+        intra_node: Of all three, the bytes exchanged with ranks on this rank's node.
+        inter_node: Of all three, the bytes exchanged with ranks on other nodes (what ZeRO++ and
+            hybrid sharding reduce).
     """
 
     gathered: int = 0
     reduce_scattered: int = 0
+    all_reduced: int = 0
     intra_node: int = 0
     inter_node: int = 0
 
     def reset(self) -> None:
-        self.gathered = self.reduce_scattered = self.intra_node = self.inter_node = 0
+        self.gathered = self.reduce_scattered = self.all_reduced = self.intra_node = self.inter_node = 0
 
     def add_split(self, split: tuple[int, int]) -> None:
         """Add ``(intra-node, inter-node)`` bytes."""
@@ -194,7 +260,15 @@ def _reduce_scatter_mean_flat(out: torch.Tensor, full: torch.Tensor, group: Opti
 
 
 class Collectives:
-    """Collectives over one data-parallel process group.
+    """Collectives over one data-parallel process group, sharded over all of it or (hybrid
+    sharding) over groups of its ranks.
+
+    Hybrid sharding (MiCS, Zhang et al. 2022, arXiv:2205.00119, §3; FSDP's ``HYBRID_SHARD``):
+    the ranks form groups of ``shard_group_size`` consecutive ranks (by default a node), each of
+    which holds one copy of the sharded state. Gathers and reduce-scatters run within the group;
+    each gradient shard is then averaged across the groups (the replicas) by one all-reduce of the
+    shard, so only ``1 / shard_group_size`` of the gradients crosses between groups and no
+    parameter does. The control plane stays on every rank.
 
     Args:
         group: The process group; ``None`` means the default (world) group when
@@ -213,11 +287,18 @@ class Collectives:
             itself when its timeout is this one (or this is ``None``).
         device: The compute device. On an accelerator, qgZ chains its two all-to-all legs on a
             side stream of it (:meth:`reduce_scatter_mean_quantized`).
+        shard_group_size: Hybrid sharding: ranks per shard group. ``None`` (or the world size):
+            shard over every rank.
 
     Attributes:
-        local: The data plane moves bytes as local copies (world size 1, without the debug switch
-            ``ZINF_REAL_COLLECTIVES=1``).
-        group: The data-parallel group (data plane).
+        local: The data plane moves bytes as local copies (a shard group of one rank; at world
+            size 1 not with the debug switch ``ZINF_REAL_COLLECTIVES=1``).
+        group: The data-parallel group (data plane, and the world of :attr:`rank` and
+            :attr:`world_size`).
+        shard_size: Ranks each flat group is sharded over: the world size, or the shard group's.
+        shard_rank: This rank's index in its shard group (its shard of every flat group).
+        replicas: How many shard groups hold the sharded state (1 unless hybrid).
+        replica: This rank's shard group.
         control_group: A gloo group over the same ranks (control plane), ``None`` on one rank.
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
         hpz: The topology of the hpZ partition groups (a "node" is one group), or ``None``.
@@ -225,8 +306,8 @@ class Collectives:
             (one process group per rank set), or ``None`` without them or on one rank.
 
     Raises:
-        ValueError: a size that does not divide the world size, or hpZ over a group other than the
-            world.
+        ValueError: a size that does not divide the world size; hpZ, qgZ or hybrid sharding over a
+            group other than the world; hpZ or qgZ with hybrid sharding.
     """
 
     def __init__(
@@ -240,6 +321,7 @@ class Collectives:
         block: int = 256,
         timeout: Optional[timedelta] = None,
         device: Optional[torch.device] = None,
+        shard_group_size: Optional[int] = None,
     ) -> None:
         self.qwz_block = qwz_block
         accelerated = device is not None and torch.device(device).type != "cpu"
@@ -267,12 +349,39 @@ class Collectives:
         self.hpz: Optional[Topology] = None
         self._hpz_group: Optional[dist.ProcessGroup] = None
         self._nodes: Optional[NodeGroups] = None
+        hybrid = shard_group_size is not None and shard_group_size != self.world_size
         hierarchical = hpz_partition_size is not None or qgz_bits is not None
-        if hierarchical and self.world_size > 1 and self.group is not dist.group.WORLD:
+        if (hierarchical or hybrid) and self.world_size > 1 and self.group is not dist.group.WORLD:
             # Their groups are built from world ranks.
-            raise ValueError("hpZ and qgZ need the engine to partition over the world group (group=None).")
-        # hpZ's and qgZ's groups, one per rank set (on NCCL, one communicator per set).
-        self.rank_set_groups = RankSetGroups(timeout) if hierarchical and self.world_size > 1 else None
+            raise ValueError("hpZ, qgZ and hybrid sharding need the engine to partition over the world group "
+                             "(group=None).")
+        if hybrid and hierarchical:
+            raise ValueError("hpZ and qgZ do not combine with hybrid sharding (shard_group_size): its gathers and "
+                             "reduce-scatters stay within a shard group already.")
+        # hpZ's, qgZ's and hybrid sharding's groups, one per rank set (on NCCL, one communicator per set).
+        self.rank_set_groups = RankSetGroups(timeout) if (hierarchical or hybrid) and self.world_size > 1 else None
+        self._shard_group: Optional[dist.ProcessGroup] = self.group
+        self._replica_group: Optional[dist.ProcessGroup] = None
+        self.shard_size, self.shard_rank, self.replicas, self.replica = self.world_size, self.rank, 1, 0
+        self._shard_peers = list(range(self.world_size))  # ranks of ``group`` sharing this rank's shards
+        self._replica_peers = [self.rank]  # world ranks holding this rank's shards
+        if hybrid:
+            assert shard_group_size is not None
+            require_divisor("shard_group_size", shard_group_size, self.world_size,
+                            "each group of that many consecutive ranks holds one copy of the sharded state",
+                            "Pass one of those (normally the ranks per node).")
+            shards = Topology(self.world_size, self.rank, shard_group_size)
+            groups = NodeGroups(shards, groups=self.rank_set_groups)
+            self._shard_group, self._replica_group = groups.intra, groups.inter
+            self.shard_size, self.shard_rank = shard_group_size, shards.local_rank
+            self.replicas, self.replica = shards.nodes, shards.node
+            self._shard_peers = shards.node_ranks(shards.node)
+            self._replica_peers = shards.peer_ranks(shards.local_rank)
+            # A shard group of one rank gathers nothing: its data plane is local copies.
+            self.local = shard_group_size == 1
+        self._across = _Sequence() if self._replica_group is not None else None
+        #: The shard group is on one node (gloo's in-place forms then apply).
+        self._shard_one_node = len({r // self.topology.ranks_per_node for r in self._shard_peers}) == 1
         if hpz_partition_size is not None:
             require_divisor("hpz_partition_size", hpz_partition_size, self.world_size,
                             "hpZ's secondary partitions are held by groups of that many consecutive ranks",
@@ -290,14 +399,15 @@ class Collectives:
 
     def drop_groups(self) -> None:
         """Let go of every process group, for good (at a normal exit: :mod:`lightning_zinf.comm.exit`)."""
-        self.group = self.control_group = self._hpz_group = None
+        self.group = self.control_group = self._hpz_group = self._shard_group = self._replica_group = None
         self._nodes = self.rank_set_groups = None
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """Gather every rank's ``shard`` into ``out``, rank r's at ``out[r*n:(r+1)*n]``.
 
         Args:
-            out: 1-D tensor of ``world_size * n`` elements, same dtype and device as ``shard``.
+            out: 1-D tensor of ``shard_size * n`` elements, same dtype and device as ``shard``
+                (ranks of the shard group).
             shard: 1-D tensor of ``n`` elements.
             async_op: Return before the data has arrived; call ``wait()`` on the handle.
 
@@ -305,11 +415,11 @@ class Collectives:
             A handle whose ``wait()`` returns when ``out`` is filled.
         """
         self.bytes.gathered += (out.numel() - shard.numel()) * out.element_size()
-        self.bytes.add_split(self.topology.split_bytes(range(self.world_size), shard.numel() * shard.element_size()))
+        self.bytes.add_split(self.topology.split_bytes(self._shard_peers, shard.numel() * shard.element_size()))
         if self.local:
             out.copy_(shard)
             return _Done()
-        work = _all_gather_flat(out, shard, self.group, self.topology.nodes == 1, async_op=async_op)
+        work = _all_gather_flat(out, shard, self._shard_group, self._shard_one_node, async_op=async_op)
         return work if async_op else _Done()
 
     def all_gather_coalesced(self, outs: list[torch.Tensor], shards: list[torch.Tensor],
@@ -328,18 +438,18 @@ class Collectives:
         (``torch._foreach_copy_``; ``torch.split_with_sizes_copy``, FSDP2's copy-out).
 
         Args:
-            outs: 1-D tensors of ``world_size * n_i`` elements, all of one dtype and device.
+            outs: 1-D tensors of ``shard_size * n_i`` elements, all of one dtype and device.
             shards: 1-D tensors of ``n_i`` elements on that device, all of one dtype (any).
             async_op: Return before the data has arrived; ``wait()`` on the handle fills ``outs``.
 
         Returns:
             A handle whose ``wait()`` returns when every ``outs[i]`` is filled.
         """
-        world, itemsize = self.world_size, outs[0].element_size()
+        world, itemsize = self.shard_size, outs[0].element_size()
         sizes = [shard.numel() for shard in shards]
         for out, n in zip(outs, sizes):
             self.bytes.gathered += (out.numel() - n) * itemsize
-            self.bytes.add_split(self.topology.split_bytes(range(world), n * itemsize))
+            self.bytes.add_split(self.topology.split_bytes(self._shard_peers, n * itemsize))
         if self.local:
             torch._foreach_copy_(outs, shards)
             return _Done()
@@ -347,7 +457,7 @@ class Collectives:
         packed = outs[0].new_empty(total)
         torch._foreach_copy_(list(packed.split(sizes)), shards)
         gathered = outs[0].new_empty(world * total)
-        work = _all_gather_flat(gathered, packed, self.group, self.topology.nodes == 1, async_op=True)
+        work = _all_gather_flat(gathered, packed, self._shard_group, self._shard_one_node, async_op=True)
 
         def unpack() -> None:
             torch.split_with_sizes_copy(gathered.view(world, total), sizes, dim=1,
@@ -362,7 +472,7 @@ class Collectives:
         """Bytes of the transient buffers :meth:`all_gather_coalesced` allocates (until its
         ``wait()``) for shards of ``numel`` elements in all, gathered in ``dtype``: the packed
         shards and the packed gather (``(world_size + 1) * numel`` elements); 0 on one rank."""
-        return 0 if self.local else (self.world_size + 1) * numel * dtype.itemsize
+        return 0 if self.local else (self.shard_size + 1) * numel * dtype.itemsize
 
     def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
                              row: Optional[torch.Tensor] = None) -> Handle:
@@ -373,7 +483,7 @@ class Collectives:
         identical values), into ``out`` in its dtype. ``bytes`` counts the rows, padding included.
 
         Args:
-            out: 1-D tensor of ``world_size * n`` elements (fp32, fp16 or bf16).
+            out: 1-D tensor of ``shard_size * n`` elements (fp32, fp16 or bf16).
             shard: 1-D tensor of ``n`` elements, ``out``'s dtype and device.
             async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
             row: ``shard``'s packed row made earlier by :meth:`quantized_row` (a generation phase
@@ -387,7 +497,7 @@ class Collectives:
             raise RuntimeError("all_gather_quantized needs Collectives(qwz_block=...).")
         if row is None:
             row = self.quantized_row(shard)
-        packed = PackedRows.of(out.numel() // self.world_size, 8, self.qwz_block)
+        packed = PackedRows.of(out.numel() // self.shard_size, 8, self.qwz_block)
         return self._all_gather_packed(out, row, packed, self.qwz_block, async_op)
 
     def quantized_row(self, shard: torch.Tensor) -> torch.Tensor:
@@ -410,19 +520,19 @@ class Collectives:
                          async_op: bool = False) -> Handle:
         """All-gather every rank's blockwise codes and scales (as :func:`triton_kernels.quantize`
         made them from an ``n``-element shard) and dequantize them, in rank order, into ``out``
-        (``world_size * n`` elements, in its dtype). The gather of frozen weights stored quantized:
+        (``shard_size * n`` elements, in its dtype). The gather of frozen weights stored quantized:
         codes and scales are copied into one packed row (:class:`~triton_kernels.PackedRows`) and
         gathered in one collective; ``bytes`` counts the rows, padding included.
 
         Args:
-            out: 1-D fp32/fp16/bf16 tensor of ``world_size * n`` elements.
+            out: 1-D fp32/fp16/bf16 tensor of ``shard_size * n`` elements.
             codes: This rank's codes (``code_cols(n, bits)``).
             scales: This rank's fp32 scales (``ceil(n / block)``).
             bits: The codes' format: 8 or 4 bits.
             block: The codes' format: elements per scale.
             async_op: Return before the data has arrived; ``wait()`` on the handle dequantizes.
         """
-        packed = PackedRows.of(out.numel() // self.world_size, bits, block)
+        packed = PackedRows.of(out.numel() // self.shard_size, bits, block)
         row = packed.empty(1, codes.device)
         row_codes, row_scales = packed.views(row)
         row_codes.copy_(codes.view(1, -1))
@@ -432,16 +542,17 @@ class Collectives:
     def _all_gather_packed(self, out: torch.Tensor, row: torch.Tensor, packed: PackedRows, block: int,
                            async_op: bool) -> Handle:
         """Gather every rank's packed ``row`` (``[1, packed.row_bytes]`` uint8) in one collective and
-        dequantize the gathered rows, read in place, into ``out`` (``world_size * n`` elements)."""
-        world = self.world_size
+        dequantize the gathered rows, read in place, into ``out`` (``shard_size * n`` elements)."""
+        world = self.shard_size
         n = out.numel() // world
         self.bytes.gathered += (world - 1) * packed.row_bytes
-        self.bytes.add_split(self.topology.split_bytes(range(world), packed.row_bytes))
+        self.bytes.add_split(self.topology.split_bytes(self._shard_peers, packed.row_bytes))
         if self.local:
             rows, works = row, []
         else:
             rows = packed.empty(world, row.device)
-            works = [_all_gather_flat(rows.view(-1), row.view(-1), self.group, self.topology.nodes == 1, async_op=True)]
+            works = [_all_gather_flat(rows.view(-1), row.view(-1), self._shard_group, self._shard_one_node,
+                                      async_op=True)]
 
         def dequantize_into_out() -> None:
             all_codes, all_scales = packed.views(rows)
@@ -477,24 +588,73 @@ class Collectives:
         return work if async_op else _Done()
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
-        """Average ``full`` over ranks and keep this rank's slice in ``out``.
+        """Average ``full`` over ranks and keep this rank's slice in ``out``. Under hybrid
+        sharding, the mean over the shard group's ranks by a reduce-scatter, then over the replicas
+        by an all-reduce of the slice (a sum, then a division by the replicas: gloo has no mean).
 
         Args:
-            out: 1-D tensor of ``n`` elements: receives ``mean_over_ranks(full)[r*n:(r+1)*n]``.
-            full: 1-D tensor of ``world_size * n`` elements, same dtype and device as ``out``; its
+            out: 1-D tensor of ``n`` elements: receives ``mean_over_ranks(full)[r*n:(r+1)*n]``
+                (``r`` this rank's :attr:`shard_rank`).
+            full: 1-D tensor of ``shard_size * n`` elements, same dtype and device as ``out``; its
                 values are undefined afterwards (a collective may use it as scratch).
             async_op: Return before the result has arrived; call ``wait()`` on the handle.
 
         Returns:
             A handle whose ``wait()`` returns when ``out`` is filled.
         """
+        nbytes = out.numel() * out.element_size()
         self.bytes.reduce_scattered += (full.numel() - out.numel()) * full.element_size()
-        self.bytes.add_split(self.topology.split_bytes(range(self.world_size), out.numel() * out.element_size()))
+        self.bytes.add_split(self.topology.split_bytes(self._shard_peers, nbytes))
         if self.local:
             out.copy_(full)  # nothing to do when they are one tensor (torch skips a self-copy)
-            return _Done()
-        work = _reduce_scatter_mean_flat(out, full, self.group, self.topology.nodes == 1, async_op=async_op)
-        return work if async_op else _Done()
+            work: Optional[Handle] = None
+        else:
+            work = _reduce_scatter_mean_flat(out, full, self._shard_group, self._shard_one_node, async_op=True)
+        if self._replica_group is None:
+            if work is None or not async_op:
+                if work is not None:
+                    work.wait()
+                return _Done()
+            return work
+        replicas, group = self.replicas, self._replica_group
+        self.bytes.all_reduced += 2 * (replicas - 1) * nbytes // replicas
+        self.bytes.add_split(self.topology.split_bytes(self._replica_peers, 2 * nbytes // replicas))
+
+        def across_replicas() -> None:
+            # gloo has no mean: a sum, divided first where a 16-bit float's range could overflow.
+            if out.dtype == torch.float16:
+                out.div_(replicas)
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+            if out.dtype != torch.float16:
+                out.div_(replicas)
+
+        if self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl":
+            # NCCL: the all-reduce is queued at once on the side stream, behind the reduce-scatter
+            # on the device (the side stream waits for the compute stream, then for the
+            # reduce-scatter), so it overlaps the next units' backward as the reduce-scatter does;
+            # ``wait()`` orders the compute stream after it. ``out`` and ``full`` come from the
+            # compute stream and stay referenced by the works until then.
+            self._chain.wait_stream(torch.accelerator.current_stream(self._device))
+            with self._chain:
+                if work is not None:
+                    work.wait()
+                reduced = dist.all_reduce(out, op=dist.ReduceOp.AVG, group=group, async_op=True)
+            handle: Handle = _Then([reduced], lambda: None)
+        elif out.device.type == "cpu" and self._across is not None:
+            # gloo: the reduce-scatter's wait and the all-reduce on the sequence's thread.
+            def chain() -> None:
+                if work is not None:
+                    work.wait()
+                across_replicas()
+
+            handle = self._across.submit(chain)
+        else:
+            # Device tensors over gloo (two ranks sharing a GPU in the tests): issued once the
+            # reduce-scatter is waited for.
+            handle = _Then([work] if work is not None else [], across_replicas)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def reduce_scatter_mean_quantized(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """qgZ (ZeRO++ §3.3): the mean over ranks of ``full``, this rank's slice into ``out``, by a
@@ -600,10 +760,19 @@ class Collectives:
         return self.control_group if tensor.device.type == "cpu" else self.group
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over ranks in place and return it (global norms). A tensor in host
-        memory goes over the control group, one on the device over the data group."""
+        """Sum ``tensor`` over ranks in place and return it. A tensor in host memory goes over the
+        control group, one on the device over the data group."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group_for(tensor))
+        return tensor
+
+    def sum_over_shards(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a per-rank quantity of this rank's shards (a squared gradient norm) over one copy of
+        the sharded state, in place, and return it: :meth:`all_reduce_sum` over the ranks, divided
+        by :attr:`replicas` (every replica holds the same shards, the all-reduce's identical result)."""
+        self.all_reduce_sum(tensor)
+        if self.replicas > 1:
+            tensor.div_(self.replicas)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

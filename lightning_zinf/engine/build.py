@@ -160,7 +160,7 @@ class UnitBuilder:
         if from_rank0:
             self.comm.broadcast(source)  # ranks must shard identical values
         on_device = self.device_copies and params[0].requires_grad and self._fits_on_device(
-            shard_numel(sum(p.numel() for p in params), self.comm.world_size))
+            shard_numel(sum(p.numel() for p in params), self.comm.shard_size))
         group = FlatGroup([n for n, _ in members], params, source, self.comm, self.device, self.shard_device,
                           storage_dtype=self.mixed_precision.storage_dtype(params[0].dtype, params[0].requires_grad),
                           compute_dtype=self.mixed_precision.compute_dtype(params[0].dtype),
@@ -228,6 +228,38 @@ def check_group_sizes(zero_pp: ZeroPPConfig, world: int, ranks_per_node: int) ->
             f"Set zero_pp.hpz_partition_size to one of those, normally the ranks per node ({ranks_per_node}, which "
             "keeps each group inside a node), or leave it unset (= ranks_per_node).",
         )
+
+
+def hybrid_group_size(sharding: str, shard_group_size: Optional[int], zero_pp: ZeroPPConfig, world: int,
+                      ranks_per_node: int) -> Optional[int]:
+    """The shard group's size under ``sharding="hybrid"`` (``shard_group_size``, by default the
+    ranks per node), or ``None`` for the other modes; checked before any process group is built.
+
+    Raises:
+        ValueError: ``shard_group_size`` without ``sharding="hybrid"``; one that does not divide
+            ``world``; hybrid sharding with hpZ or qgZ (the message says why they do not combine).
+    """
+    if sharding != "hybrid":
+        if shard_group_size is not None:
+            raise ValueError(f"shard_group_size={shard_group_size} sets the groups of hybrid sharding: give "
+                             "sharding='hybrid' with it (Lightning's 'HYBRID_SHARD'), or drop it.")
+        return None
+    size = ranks_per_node if shard_group_size is None else shard_group_size
+    require_divisor("shard_group_size", size, world,
+                    "each group of that many consecutive ranks holds one copy of the sharded state",
+                    f"Set shard_group_size to one of those, normally the ranks per node ({ranks_per_node}), or leave "
+                    "it unset.")
+    if zero_pp.hpz:
+        raise ValueError("ZeroPPConfig(hpz=True) does not combine with sharding='hybrid': hpZ keeps a copy of the "
+                         "weights within each node for backward's gathers, and a hybrid shard group gathers within "
+                         "itself already (a node by default). Drop hpz, or use sharding='full' with it.")
+    if zero_pp.qgz:
+        raise ValueError("ZeroPPConfig(qgz=True) does not combine with sharding='hybrid': qgZ quantizes the "
+                         "inter-node leg of the gradient reduce-scatter, and under hybrid sharding the reduce-scatter "
+                         "stays within the shard group; what crosses between groups is an all-reduce of each "
+                         "gradient shard, 1/shard_group_size of the gradients, which qgZ does not quantize. Drop "
+                         "qgz, or use sharding='full' with it.")
+    return size
 
 
 def make_swap_space(config: OffloadConfig, comm: Collectives, device: torch.device,

@@ -54,7 +54,7 @@ from lightning_zinf.engine.accounting import MOVING, MemoryAccounting
 from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool, GatherPool
-from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, make_swap_space, swapped_shards
+from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, hybrid_group_size, make_swap_space, swapped_shards
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.ledger import MemoryLedger
@@ -78,6 +78,7 @@ from lightning_zinf.tiling import tile_linear_layers
 if TYPE_CHECKING:
     from lightning_zinf.planning import MemoryPlan
     from lightning_zinf.planning.activations import ActivationPlan
+    from lightning_zinf.planning.sharding import ShardingChoice
 
 __all__ = ["ZeroEngine", "Unit"]
 
@@ -129,10 +130,14 @@ class ZeroEngine:
             construction (:func:`~lightning_zinf.checkpoint.load_full_state_dict`): built on the
             meta device, they get memory but no initialisation.
         sharding: ``"full"`` (ZeRO-3: a unit is gathered for its forward, released, and gathered
-            again for its backward) or ``"grad_op"`` (ZeRO-2, FSDP's ``SHARD_GRAD_OP``: a unit
+            again for its backward), ``"grad_op"`` (ZeRO-2, FSDP's ``SHARD_GRAD_OP``: a unit
             gathered by a forward that records a graph stays gathered until its backward is done
-            with it; gradients and optimizer state stay sharded). Lightning's names are accepted
-            (:func:`~lightning_zinf.config.sharding_mode`).
+            with it; gradients and optimizer state stay sharded) or ``"hybrid"`` (FSDP's
+            ``HYBRID_SHARD``, MiCS: ZeRO-3 within groups of ``shard_group_size`` consecutive ranks,
+            each group a replica of the sharded state; gradient shards all-reduced across the
+            groups). Lightning's names are accepted (:func:`~lightning_zinf.config.sharding_mode`).
+        shard_group_size: With ``sharding="hybrid"``: ranks per shard group, a divisor of the
+            world size (default: the ranks per node, as hpZ's). Needs ``group=None``.
 
     Attributes:
         units: The units, in plan order (a unit's ``index`` is its position).
@@ -159,6 +164,8 @@ class ZeroEngine:
             ``module.state_dict()``/``load_state_dict()`` read and write full values.
         memory_plan: The :class:`~lightning_zinf.planning.MemoryPlan` the strategy's
             ``memory_budget`` chose this engine's placement with, or ``None``.
+        sharding_choice: What the strategies' ``sharding="auto"`` chose and why
+            (:class:`~lightning_zinf.planning.sharding.ShardingChoice`), else ``None``.
         activation_plan: The :class:`~lightning_zinf.planning.activations.ActivationPlan` that
             chooses, after the first training step, which blocks keep their activations under
             ``memory_budget``, or ``None``; :meth:`begin_pass` consults it.
@@ -167,8 +174,10 @@ class ZeroEngine:
         ValueError: an unknown ``sharding``; the model has no parameters; a module made on the meta device has no
             ``reset_parameters()``; a ``block_classes`` or ``activation_checkpointing`` entry is
             malformed, or an ``activation_checkpointing`` entry matches no module;
-            ``zero_pp.ranks_per_node`` or (with hpZ) ``zero_pp.hpz_partition_size`` does not divide
-            the world size (the message names the option, its value and the divisors allowed).
+            ``zero_pp.ranks_per_node``, (with hpZ) ``zero_pp.hpz_partition_size`` or (hybrid)
+            ``shard_group_size`` does not divide the world size (the message names the option, its
+            value and the divisors allowed); ``shard_group_size`` without hybrid sharding; hybrid
+            sharding with hpZ or qgZ, or over a ``group`` other than the world.
         SwapError: with ``param="nvme"``, the parameter shards' swap files would not fit in the
             free space at ``nvme_path`` (checked on every rank before anything is materialised or
             written: :func:`~lightning_zinf.offload.preflight.ensure_space`), or the swap folder
@@ -193,8 +202,14 @@ class ZeroEngine:
         timeout: Optional[timedelta] = None,
         preloaded: Collection[str] = (),
         sharding: str = "full",
+        shard_group_size: Optional[int] = None,
     ) -> None:
         sharding = sharding_mode(sharding)
+        if sharding == "auto":
+            raise ValueError("sharding='auto' is chosen at setup by ZeroInfinityStrategy and ZeroInfinityFabricStrategy "
+                             "(from the measured links and the example input). In your own loop, call "
+                             "lightning_zinf.planning.sharding.auto_sharding(...) and pass the mode and ZeRO++ switches "
+                             "of its choice, or choose them yourself.")
         if getattr(module, "_zinf_engine", None) is not None:
             raise ValueError(
                 f"{type(module).__name__} is already partitioned by a ZeroEngine; reuse that engine "
@@ -202,6 +217,7 @@ class ZeroEngine:
             )
         self.module = module
         self.memory_plan: Optional["MemoryPlan"] = None  # set by the strategies' build_engine
+        self.sharding_choice: Optional["ShardingChoice"] = None  # likewise
         self.activation_plan: Optional["ActivationPlan"] = None  # likewise
         self.device = resolve_device(device)
         self.transfers = Transfers(self.device)
@@ -214,7 +230,9 @@ class ZeroEngine:
         self.comm = Collectives(group, ranks_per_node=ranks_per_node, hpz_partition_size=hpz_size,
                                 qwz_block=zero_pp.block if zero_pp.qwz else None,
                                 qgz_bits=zero_pp.qgz_bits if zero_pp.qgz else None, block=zero_pp.block,
-                                timeout=timeout, device=self.device)
+                                timeout=timeout, device=self.device,
+                                shard_group_size=hybrid_group_size(sharding, shard_group_size, zero_pp, world,
+                                                                   ranks_per_node))
         on_device = list(MOVING)
         on_device += ["shards_device"] * (offload.param == "none") + ["grad_shards", "optimizer"] * (offload.optimizer == "none")
         on_device += ["optimizer_device"] * bool(offload.device_bytes)
@@ -226,7 +244,7 @@ class ZeroEngine:
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         specs, uses = plan_units(module, block_classes)
         # Before any shard exists: the preflight counts the swap files the partitioning will write.
-        swapped = (ParamOffload.planned_bytes(swapped_shards(specs, mixed_precision, zero_pp, self.comm.world_size))
+        swapped = (ParamOffload.planned_bytes(swapped_shards(specs, mixed_precision, zero_pp, self.comm.shard_size))
                    if offload.param == "nvme" else 0)
         self.space = make_swap_space(offload, self.comm, self.device, swapped)
         self.swapper = self.space.swapper if self.space is not None else None

@@ -155,10 +155,10 @@ class FlatGroup:
         self.device = device
         self.transfers = transfers or Transfers(device)
         self.gathers = gathers or GatherPool(device, self.ledger)
-        world = comm.world_size
+        world = comm.shard_size  # the shard group's ranks (every rank, unless hybrid)
         self.shard_numel = shard_numel(self.numel, world)
         self.padded_numel = self.shard_numel * world
-        self.shard_start = comm.rank * self.shard_numel
+        self.shard_start = comm.shard_rank * self.shard_numel
         self._ranges = self._compute_owned_ranges()
 
         if source is None:

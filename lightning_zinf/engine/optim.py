@@ -104,7 +104,7 @@ def clip_grad_norm_(fragments: Iterable[Tensor], max_norm: float, comm: Collecti
         at = [i for i, g in enumerate(grads) if g.device == device]
         for i, n in zip(at, torch._foreach_norm([grads[i] for i in at])):
             norms[i] = n
-    norm = comm.all_reduce_sum(local_grad_sq_norm(norms)).sqrt()  # type: ignore[arg-type]
+    norm = comm.sum_over_shards(local_grad_sq_norm(norms)).sqrt()  # type: ignore[arg-type]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for device in devices:
         torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device, grads[0].dtype))

@@ -203,7 +203,7 @@ class OptimizerSteps:
             self.offload.wait_all()  # a step still in flight steps the fragments read below
         if self.offload is not None and self.offload.nvme:
             self._settle()
-            norm = self.comm.all_reduce_sum(self.offload.global_grad_sq_norm()).sqrt()  # on the host
+            norm = self.comm.sum_over_shards(self.offload.global_grad_sq_norm()).sqrt()  # on the host
             self.offload.clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             return norm
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)

@@ -6,15 +6,19 @@ link of bandwidth R while traffic inside a node stays on that namespace's loopba
 the other rank of its own node connects to its own node's address, which the kernel delivers
 locally). In each namespace it starts ``train.py`` as node 0 or 1 of a real multi-node Lightning
 job (``NODE_RANK``, ``MASTER_ADDR`` on node 0's veth address, gloo bound to the veth with
-``GLOO_SOCKET_IFNAME``), 2 ranks per node. For every bandwidth it runs ZeRO-3, then ZeRO++ (hpZ, qwZ,
-qgZ), and reports the step time (mean after the first 5 steps), the throughput ratio, and the bytes
-that crossed the link per step from the veth's counters next to the engine's own count.
+``GLOO_SOCKET_IFNAME``), 2 ranks per node. For every bandwidth it runs each ``--contenders`` entry
+(``train.py``'s: ZeRO-3, ZeRO++ with hpZ, qwZ and qgZ, grad_op, hybrid, FSDP2's ZeRO-3 and its HSDP;
+by default ZeRO-3 and ZeRO++) ``--repeats`` times, and reports the step time (the median over
+repeats of each run's mean after the first 5 steps), each contender's throughput against ZeRO-3's,
+and the bytes that crossed the link per step from the veth's counters next to the engine's own
+count.
 
 Needs root (namespaces, veth, tc) and the ``ip`` and ``tc`` commands; without them it says why and
 exits 0. Everything it creates is removed at the end, also after a failure. The kernel here has no
 ``netem`` qdisc, so the link has no added delay, only the bandwidth limit.
 
     sudo python examples/benchmarks/cluster/cluster.py [--rates 1000mbit 100mbit] [--steps 30]
+        [--contenders zero3 zero_pp grad_op hybrid fsdp2 fsdp2_hsdp] [--repeats 3]
 
 ``--job rlhf`` runs the RLHF example's GRPO step instead (``rlhf_train.py``: a LoRA actor and a
 frozen reward model built from seeds, ``--width``/``--layers``), at each ``--budgets`` value of
@@ -104,28 +108,44 @@ def run(contender: str, steps: int, workdir: Path, script: str = "train.py", ext
 
 
 def train_job(args: argparse.Namespace, tmp: Path) -> dict:
-    """The main job's training (``train.py``), ZeRO-3 then ZeRO++, at each rate."""
-    results: dict = {"warm_up_steps": WARM}
+    """The main job's training (``train.py``), each contender ``--repeats`` times at each rate:
+    the median of the runs' mean step times, and their link bytes per step."""
+    results: dict = {"warm_up_steps": WARM, "repeats": args.repeats}
     for rate in args.rates:
         build(rate)
-        for contender in ("zero3", "zero_pp"):
+        for contender in args.contenders:
             began = time.perf_counter()
-            got = run(contender, args.steps, tmp)
-            steps = got["step_s"][WARM:]
+            runs = [run(contender, args.steps, tmp) for _ in range(args.repeats)]
+            means = sorted(sum(got["step_s"][WARM:]) / len(got["step_s"][WARM:]) for got in runs)
+            got = runs[0]
             engine = sum(got["node_inter_bytes"]) / len(got["node_inter_bytes"])
             results[f"{rate}/{contender}"] = {
-                "step_s": sum(steps) / len(steps),
+                "step_s": means[len(means) // 2],
+                "step_s_runs": means,
                 "engine_inter_bytes_per_step": engine,
-                "link_bytes_per_step": got["link_bytes"] / len(got["step_s"]),
+                "link_bytes_per_step": sum(r["link_bytes"] / len(r["step_s"]) for r in runs) / len(runs),
                 "wall_s": time.perf_counter() - began,
+                **({"choice": got["choice"]} if got.get("choice") else {}),
             }
             r = results[f"{rate}/{contender}"]
-            print(f"{rate:>9} {contender:>8}: {r['step_s']:.3f} s/step, across the link per step: "
-                  f"{r['link_bytes_per_step'] / 1e6:.2f} MB (veth, both directions, whole run / steps), "
-                  f"{engine / 1e6:.2f} MB (engine, node 0's ranks)", flush=True)
-        ratio = results[f"{rate}/zero3"]["step_s"] / results[f"{rate}/zero_pp"]["step_s"]
-        results[f"{rate}/speedup"] = {"zero_pp_over_zero3": ratio}
-        print(f"{rate:>9} ZeRO++ throughput / ZeRO-3: {ratio:.2f}x", flush=True)
+            if r.get("choice"):
+                print(f"{rate:>9} {contender:>10}: {r['choice']}", flush=True)
+            print(f"{rate:>9} {contender:>10}: {r['step_s']:.3f} s/step (runs {', '.join(f'{m:.3f}' for m in means)}), "
+                  f"across the link per step: {r['link_bytes_per_step'] / 1e6:.2f} MB (veth, both directions, whole "
+                  f"run / steps), {engine / 1e6:.2f} MB (engine, node 0's ranks)", flush=True)
+        if "zero3" in args.contenders:
+            base = results[f"{rate}/zero3"]
+            results[f"{rate}/speedup"] = speedup = {
+                f"{c}_over_zero3": base["step_s"] / results[f"{rate}/{c}"]["step_s"] for c in args.contenders if c != "zero3"}
+            results[f"{rate}/link_bytes_ratio"] = {
+                f"{c}_over_zero3": results[f"{rate}/{c}"]["link_bytes_per_step"] / base["link_bytes_per_step"]
+                for c in args.contenders if c != "zero3"}
+            for key, value in speedup.items():
+                print(f"{rate:>9} {key.replace('_over_zero3', '')} throughput / ZeRO-3: {value:.2f}x", flush=True)
+        if "hybrid" in args.contenders and "fsdp2_hsdp" in args.contenders:
+            ratio = results[f"{rate}/fsdp2_hsdp"]["step_s"] / results[f"{rate}/hybrid"]["step_s"]
+            results[f"{rate}/hybrid_over_fsdp2_hsdp"] = ratio
+            print(f"{rate:>9} hybrid throughput / FSDP2 HSDP: {ratio:.2f}x", flush=True)
     return results
 
 
@@ -182,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", choices=["train", "rlhf"], default="train",
                         help="train: the main job's training (train.py); rlhf: the RLHF example's GRPO step (rlhf_train.py)")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--contenders", nargs="+", default=["zero3", "zero_pp"],
+                        choices=["zero3", "zero_pp", "grad_op", "hybrid", "fsdp2", "fsdp2_hsdp", "auto"],
+                        help="train: train.py's contenders, in this order at each rate (zero3 first for the ratios)")
+    parser.add_argument("--repeats", type=int, default=1, help="train: runs per contender and rate (the median is kept)")
     parser.add_argument("--width", type=int, default=256, help="rlhf: the actor's width (the reward model's is half)")
     parser.add_argument("--layers", type=int, default=4, help="rlhf: the actor's layers (the reward model's: half)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1 << 40],
