@@ -78,7 +78,8 @@ def build_engine(
     """
     choice = None
     if options.sharding == "auto":
-        options, choice = _auto_sharding(module, options, device, options.mixed_precision or precision, ranks_per_node)
+        options, choice = _auto_sharding(module, options, device, options.mixed_precision or precision, ranks_per_node,
+                                         timeout)
     plan = memory_plan(module, options, device=device, precision=options.mixed_precision or precision,
                        loss_scaling=loss_scaling, ranks_per_node=ranks_per_node)
     if plan is not None:
@@ -171,7 +172,7 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
 
 
 def _auto_sharding(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
-                   ranks_per_node: int) -> tuple[ZeroOptions, ShardingChoice]:
+                   ranks_per_node: int, timeout: Optional[timedelta]) -> tuple[ZeroOptions, ShardingChoice]:
     """``sharding="auto"``: the options with the mode and ZeRO++ switches
     :func:`~lightning_zinf.planning.sharding.auto_sharding` chooses (collective), the step's compute
     taken from ``example_input_array`` where the model has one (:func:`_example_profile`); the
@@ -187,7 +188,7 @@ def _auto_sharding(module: nn.Module, options: ZeroOptions, device: torch.device
                            persistence_threshold=options.prefetch.persistence_threshold,
                            bucket_size=options.prefetch.bucket_size,
                            placement=Placement(param=options.offload.param, optimizer=options.offload.optimizer),
-                           compute=compute)
+                           compute=compute, timeout=timeout)
     rank_zero_info(f"lightning_zinf: {choice.describe()}")
     zero_pp = dataclasses.replace(options.zero_pp, hpz=choice.zero_pp.hpz, qwz=choice.zero_pp.qwz,
                                   qgz=choice.zero_pp.qgz)

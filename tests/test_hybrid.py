@@ -299,12 +299,16 @@ def test_the_trainer_takes_lightnings_name_the_group_size_and_a_preset() -> None
     assert preset[0][0] == full[0][0]
 
 
-def _refused(rank: int, world: int, kwargs: dict) -> str:
-    try:
-        ZeroEngine(models.GPT(**GPT), block_classes=["Block"], **kwargs)
-    except ValueError as error:
-        return str(error)
-    return "built"
+def _refused(rank: int, world: int, cases: list[dict]) -> list[str]:
+    """Each case's error building an engine with it (every case fails before any collective)."""
+    messages = []
+    for kwargs in cases:
+        try:
+            ZeroEngine(models.GPT(**GPT), block_classes=["Block"], **kwargs)
+            messages.append("built")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
 
 
 def test_what_hybrid_sharding_refuses() -> None:
@@ -326,8 +330,8 @@ def test_what_hybrid_sharding_refuses() -> None:
              ({"sharding": "full", "shard_group_size": 2}, "give sharding='hybrid' with it"),
              ({"sharding": "hybrid", "zero_pp": ZeroPPConfig(hpz=True)}, r"hpz=True\) does not combine"),
              ({"sharding": "hybrid", "zero_pp": ZeroPPConfig(qgz=True)}, r"qgz=True\) does not combine")]
-    for kwargs, message in cases:
-        for text in run_distributed(_refused, 4, kwargs):
+    for texts in run_distributed(_refused, 4, [kwargs for kwargs, _ in cases]):
+        for (kwargs, message), text in zip(cases, texts):
             assert re.search(message, text), (kwargs, text)
 
 

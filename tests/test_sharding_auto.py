@@ -85,6 +85,41 @@ def test_the_choice_follows_the_links() -> None:
     tight = choose_sharding(inventory, 4, 2, Links(1e9, 1e9), state_bytes=states, free_bytes=250, compute=0.1,
                             quantization=1e-8)
     assert tight.sharding == "full" and not tight.fits["hybrid"] and "does not fit" in tight.describe()
+    # On an accelerator whose offloaded state lives in host memory, the host must hold hybrid's too.
+    host = choose_sharding(inventory, 4, 2, Links(1e9, 12.5e6), state_bytes=states, free_bytes=10**6, compute=0.1,
+                           quantization=1e-8, accelerator=True, host_bytes={"full": 100, "hybrid": 900}, free_host=1000)
+    assert not host.fits["hybrid"] and host.fits["zero_pp"]
+    # Without the step's compute an accelerator may hide the collectives: no quantization then.
+    unknown = choose_sharding(inventory, 4, 2, Links(1e9, 12.5e6), state_bytes=states, free_bytes=10**6,
+                              quantization=1e-8, accelerator=True)
+    assert not unknown.zero_pp.qgz and "example_input_array" in unknown.describe()
+    # NCCL's rings cross a node's link once per collective over every rank: fewer bytes for
+    # full sharding than each rank sending each peer its part, as many for hybrid's all-reduce.
+    for candidate, fewer in (("full", True), ("hybrid", False)):
+        direct, ring = step_bytes(inventory, 16, 8, candidate)[1], step_bytes(inventory, 16, 8, candidate, ring=True)[1]
+        assert (ring < direct) == fewer and ring <= direct
+
+
+def _probe_failing_on_rank_1(rank: int, world: int) -> tuple:
+    import lightning_zinf.planning.sharding as sharding
+    from lightning_zinf.comm.topology import Topology
+
+    original = sharding._probe_buffers
+
+    def buffers(size, device, nbytes):
+        if rank == 1:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return original(size, device, nbytes)
+
+    sharding._probe_buffers = buffers
+    return sharding.measure_links(Topology(world, rank, 2), torch.device("cpu"), nbytes=1 << 16)
+
+
+def test_a_probe_that_fails_on_one_rank_is_known_to_all() -> None:
+    """The probes' buffers cannot be allocated on rank 1 only (out of memory): no rank waits for
+    it in a probe, and every rank gets the rates as unknown (``auto`` then keeps ``full``)."""
+    links = run_distributed(_probe_failing_on_rank_1, 4, timeout=120)
+    assert all(link.inter is None and link.intra is None for link in links), links
 
 
 def _auto(rank: int, world: int, sharding: str) -> dict:

@@ -27,11 +27,18 @@ compute (``example_input_array``), else all. The quantization's kernels run with
 show in full. A candidate that costs more than ``full`` must earn it:
 
 - ``hybrid`` holds a node's share of the state instead of the world's: taken only where that fits
-  in the free memory the probe saw and it saves at least 3% of the predicted step;
+  in 60% of the free memory every rank sees (device, and host where tiers are offloaded) and it
+  saves at least 3% of the predicted step;
 - ZeRO++'s quantization changes the values that cross the link (weights to about 0.7% relative
   error, gradients to about 18% relative L2 per reduction with INT4 codes): taken only where it
   saves at least 10% of the best unquantized candidate's predicted step, never on a link fast
-  enough that the step hides the collectives.
+  enough that the step hides the collectives, and on an accelerator not without the step's
+  compute (which may hide them).
+
+The byte model counts what a rank sends each peer (the engine's counts, gloo's in-place forms);
+with NCCL, gathers and reduce-scatters over every rank go round a ring, which crosses a node's
+link once (:func:`step_bytes`' ``ring``). A choice near a threshold may differ between runs: pin
+the mode where a run must keep its numerics.
 
 ``grad_op`` (ZeRO-2) is not a candidate: it trades memory for one gather of the two, and the
 activations it competes with are not known at setup. Choose it yourself.
@@ -39,8 +46,10 @@ activations it competes with are not known at setup. Choose it yourself.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -53,6 +62,8 @@ from lightning_zinf.planning.inventory import Inventory
 if TYPE_CHECKING:
     from lightning_zinf.config import MixedPrecisionConfig
     from lightning_zinf.planning.cost import Placement
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Links", "ShardingChoice", "auto_sharding", "choose_sharding", "measure_links", "measure_quantization",
            "step_bytes"]
@@ -121,7 +132,7 @@ class ShardingChoice:
 
 
 def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate: str,
-               block: int = 256) -> tuple[float, float]:
+               block: int = 256, ring: bool = False) -> tuple[float, float]:
     """Bytes one training step's collectives move under ``candidate``: ``(sent by one rank to
     its node's ranks, sent by one node across its link)``.
 
@@ -131,6 +142,9 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         ranks_per_node: Ranks per node (D); ``world // D`` nodes (N).
         candidate: ``"full"``, ``"hybrid"`` or ``"zero_pp"`` (module docstring).
         block: Elements per quantization scale (ZeRO++).
+        ring: Gathers and reduce-scatters over every rank go round a ring (NCCL), which crosses a
+            node's link once with ``(W - 1) / W`` of the buffer, instead of each rank sending each
+            peer its part (gloo's in-place forms, and what the engine's counts say).
 
     Returns:
         ``(intra, inter)`` in bytes. A gather of a group of ``B`` bytes sends each peer this
@@ -142,6 +156,8 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         ValueError: an unknown ``candidate``.
     """
     d, n = ranks_per_node, world // ranks_per_node
+    # What one node sends across its link per byte of a collective over every rank.
+    across = (world - 1) / world if ring else d * (world - d) / world
     intra = inter = 0.0
     for g in inventory.groups:
         gathers = 1 if g.persistent else 2
@@ -149,7 +165,7 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         grads = g.numel * inventory.reduce_bytes if g.trainable else 0
         if candidate == "full":
             intra += (d - 1) / world * (gathers * params + grads)
-            inter += d * (world - d) / world * (gathers * params + grads)
+            inter += across * (gathers * params + grads)
         elif candidate == "hybrid":
             intra += (d - 1) / d * (gathers * params + grads)
             inter += 2 * (n - 1) / n * grads  # d ranks, each all-reducing its 1/d shard
@@ -157,7 +173,7 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
             codes = g.numel * (1 + 4 / block)  # INT8 and a scale per block
             # The forward gather as codes over every rank; backward's from the node's secondary.
             intra += (d - 1) / world * codes + (gathers - 1) * (d - 1) / d * params
-            inter += d * (world - d) / world * codes
+            inter += across * codes
             if g.trainable:
                 grad_codes = g.numel * (0.5 + 4 / block)  # INT4 and a scale per block
                 intra += (d - 1) / d * grad_codes
@@ -169,7 +185,8 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
 
 def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links: Links, *,
                     state_bytes: dict[str, int], free_bytes: Optional[int], compute: Optional[float] = None,
-                    quantization: float = 0.0, accelerator: bool = False) -> ShardingChoice:
+                    quantization: float = 0.0, accelerator: bool = False, ring: bool = False,
+                    host_bytes: Optional[dict[str, int]] = None, free_host: Optional[int] = None) -> ShardingChoice:
     """The sharding mode and ZeRO++ switches for ``links`` (module docstring).
 
     Args:
@@ -177,14 +194,20 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
         world: Ranks in all.
         ranks_per_node: Ranks per node.
         links: The measured rates.
-        state_bytes: Predicted bytes of this rank's state per candidate; one without an entry
-            counts as ``"full"``'s.
-        free_bytes: Memory free for the state on this rank (``None``: not known; then only
-            candidates no larger than ``"full"`` are taken).
-        compute: Seconds of a step's forward and backward (``None``: not known, counted as 0).
+        state_bytes: Predicted bytes of this rank's state on the compute device (with host and
+            device apart, an accelerator's) per candidate; one without an entry counts as
+            ``"full"``'s.
+        free_bytes: Memory free for it on every rank (``None``: not known; then only candidates
+            no larger than ``"full"`` are taken).
+        compute: Seconds of a step's forward and backward (``None``: not known, counted as 0;
+            then, on an accelerator, ZeRO++ is not taken: the compute may hide the collectives).
         quantization: Seconds per element of quantizing and dequantizing once
             (:func:`measure_quantization`).
         accelerator: The compute device is an accelerator (the collectives run beside the compute).
+        ring: As :func:`step_bytes`'s (NCCL).
+        host_bytes: On an accelerator, predicted bytes of this rank's state in host memory per
+            candidate (offloaded tiers), checked as ``state_bytes`` against ``free_host``.
+        free_host: Host memory free for it on every rank.
 
     Returns:
         The :class:`ShardingChoice`.
@@ -194,7 +217,7 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
     work = compute or 0.0
     steps, fits = {}, {}
     for candidate in CANDIDATES:
-        intra, inter = step_bytes(inventory, world, ranks_per_node, candidate)
+        intra, inter = step_bytes(inventory, world, ranks_per_node, candidate, ring=ring)
         seconds = intra / (links.intra or float("inf")) + inter / links.inter
         if accelerator:
             seconds = max(0.0, seconds - work)
@@ -203,9 +226,7 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
             # trainable one: about two passes of both per element a step.
             seconds += 2 * quantization * sum(g.numel for g in inventory.groups)
         steps[candidate] = work + seconds
-        need = state_bytes.get(candidate, state_bytes.get("full", 0))
-        fits[candidate] = need <= state_bytes.get("full", 0) or (free_bytes is not None and
-                                                                 need <= MEMORY_SHARE * free_bytes)
+        fits[candidate] = _fits(candidate, state_bytes, free_bytes) and _fits(candidate, host_bytes or {}, free_host)
     best = "full"
     if not fits["hybrid"]:
         reason = "hybrid sharding's state (a node's share of the model) does not fit the free memory"
@@ -215,6 +236,10 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
     else:
         reason = f"hybrid sharding would save less than {MORE_MEMORY_GAIN:.0%} of the step"
     saved = 1 - steps["zero_pp"] / steps[best]
+    if accelerator and compute is None:
+        return ShardingChoice(best, ZeroPPConfig(), links, steps, fits,
+                              reason + "; ZeRO++'s quantization is not weighed without the step's compute, which may "
+                              "hide the collectives (give the LightningModule an example_input_array)")
     if fits["zero_pp"] and saved >= QUANTIZATION_GAIN:
         return ShardingChoice("full", ZERO_PP, links, steps, fits,
                               f"ZeRO++'s quantized collectives save {saved:.0%} of {best} sharding's predicted step "
@@ -224,11 +249,22 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
                           f"{QUANTIZATION_GAIN:.0%} it must")
 
 
-def _timed_gather(group: Optional[dist.ProcessGroup], size: int, device: torch.device, nbytes: int,
+def _fits(candidate: str, need: dict[str, int], free: Optional[int]) -> bool:
+    """Whether ``candidate``'s predicted bytes fit ``MEMORY_SHARE`` of ``free`` (or are no more
+    than ``"full"``'s, which is always taken)."""
+    mine = need.get(candidate, need.get("full", 0))
+    return mine <= need.get("full", 0) or (free is not None and mine <= MEMORY_SHARE * free)
+
+
+def _probe_buffers(size: int, device: torch.device, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A probe's part (``nbytes``) and gathered whole (``size`` parts) on ``device``."""
+    return torch.ones(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes * size, dtype=torch.uint8,
+                                                                              device=device)
+
+
+def _timed_gather(group: Optional[dist.ProcessGroup], part: torch.Tensor, whole: torch.Tensor, device: torch.device,
                   repeats: int) -> float:
-    """Mean seconds of an all-gather of ``nbytes`` per rank over ``group`` (``size`` ranks)."""
-    part = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    whole = torch.empty(nbytes * size, dtype=torch.uint8, device=device)
+    """Mean seconds of an all-gather of ``part`` into ``whole`` over ``group``."""
     dist.all_gather_into_tensor(whole, part, group=group)  # warm-up: the connections are made here
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -241,7 +277,7 @@ def _timed_gather(group: Optional[dist.ProcessGroup], size: int, device: torch.d
 
 
 def measure_links(topology: Topology, device: torch.device, nbytes: int = PROBE_BYTES,
-                  repeats: int = 3) -> Links:
+                  repeats: int = 3, timeout: Optional[timedelta] = None) -> Links:
     """The rates of :class:`Links` on this world (every rank must call it together): an
     all-gather of ``nbytes`` per rank within each node (all nodes at once), then one among the
     ranks with the same local rank (all at once), each the slowest rank's mean over ``repeats``
@@ -250,19 +286,36 @@ def measure_links(topology: Topology, device: torch.device, nbytes: int = PROBE_
     Args:
         topology: The world's ranks per node (ranks numbered node by node).
         device: Where the probe's buffers are (with NCCL, this rank's GPU).
-        nbytes: Bytes each rank sends to each peer.
+        nbytes: Bytes each rank sends to each peer, at most; with many nodes less, so that the
+            gathered buffer stays within ``8 * PROBE_BYTES``.
         repeats: Gathers timed per probe.
+        timeout: The probe groups' (the strategy's); ``None``: torch's default.
+
+    Returns:
+        The rates; both ``None`` where some rank could not allocate a probe's buffers (out of
+        memory): the ranks agree on that before any probe runs, so none waits for another.
     """
     if topology.world_size == 1:
         return Links(None, None)
-    groups = NodeGroups(topology, groups=RankSetGroups())
+    groups = NodeGroups(topology, groups=RankSetGroups(timeout))
     d, n = topology.ranks_per_node, topology.nodes
+    nbytes = min(nbytes, 8 * PROBE_BYTES // max(d, n))
+    probes = [(group, size) for group, size in ((groups.intra, d), (groups.inter, n))]
+    try:
+        buffers = [_probe_buffers(size, device, nbytes) if group is not None else None for group, size in probes]
+    except RuntimeError as error:  # out of memory on this rank: the others learn it below
+        log.info("lightning_zinf: the link probes' buffers could not be allocated on this rank (%s)", error)
+        buffers = None
+    ready = torch.tensor([buffers is not None], dtype=torch.float64, device=device)
+    dist.all_reduce(ready, op=dist.ReduceOp.MIN)
     seconds = torch.zeros(2, dtype=torch.float64, device=device)
-    if groups.intra is not None:
-        seconds[0] = _timed_gather(groups.intra, d, device, nbytes, repeats)
-    if groups.inter is not None:
-        seconds[1] = _timed_gather(groups.inter, n, device, nbytes, repeats)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    if ready.item():
+        assert buffers is not None
+        for i, ((group, _), bufs) in enumerate(zip(probes, buffers)):
+            if bufs is not None:
+                seconds[i] = _timed_gather(group, *bufs, device, repeats)
+        del buffers
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
     intra_s, inter_s = seconds.tolist()
     for group in (groups.intra, groups.inter):
         if group is not None and group is not dist.group.WORLD:
@@ -272,16 +325,19 @@ def measure_links(topology: Topology, device: torch.device, nbytes: int = PROBE_
                  inter=d * (n - 1) * nbytes / inter_s if inter_s > 0 else None)
 
 
-def measure_quantization(device: torch.device, numel: int = PROBE_ELEMENTS, repeats: int = 3) -> float:
+def measure_quantization(device: torch.device, numel: Optional[int] = None, repeats: int = 3) -> float:
     """Seconds per element of quantizing to INT8 blocks and dequantizing back on ``device`` (the
-    Triton kernels on a GPU, their torch reference on the CPU), the mean of ``repeats`` after one
-    warm-up (which compiles a kernel the first time)."""
+    Triton kernels on a GPU, their torch reference on the CPU), as the engine calls them
+    (non-finite values propagated, no check), the mean of ``repeats`` after one warm-up (which
+    compiles a kernel the first time). ``numel``: default ``PROBE_ELEMENTS`` on the CPU, 16 times
+    that on an accelerator, where fewer would time launches more than elements."""
     from triton_kernels import dequantize, quantize
 
+    numel = numel or PROBE_ELEMENTS * (16 if device.type != "cpu" else 1)
     x = torch.randn(numel, device=device)
 
     def once() -> None:
-        codes, scales = quantize(x, 8, 256)
+        codes, scales = quantize(x, 8, 256, nonfinite="propagate")
         dequantize(codes, scales, numel, 8, 256)
 
     once()
@@ -312,10 +368,12 @@ def _free_bytes(device: torch.device, ranks_per_node: int) -> Optional[int]:
 
 def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, device: torch.device,
                   block_classes: tuple, mixed_precision: "MixedPrecisionConfig", persistence_threshold: int,
-                  bucket_size: int, placement: "Placement", compute: Optional[float] = None) -> ShardingChoice:
+                  bucket_size: int, placement: "Placement", compute: Optional[float] = None,
+                  timeout: Optional[timedelta] = None) -> ShardingChoice:
     """``sharding="auto"`` for ``module`` on this world. Collective: every rank measures the links
     and the quantization together, and all decide from the slowest rank's rates and rank 0's free
-    memory, so that they choose alike.
+    memory (the least any rank has), so that they choose alike. A probe that fails on some rank
+    leaves ``"full"`` (its rate unknown), with the reason logged.
 
     Args:
         module: The model (real or on the meta device).
@@ -328,6 +386,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
         bucket_size: As the engine's ``PrefetchConfig``.
         placement: The offload tiers, for each candidate's predicted state.
         compute: Seconds of a step's forward and backward, from the example input (``None``: not known).
+        timeout: The probe groups' (the strategy's).
 
     Returns:
         The :class:`ShardingChoice` (:func:`choose_sharding`).
@@ -339,21 +398,34 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
                              persistence_threshold=persistence_threshold)
     if world // ranks_per_node <= 1:
         return choose_sharding(inventory, world, ranks_per_node, Links(None, None), state_bytes={}, free_bytes=None)
-    links = measure_links(Topology(world, dist.get_rank(), ranks_per_node), device)
-    slowest = torch.tensor([measure_quantization(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    free_here = torch.tensor([_free_bytes(device, ranks_per_node) or -1], dtype=torch.int64, device=device)
-    dist.broadcast(free_here, src=0)
-    quantization, free = slowest.item(), int(free_here.item())
+    links = measure_links(Topology(world, dist.get_rank(), ranks_per_node), device, timeout=timeout)
+    if links.inter is None:
+        return ShardingChoice("full", ZeroPPConfig(), links, reason="the link probe between nodes failed on some rank")
+    try:
+        quantization = measure_quantization(device)
+    except RuntimeError as error:  # no kernel here: ZeRO++ is not weighed (an infinite cost)
+        log.info("lightning_zinf: the quantization probe failed on this rank (%s)", error)
+        quantization = float("inf")
+    unknown = 1 << 62  # free memory not known on a rank: the minimum ignores it
+    host_free = _free_bytes(torch.device("cpu"), ranks_per_node)
+    agreed = torch.tensor([-quantization, _free_bytes(device, ranks_per_node) or unknown, host_free or unknown],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    quantization = -agreed[0].item()
+    free, free_host = (int(v) if v < unknown else None for v in agreed[1:].tolist())
 
-    def state(shards: int, secondary: bool = False) -> int:
+    def state(shards: int, secondary: bool = False) -> tuple[int, int]:
         counted = Inventory.of(module, world=shards, block_classes=block_classes, mixed_precision=mixed_precision,
                                persistence_threshold=persistence_threshold)
-        total = predict(counted, placement, bucket_size=bucket_size, accelerator=accelerator).total(accelerator)
+        predicted = predict(counted, placement, bucket_size=bucket_size, accelerator=accelerator)
         # hpZ's secondary partitions: a node's share of every group, in the compute dtype.
-        return total + (sum(g.numel * g.compute_bytes for g in counted.groups) // ranks_per_node if secondary else 0)
+        extra = sum(g.numel * g.compute_bytes for g in counted.groups) // ranks_per_node if secondary else 0
+        return predicted.total(accelerator) + extra, predicted.host if accelerator else 0
 
     states = {"full": state(world), "hybrid": state(ranks_per_node), "zero_pp": state(world, secondary=True)}
-    return choose_sharding(inventory, world, ranks_per_node, links, state_bytes=states,
-                           free_bytes=int(free) if free >= 0 else None, compute=compute, quantization=quantization,
-                           accelerator=accelerator)
+    ring = dist.get_backend() == "nccl"
+    return choose_sharding(inventory, world, ranks_per_node, links,
+                           state_bytes={k: v[0] for k, v in states.items()}, free_bytes=free, compute=compute,
+                           quantization=quantization, accelerator=accelerator, ring=ring,
+                           host_bytes={k: v[1] for k, v in states.items()} if accelerator else None,
+                           free_host=free_host)
