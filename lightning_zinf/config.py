@@ -620,8 +620,16 @@ def sharding_mode(value: Any) -> str:
     name = getattr(value, "name", value)
     mode = _SHARDING_ALIASES.get(name.lower()) if isinstance(name, str) else None
     if mode is None:
+        nearest = {"no_shard": "NO_SHARD keeps every parameter on every rank: use Lightning's 'ddp' strategy, or "
+                               "sharding='hybrid' with shard_group_size=1 (DDP's layout). ",
+                   "_hybrid_shard_zero2": "_HYBRID_SHARD_ZERO2 (ZeRO-2 within a group) is not available; the "
+                                          "nearest are 'hybrid' (ZeRO-3 within the group) and 'grad_op'. "}
+        close = difflib.get_close_matches(name.lower(), list(_SHARDING_ALIASES), n=1) if isinstance(name, str) else []
         raise ValueError(
-            f"sharding={value!r}: use 'full' (ZeRO-3, Lightning's 'FULL_SHARD': parameters gathered for each "
+            f"sharding={value!r}: "
+            + nearest.get(name.lower() if isinstance(name, str) else "", "")
+            + (f"Did you mean {close[0]!r}? " if close and name.lower() not in nearest else "")
+            + "Use 'full' (ZeRO-3, Lightning's 'FULL_SHARD': parameters gathered for each "
             "forward and again for backward), 'grad_op' (ZeRO-2, 'SHARD_GRAD_OP': gathered parameters kept from "
             "forward to backward; gradients and optimizer state sharded) or 'hybrid' ('HYBRID_SHARD', MiCS: "
             "ZeRO-3 within groups of shard_group_size ranks, by default a node, replicated across the groups), or "

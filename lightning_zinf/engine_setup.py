@@ -113,6 +113,12 @@ def build_engine(
     )
     engine.memory_plan = plan
     engine.sharding_choice = choice
+    if options.sharding == "hybrid":
+        comm = engine.comm
+        rank_zero_info(f"lightning_zinf: hybrid sharding: {comm.replicas} groups of {comm.shard_size} consecutive ranks"
+                       + (" (one group of every rank: the same as sharding='full'; set shard_group_size, or the "
+                          "ranks per node, below the world size)" if comm.replicas == 1 else
+                          ", each holding the sharded state; gradient shards all-reduced across the groups"))
     # Host memory under a budget: the heap keeps no more free memory than the budget leaves.
     if plan is not None and not plan.accelerator:
         keep_within(plan.budget - plan.prediction.total(False) - plan.activations - plan.activation_bytes)
@@ -180,6 +186,15 @@ def _auto_sharding(module: nn.Module, options: ZeroOptions, device: torch.device
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
     per_node = options.zero_pp.ranks_per_node or ranks_per_node
+    # The probes and the block timing draw random values: the run's random state is left as it
+    # was, so a seeded run under auto trains as the same mode given by hand.
+    with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+        return _auto_choice(module, options, device, precision, world, per_node, distributed, timeout)
+
+
+def _auto_choice(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
+                 world: int, per_node: int, distributed: bool,
+                 timeout: Optional[timedelta]) -> tuple[ZeroOptions, ShardingChoice]:
     profile = _example_profile(module, options, device, precision, distributed) if world // per_node > 1 else None
     compute = (3 * profile.flops * profile.seconds_per_flop  # backward is two forwards
                if profile is not None and profile.seconds_per_flop is not None else None)

@@ -312,15 +312,23 @@ def _refused(rank: int, world: int, cases: list[dict]) -> list[str]:
 
 
 def test_what_hybrid_sharding_refuses() -> None:
-    """Lightning's and torch's names are accepted; a group size that does not divide the world,
+    """Lightning's and torch's names are accepted (NO_SHARD and _HYBRID_SHARD_ZERO2 are told what
+    to use instead, a misspelling the nearest name); a group size that does not divide the world,
     one given without hybrid sharding, and hpZ or qgZ with it are refused on every rank, each
     message naming the option and the fix."""
     from torch.distributed.fsdp import ShardingStrategy
 
     assert ZeroOptions(sharding="HYBRID_SHARD").sharding == "hybrid"
     assert ZeroOptions(sharding=ShardingStrategy.HYBRID_SHARD, shard_group_size=2).shard_group_size == 2
-    with pytest.raises(ValueError, match="sharding=<ShardingStrategy._HYBRID_SHARD_ZERO2.*'hybrid'"):
+    with pytest.raises(ValueError, match="_HYBRID_SHARD_ZERO2 .* is not available; the nearest are 'hybrid'"):
         ZeroOptions(sharding=ShardingStrategy._HYBRID_SHARD_ZERO2)
+    with pytest.raises(ValueError, match="NO_SHARD keeps every parameter on every rank: use Lightning's 'ddp'"):
+        ZeroOptions(sharding=ShardingStrategy.NO_SHARD)
+    with pytest.raises(ValueError, match="sharding='hybird': Did you mean 'hybrid'"):
+        ZeroOptions(sharding="hybird")
+    # Refused at construction, before any process starts, as the engine refuses them too.
+    with pytest.raises(ValueError, match="sharding='hybrid' does not combine with ZeroPPConfig"):
+        ZeroOptions(sharding="hybrid", zero_pp={"qgz": True})
     with pytest.raises(ValueError, match="shard_group_size=2 sets the groups of hybrid sharding"):
         ZeroOptions(shard_group_size=2)
     with pytest.raises(ValueError, match="shard_group_size=0: give a positive number"):

@@ -127,9 +127,9 @@ def test_sharding_names_and_what_is_refused() -> None:
     assert ZeroOptions(sharding="FULL_SHARD").sharding == "full"
     assert ZeroOptions(sharding="shard_grad_op").sharding == "grad_op"
     assert ZeroOptions(sharding=ShardingStrategy.SHARD_GRAD_OP).sharding == "grad_op"
-    with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
+    with pytest.raises(ValueError, match="sharding='zero2': Use 'full'"):
         ZeroOptions(sharding="zero2")
-    with pytest.raises(ValueError, match="sharding='zero2': use 'full'"):
+    with pytest.raises(ValueError, match="sharding='zero2': Use 'full'"):
         ZeroEngine(nn.Linear(4, 4), sharding="zero2")  # the engine checks as the options do
 
 
