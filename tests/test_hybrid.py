@@ -359,3 +359,25 @@ def test_a_memory_budget_plans_hybrid_sharding_as_a_world_of_one_group() -> None
                                  device=torch.device("cpu"), precision=MixedPrecisionConfig(), world=world)
     assert plan["hybrid"].prediction == plan["full over 2"].prediction
     assert plan["hybrid"].prediction.total(False) > plan["full over 4"].prediction.total(False)
+
+
+def test_after_a_failed_all_reduce_the_later_ones_raise_without_running() -> None:
+    """The gloo thread that runs hybrid's all-reduces after their reduce-scatters: a task that
+    raises hands its error to its waiter, and every later task raises that error without running
+    (a rank that skipped one collective must not pair its next with the peers' skipped one)."""
+    from lightning_zinf.comm.collectives import _Sequence
+
+    ran: list[int] = []
+    sequence = _Sequence()
+    first = sequence.submit(lambda: ran.append(1))
+
+    def fail() -> None:
+        raise RuntimeError("Connection closed by peer (simulated)")
+
+    failed = sequence.submit(fail)
+    later = sequence.submit(lambda: ran.append(3))
+    assert first.wait()
+    for handle in (failed, later):
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            handle.wait()
+    assert ran == [1]

@@ -611,11 +611,9 @@ class Collectives:
         else:
             work = _reduce_scatter_mean_flat(out, full, self._shard_group, self._shard_one_node, async_op=True)
         if self._replica_group is None:
-            if work is None or not async_op:
-                if work is not None:
-                    work.wait()
-                return _Done()
-            return work
+            if work is not None and not async_op:
+                work.wait()
+            return work if work is not None and async_op else _Done()
         replicas, group = self.replicas, self._replica_group
         self.bytes.all_reduced += 2 * (replicas - 1) * nbytes // replicas
         self.bytes.add_split(self.topology.split_bytes(self._replica_peers, 2 * nbytes // replicas))
@@ -640,13 +638,14 @@ class Collectives:
                     work.wait()
                 reduced = dist.all_reduce(out, op=dist.ReduceOp.AVG, group=group, async_op=True)
             handle: Handle = _Then([reduced], lambda: None)
-        elif out.device.type == "cpu" and self._across is not None:
+        elif out.device.type == "cpu":
             # gloo: the reduce-scatter's wait and the all-reduce on the sequence's thread.
             def chain() -> None:
                 if work is not None:
                     work.wait()
                 across_replicas()
 
+            assert self._across is not None  # built with the replica group
             handle = self._across.submit(chain)
         else:
             # Device tensors over gloo (two ranks sharing a GPU in the tests): issued once the

@@ -145,17 +145,26 @@ def measure_collective(device: torch.device, nbytes: int = 4 << 20, repeats: int
     world = dist.get_world_size()
     part = torch.ones(nbytes // world, dtype=torch.uint8, device=device)
     whole = torch.empty(part.numel() * world, dtype=torch.uint8, device=device)
-    gather(whole, part)
+    seconds = torch.tensor([timed_all_gather(whole, part, None, device, repeats)], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return whole.numel() / seconds.item()
+
+
+def timed_all_gather(whole: torch.Tensor, part: torch.Tensor, group: Optional[dist.ProcessGroup],
+                     device: torch.device, repeats: int) -> float:
+    """This rank's mean seconds of an all-gather of ``part`` (1-D, ``n`` elements) into ``whole``
+    (``n`` times the group's ranks) over ``group`` (``None``: the default group), over ``repeats``
+    gathers after one warm-up (which makes the connections), the device synchronized around them.
+    Every rank of ``group`` must call it together."""
+    gather(whole, part, group=group)
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
-        gather(whole, part)
+        gather(whole, part, group=group)
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
-    seconds = torch.tensor([(time.perf_counter() - start) / repeats], dtype=torch.float64, device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return whole.numel() / seconds.item()
+    return (time.perf_counter() - start) / repeats
 
 
 def measure_bandwidths(device: torch.device, nvme_path: Optional[str], aio: AioConfig = AioConfig(),

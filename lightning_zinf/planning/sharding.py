@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from lightning_zinf.comm.topology import NodeGroups, RankSetGroups, Topology
 from lightning_zinf.config import ZeroPPConfig
+from lightning_zinf.planning.bandwidth import timed_all_gather
 from lightning_zinf.planning.inventory import Inventory
 
 if TYPE_CHECKING:
@@ -64,8 +65,6 @@ if TYPE_CHECKING:
     from lightning_zinf.planning.cost import Placement
 
 log = logging.getLogger(__name__)
-# torch 2.13 renamed the flat all-gather; older releases have only the old name.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = ["Links", "ShardingChoice", "auto_sharding", "choose_sharding", "measure_links", "measure_quantization",
            "step_bytes"]
@@ -266,20 +265,6 @@ def _probe_buffers(size: int, device: torch.device, nbytes: int) -> tuple[torch.
                                                                               device=device)
 
 
-def _timed_gather(group: Optional[dist.ProcessGroup], part: torch.Tensor, whole: torch.Tensor, device: torch.device,
-                  repeats: int) -> float:
-    """Mean seconds of an all-gather of ``part`` into ``whole`` over ``group``."""
-    _all_gather_tensor(whole, part, group=group)  # warm-up: the connections are made here
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        _all_gather_tensor(whole, part, group=group)
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    return (time.perf_counter() - start) / repeats
-
-
 def measure_links(topology: Topology, device: torch.device, nbytes: int = PROBE_BYTES,
                   repeats: int = 3, timeout: Optional[timedelta] = None) -> Links:
     """The rates of :class:`Links` on this world (every rank must call it together): an
@@ -304,7 +289,7 @@ def measure_links(topology: Topology, device: torch.device, nbytes: int = PROBE_
     groups = NodeGroups(topology, groups=RankSetGroups(timeout))
     d, n = topology.ranks_per_node, topology.nodes
     nbytes = min(nbytes, 8 * PROBE_BYTES // max(d, n))
-    probes = [(group, size) for group, size in ((groups.intra, d), (groups.inter, n))]
+    probes = [(groups.intra, d), (groups.inter, n)]
     try:
         buffers = [_probe_buffers(size, device, nbytes) if group is not None else None for group, size in probes]
     except RuntimeError as error:  # out of memory on this rank: the others learn it below
@@ -317,7 +302,8 @@ def measure_links(topology: Topology, device: torch.device, nbytes: int = PROBE_
         assert buffers is not None
         for i, ((group, _), bufs) in enumerate(zip(probes, buffers)):
             if bufs is not None:
-                seconds[i] = _timed_gather(group, *bufs, device, repeats)
+                part, whole = bufs
+                seconds[i] = timed_all_gather(whole, part, group, device, repeats)
         del buffers
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's time
     intra_s, inter_s = seconds.tolist()
