@@ -174,7 +174,8 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
                        optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
                        activation_bytes=options.activation_memory or 0,
                        profile=_example_profile(module, options, device, precision, distributed),
-                       plan_activations=_plans_activations(module, options), sharding=options.sharding)
+                       plan_activations=_plans_activations(module, options), sharding=options.sharding,
+                       replicas=max(1, (dist.get_world_size() if distributed else 1) // world))
 
 
 def _auto_sharding(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,

@@ -5,6 +5,8 @@
 Each process writes its pid to ``OUT/pid<rank>`` first. Scenarios (rank 1 misbehaves, at step 2
 unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever in its step),
 ``killed`` (SIGKILL to itself; ``killed_quiet``: while rank 0 sleeps outside any collective;
+``killed_in_reduce``: under ``sharding="hybrid"`` with a group per rank, in backward, once the last
+layer's gradient went to the all-reduce across the groups;
 ``killed_zero``: rank 0, which hosts the rendezvous store, is killed instead; ``killed_zero_quiet``:
 while rank 1 sleeps outside any collective), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
 alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
@@ -65,6 +67,9 @@ class Lit(L.LightningModule):
 
     def forward(self, x: torch.Tensor, extra: bool) -> torch.Tensor:
         h = torch.tanh(self.a(x))
+        if SCENARIO == "killed_in_reduce" and self.global_rank == 1 and self.global_step == 2 and self.training:
+            # Fires in backward after b's gradient, whose all-reduce across the groups is under way.
+            h.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
         if extra:
             h = torch.tanh(self.extra(h))
         return self.b(h)
@@ -149,7 +154,9 @@ def main() -> None:
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
     trainer = L.Trainer(
         strategy=ZeroInfinityStrategy(timeout=timedelta(seconds=20), prefetch={"persistence_threshold": 0},
-                                      offload={"optimizer": "cpu"} if SCENARIO == "step_raise" else None),
+                                      offload={"optimizer": "cpu"} if SCENARIO == "step_raise" else None,
+                                      **({"sharding": "hybrid", "shard_group_size": 1}
+                                         if SCENARIO == "killed_in_reduce" else {})),
         accelerator="cpu", devices=2, max_steps=4 if SCENARIO != "save" else 2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2 if SCENARIO == "rank_only_validation" else 0, val_check_interval=2,

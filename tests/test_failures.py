@@ -161,6 +161,18 @@ def test_a_stuck_or_dead_rank_ends_every_survivor_naming_it(scenario: str, tmp_p
     assert wall < 20 + 5 + 20  # the timeout, the grace period, start-up
 
 
+def test_a_rank_dead_in_hybrid_shardings_all_reduce_ends_the_survivor_naming_it(tmp_path: Path) -> None:
+    """Hybrid sharding with a group per rank: each gradient shard is all-reduced across the groups
+    on a thread of its own (gloo) while backward goes on. Rank 1 is killed in backward with that
+    all-reduce under way: rank 0 does not hang in it or in the step after; it ends naming rank 1."""
+    results, wall = _run_ranks("killed_in_reduce", tmp_path)
+    assert results[1][0] == -signal.SIGKILL
+    code, err = results[0]
+    assert code == 1
+    assert "rank 1 (pid " in err, err[-3000:]
+    assert wall < 20 + 5 + 20
+
+
 def test_a_dead_rank_is_noticed_without_a_collective(tmp_path: Path) -> None:
     """Rank 1 is killed while rank 0 computes (no collective breaks to tell it, as a peer's death
     leaves an NCCL collective hanging): rank 0's watch sees rank 1's beats stop and ends it, well

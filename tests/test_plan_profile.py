@@ -356,10 +356,12 @@ def test_a_transformers_block_is_timed(kind: str) -> None:
 def _comm_bytes_of_a_step(rank: int, world: int, lora_rank: int, threshold: int, sharding: str = "full") -> dict:
     torch.manual_seed(0)
     model = models.GPT(d=64, layers=4, heads=2, lora_rank=lora_rank)
-    inventory = Inventory.of(model, world=world, block_classes=["Block"], persistence_threshold=threshold,
+    group = 2 if sharding == "hybrid" else world  # hybrid: groups of 2 ranks, the inventory one group's
+    inventory = Inventory.of(model, world=group, block_classes=["Block"], persistence_threshold=threshold,
                              mixed_precision=MixedPrecisionConfig(param_dtype="bf16"))
     engine = ZeroEngine(model, block_classes=["Block"], mixed_precision=MixedPrecisionConfig(param_dtype="bf16"),
-                        prefetch=PrefetchConfig(persistence_threshold=threshold), sharding=sharding)
+                        prefetch=PrefetchConfig(persistence_threshold=threshold), sharding=sharding,
+                        **({"shard_group_size": group} if sharding == "hybrid" else {}))
     opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
     counted = []
     for step in range(3):
@@ -368,13 +370,15 @@ def _comm_bytes_of_a_step(rank: int, world: int, lora_rank: int, threshold: int,
         models.loss_fn(model, x, y).backward()
         opt.step()
         opt.zero_grad()
-        counted.append(engine.comm.bytes.gathered + engine.comm.bytes.reduce_scattered)
-    return {"counted": counted, "predicted": collective_bytes(inventory, sharding)}
+        counted.append(engine.comm.bytes.gathered + engine.comm.bytes.reduce_scattered + engine.comm.bytes.all_reduced)
+    return {"counted": counted, "predicted": collective_bytes(inventory, sharding, world // group)}
 
 
 @pytest.mark.parametrize("lora_rank, threshold, sharding", [
-    (0, 100_000, "full"), (0, 0, "full"), (4, 100_000, "full"), (4, 0, "full"), (0, 0, "grad_op"), (4, 0, "grad_op")],
-    ids=["persistent", "gathered", "lora-persistent", "lora-gathered", "grad-op", "lora-grad-op"])
+    (0, 100_000, "full"), (0, 0, "full"), (4, 100_000, "full"), (4, 0, "full"), (0, 0, "grad_op"), (4, 0, "grad_op"),
+    (0, 0, "hybrid"), (4, 100_000, "hybrid")],
+    ids=["persistent", "gathered", "lora-persistent", "lora-gathered", "grad-op", "lora-grad-op", "hybrid",
+         "lora-persistent-hybrid"])
 def test_collective_bytes_are_what_the_engine_moves(lora_rank: int, threshold: int, sharding: str) -> None:
     """The bytes the time model gives the collectives of a step are what the engine's own counters
     see a step move (each rank receives all but its own part of every gather and sends all but its
@@ -382,10 +386,12 @@ def test_collective_bytes_are_what_the_engine_moves(lora_rank: int, threshold: i
     (re-gathered once, after the step), with the blocks gathered for the forward and again for
     backward, and under LoRA (frozen units are not reduce-scattered, and a persistent one that the
     step does not change is not re-gathered); under ``sharding="grad_op"`` each unit gathered
-    once a step."""
-    for r in run_distributed(_comm_bytes_of_a_step, 2, lora_rank, threshold, sharding):
+    once a step; under ``sharding="hybrid"`` (4 ranks, groups of 2) the group's collectives and
+    the all-reduce of each gradient shard across the groups, given as a gather over the world."""
+    world = 4 if sharding == "hybrid" else 2
+    for r in run_distributed(_comm_bytes_of_a_step, world, lora_rank, threshold, sharding):
         assert r["counted"][-1] == r["counted"][-2]  # a steady step
-        assert r["counted"][-1] == r["predicted"] // 2, r
+        assert abs(r["counted"][-1] - r["predicted"] * (world - 1) / world) <= 1, r
 
 
 def test_step_time_terms_add_as_the_schedule_runs() -> None:

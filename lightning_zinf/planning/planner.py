@@ -223,7 +223,7 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
                 state_bytes: int = 8, optimizer_on_nvme: bool = True,
                 bandwidths: Bandwidths = Bandwidths(), activation_bytes: int = 0,
                 profile: Optional[ForwardProfile] = None, plan_activations: bool = True,
-                sharding: str = "full") -> MemoryPlan:
+                sharding: str = "full", replicas: int = 1) -> MemoryPlan:
     """Choose the placement whose predicted per-rank peak fits ``budget`` with the least traffic
     (with ``profile``: the least predicted step), and with it which blocks keep, offload or
     recompute their activations and the prefetch depth.
@@ -260,6 +260,8 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
             ``profile``'s activations are counted so.
         sharding: The user's ``sharding`` (``"grad_op"``: every unit held from its forward to its
             backward, gathered once a step), which the peaks and the collectives count.
+        replicas: Under ``sharding="hybrid"``, the shard groups (``inventory`` is one group's):
+            each gradient shard is also all-reduced across them, which the collectives count.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -316,7 +318,8 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
             placement, prediction = fits[key]
             peak = prediction.total(accelerator)
             step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
-                             profile=profile, kept=kept or 0, offloaded=offloaded, sharding=sharding)
+                             profile=profile, kept=kept or 0, offloaded=offloaded, sharding=sharding,
+                             replicas=replicas)
             seconds = step.total if timed else bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
             if bucket == prefetch.bucket_size and (kept, offloaded) == choices[0]:
                 considered.append((placement, peak + activations, seconds))

@@ -126,7 +126,7 @@ class StepTime:
                 f"recompute {self.recompute:.3f} s, {terms}")
 
 
-def collective_bytes(inventory: Inventory, sharding: str = "full") -> int:
+def collective_bytes(inventory: Inventory, sharding: str = "full", replicas: int = 1) -> int:
     """Bytes a step gathers and reduce-scatters, whole (all ranks' parts), as the engine schedules
     them: each unit gathered in the compute dtype for the forward and again for backward, a tied
     one (an embedding that is also the output layer) once more for its second use in the forward,
@@ -135,12 +135,17 @@ def collective_bytes(inventory: Inventory, sharding: str = "full") -> int:
     changes it; and each trainable group's gradient reduce-scattered in ``reduce_dtype``. Under
     ``sharding="grad_op"`` a unit is gathered once a step, held from its first use to its backward
     (a frozen tied one first used before every trainable unit twice: that use is not held).
-    0 with one rank."""
-    if inventory.world == 1:
+    Under ``sharding="hybrid"`` ``inventory`` is one shard group's (``G`` ranks), whose gathers and
+    reduce-scatters move ``(G - 1) / G`` of these bytes per rank, and each rank's gradient shard is
+    also all-reduced across the ``replicas`` groups (``R``; a ring: ``2 (R - 1) / R`` of the shard
+    per rank); the sum per rank is given as the bytes of an all-gather over all ``G R`` ranks that
+    moves as much per rank, since the collective rate is measured on one (both legs at that
+    rate: the group's, within a node, is counted as slow as the link between nodes). 0 with one rank."""
+    if inventory.world * (replicas if sharding == "hybrid" else 1) == 1:
         return 0
     stepped = {g.unit for g in inventory.groups if g.trainable}
     first = min(stepped, default=None)
-    total = 0
+    total = all_reduced = 0  # all_reduced: a rank's gradient shards' bytes
     for g in inventory.groups:
         full = g.shard_numel * inventory.world
         if g.persistent:
@@ -157,12 +162,17 @@ def collective_bytes(inventory: Inventory, sharding: str = "full") -> int:
         total += gathers * full * g.compute_bytes
         if g.trainable:
             total += full * inventory.reduce_bytes
-    return total
+            all_reduced += g.shard_numel * inventory.reduce_bytes
+    if sharding != "hybrid" or replicas == 1:
+        return total
+    group, world = inventory.world, inventory.world * replicas
+    per_rank = total * (group - 1) / group + 2 * (replicas - 1) / replicas * all_reduced
+    return round(per_rank * world / (world - 1))
 
 
 def step_time(inventory: Inventory, placement: Placement, prediction: Prediction, rates: Bandwidths, *,
               accelerator: bool, profile: Optional[ForwardProfile] = None, kept: int = 0,
-              offloaded: int = 0, sharding: str = "full") -> StepTime:
+              offloaded: int = 0, sharding: str = "full", replicas: int = 1) -> StepTime:
     """The predicted step of ``placement`` (whose cost is ``prediction``) with the first ``kept``
     blocks of ``profile`` keeping their activations, the next ``offloaded`` keeping theirs in host
     memory and the others checkpointed.
@@ -177,7 +187,8 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
             not predicted.
         kept: Blocks of ``profile`` that keep their activations (the first ones).
         offloaded: Blocks after those whose activations are offloaded (an accelerator's).
-        sharding: ``"full"`` or ``"grad_op"`` (:func:`collective_bytes`).
+        sharding: ``"full"``, ``"grad_op"`` or ``"hybrid"`` (:func:`collective_bytes`).
+        replicas: Under ``"hybrid"``, the shard groups (:func:`collective_bytes`).
     """
     forward = backward = recompute = None
     if profile is not None and profile.seconds_per_flop is not None:
@@ -185,10 +196,10 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
         backward = 2 * forward
         recompute = profile.recompute_flops(kept, offloaded) * (profile.recompute_seconds_per_flop or 0.0)
     collectives = None
-    if inventory.world == 1:
+    if inventory.world * (replicas if sharding == "hybrid" else 1) == 1:
         collectives = 0.0
     elif rates.collective:
-        collectives = collective_bytes(inventory, sharding) / rates.collective
+        collectives = collective_bytes(inventory, sharding, replicas) / rates.collective
     # Elements stepped on the device (every one without optimizer offload, the first groups' under
     # OffloadConfig.device_bytes) at the device's rate, the others at the host's.
     on_device = stepped_on_device(inventory, placement)

@@ -7,8 +7,9 @@ the other rank of its own node connects to its own node's address, which the ker
 locally). In each namespace it starts ``train.py`` as node 0 or 1 of a real multi-node Lightning
 job (``NODE_RANK``, ``MASTER_ADDR`` on node 0's veth address, gloo bound to the veth with
 ``GLOO_SOCKET_IFNAME``), 2 ranks per node. For every bandwidth it runs each ``--contenders`` entry
-(``train.py``'s: ZeRO-3, ZeRO++ with hpZ, qwZ and qgZ, grad_op, hybrid, FSDP2's ZeRO-3 and its HSDP;
-by default ZeRO-3 and ZeRO++) ``--repeats`` times, and reports the step time (the median over
+(``train.py``'s: ZeRO-3, ZeRO++ with hpZ, qwZ and qgZ, grad_op, hybrid, FSDP2's ZeRO-3 and its HSDP,
+and ``compute``, the same step with no communication at all, the testbed's bound; by default ZeRO-3
+and ZeRO++) ``--repeats`` times, and reports the step time (the median over
 repeats of each run's mean after the first 5 steps), each contender's throughput against ZeRO-3's,
 and the bytes that crossed the link per step from the veth's counters next to the engine's own
 count.
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="train: the main job's training (train.py); rlhf: the RLHF example's GRPO step (rlhf_train.py)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--contenders", nargs="+", default=["zero3", "zero_pp"],
-                        choices=["zero3", "zero_pp", "grad_op", "hybrid", "fsdp2", "fsdp2_hsdp", "auto"],
+                        choices=["zero3", "zero_pp", "grad_op", "hybrid", "fsdp2", "fsdp2_hsdp", "auto", "compute"],
                         help="train: train.py's contenders, in this order at each rate (zero3 first for the ratios)")
     parser.add_argument("--repeats", type=int, default=1, help="train: runs per contender and rate (the median is kept)")
     parser.add_argument("--width", type=int, default=256, help="rlhf: the actor's width (the reward model's is half)")

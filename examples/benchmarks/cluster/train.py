@@ -14,6 +14,10 @@ The main job's byte-level GPT (examples/pretrain.py, d_model 256, 4 layers) on t
   auto        sharding="auto": the mode and ZeRO++'s switches chosen at setup from the measured
               links, the step's compute from one micro-batch as example_input_array; the choice
               is written to --out
+  compute     the testbed's bound: each node's process starts 2 workers that train the same
+              module, batch and optimizer alone (Lightning's single-device strategy, no process
+              group), so the 4 processes share the 2 cores as the ranks do but nothing is
+              communicated; no sharding mode's step can be shorter
 
 Lightning's own environment reads ``MASTER_ADDR``, ``MASTER_PORT`` and ``NODE_RANK``; gloo binds to
 ``GLOO_SOCKET_IFNAME``. Global rank 0 writes ``--out``: the wall time of every training step, and
@@ -21,13 +25,14 @@ per step the bytes the engine counted across nodes (summed over the ranks of nod
 ``ZeroMonitor``-style counters read around each step; 0 for FSDP2, which has no such count: the
 veth's counters in cluster.py are the observer common to all).
 
-    python train.py {zero3,zero_pp,grad_op,hybrid,fsdp2,fsdp2_hsdp,auto} --steps 30 --out result.json
+    python train.py {zero3,zero_pp,grad_op,hybrid,fsdp2,fsdp2_hsdp,auto,compute} --steps 30 --out result.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -103,12 +108,33 @@ class StepRecorder(Callback):
         self.rows.append((time.perf_counter() - self.start, engine.comm.bytes.inter_node if engine is not None else 0))
 
 
+def compute_worker(local_rank: int, steps: int, out: Path, node_rank: int) -> None:
+    """One of the ``compute`` bound's workers: the module trained alone on one device, no
+    collectives; node 0's first worker writes ``out``."""
+    L.seed_everything(local_rank)
+    recorder = StepRecorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, callbacks=[recorder],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    trainer.fit(GPTPretrain(sample_bytes=0), StdlibBytes(batch_size=MICRO_BATCH))
+    if node_rank == 0 and local_rank == 0:
+        out.write_text(json.dumps({"contender": "compute", "step_s": [r[0] for r in recorder.rows],
+                                   "node_inter_bytes": [0.0 for _ in recorder.rows], "choice": None}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("contender", choices=[*CONTENDERS, *FSDP2])
+    parser.add_argument("contender", choices=[*CONTENDERS, *FSDP2, "compute"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.contender == "compute":
+        # Lightning would see NODE_RANK and MASTER_ADDR and wait for the other node; the workers
+        # are single-device runs, so neither is theirs.
+        node_rank = int(os.environ.pop("NODE_RANK", "0"))
+        os.environ.pop("MASTER_ADDR", None)
+        torch.multiprocessing.spawn(compute_worker, args=(args.steps, args.out, node_rank), nprocs=RANKS_PER_NODE)
+        return
     L.seed_everything(0)
     recorder = StepRecorder()
     if args.contender in FSDP2:
