@@ -45,6 +45,14 @@ class PrefetchConfig:
             the next unit is always gathered ahead, even when it alone is larger.
             DeepSpeed's ``stage3_prefetch_bucket_size`` (whose default is 5e7; 1e7 cost no speed and
             saved ≈190 MiB per rank on the 91M GPT benchmark, see examples/benchmarks/RESULTS.md).
+        unit_size: Without ``block_classes``: the most parameter elements of a unit when the engine
+            groups modules into units itself (:mod:`lightning_zinf.engine.grouping`: the largest
+            subtrees of at most this size, consecutive sibling ones packed together, each a unit).
+            ``None``: chosen at setup from the measured all-gather latency and bandwidth, at most
+            ``bucket_size``. ``0`` (default, for now): a unit per module (each module's own
+            parameters), as DeepSpeed does by default. Ignored
+            when ``block_classes`` is given. DeepSpeed's ``stage3_module_granularity_threshold``,
+            set by measurement instead of by hand.
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many
             tiny collectives for biases and norms. DeepSpeed's ``stage3_param_persistence_threshold``.
@@ -63,11 +71,13 @@ class PrefetchConfig:
             ZeRO-3 bound).
 
     Raises:
-        ValueError: a negative ``bucket_size``, ``persistence_threshold`` or ``inference_budget``.
+        ValueError: a negative ``bucket_size``, ``unit_size``, ``persistence_threshold`` or
+            ``inference_budget``.
     """
 
     enabled: bool = True
     bucket_size: int = 10_000_000
+    unit_size: Optional[int] = 0
     persistence_threshold: int = 100_000
     overlap_reduce: bool = True
     inference_budget: int = 0
@@ -78,6 +88,9 @@ class PrefetchConfig:
         _require(isinstance(self.inference_budget, int) and not isinstance(self.inference_budget, bool)
                  and self.inference_budget >= 0, "PrefetchConfig", "inference_budget", self.inference_budget,
                  "an integer >= 0 (a number of bytes)")
+        _require(self.unit_size is None or (isinstance(self.unit_size, int) and not isinstance(self.unit_size, bool)
+                                            and self.unit_size >= 0), "PrefetchConfig", "unit_size", self.unit_size,
+                 "None (measured at setup), 0 (a unit per module) or an integer > 0 (elements per unit)")
         for name in ("bucket_size", "persistence_threshold"):
             value = getattr(self, name)
             _require(

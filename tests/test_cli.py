@@ -123,7 +123,7 @@ model:
     ("zero_pp: {hpz: 3}", "zinf: error: trainer.strategy.init_args.zero_pp.hpz: Expected a <class 'bool'>. Got value: 3"),
     # unknown keys, nested and in the strategy
     ("prefetch: {bucket_sise: 10}", "zinf: error: trainer.strategy.init_args.prefetch.bucket_sise=10: PrefetchConfig "
-                                    "has no option 'bucket_sise'; did you mean 'bucket_size'?"),
+                                    "has no option 'bucket_sise'; did you mean 'bucket_size' or 'unit_size'?"),
     ("prefech: {bucket_size: 10}", "zinf: error: trainer.strategy.init_args.prefech={'bucket_size': 10}: "
                                    "ZeroInfinityStrategy has no option 'prefech'; did you mean 'prefetch'?"),
 ], ids=["refused-value", "refused-tiling", "refused-strategy-option", "wrong-type", "unknown-field", "unknown-option"])

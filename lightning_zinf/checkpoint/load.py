@@ -10,9 +10,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-from lightning_zinf.checkpoint.format import (FORMAT, META_FILE, MODELS_KEY, CheckpointError, ShardReader, _check_layout,
-                                             _layout, is_sharded_checkpoint, model_folders, read_meta,
-                                             require_checkpoint)
+from lightning_zinf.checkpoint.format import (FORMAT, META_FILE, MODELS_KEY, CheckpointError, ShardReader, _layout,
+                                             is_sharded_checkpoint, model_folders, read_meta, require_checkpoint)
+from lightning_zinf.checkpoint.regroup import SavedRanges, match_layout
 from lightning_zinf.checkpoint.save import optimizer_owners
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.engine.flat import FlatGroup
@@ -68,35 +68,34 @@ def load_sharded(
     if zinf.get("format") != FORMAT:
         raise CheckpointError(f"{path / META_FILE} is not a lightning_zinf checkpoint's metadata.")
     reader = ShardReader(path, zinf)
-    _check_layout(zinf["groups"], _layout(engine), path)
+    # Other units than the save's (another block_classes or unit_size) read each parameter's range.
+    saved = SavedRanges(reader, zinf["groups"], match_layout(zinf["groups"], _layout(engine), path))
     if load_optimizer:
         # Optimizer state saved for groups frozen since partitioning (trained before the save, frozen
         # when the model was built again): they get masters to hold it, as a plain optimizer keeps it.
-        keys = reader.keys()
         engine.sharded.give_masters([group for i, group in enumerate(engine.groups) if group.master is None
-                                     and not zinf["groups"][i].get("excluded", False)
-                                     and any(k.startswith(f"{i}.opt") for k in keys)])
+                                     and not saved.excluded(i) and saved.state_names(i, "opt")])
     owners = optimizer_owners(optimizers if isinstance(optimizers, dict) else list(optimizers))
     engine.release_all()
     for i, group in enumerate(engine.groups):
-        if zinf["groups"][i].get("excluded", False):
+        if saved.excluded(i):
             continue  # saved without its frozen values: the model's own stay
         # One group's state in memory at a time (with NVMe offload the rest stays in swap files).
         with engine.state_resident(write_back=True, groups=[group]):
-            old_shard = reader.shard_numel(i)
             # A rank may own only padding (a small group over many ranks): then lo == hi.
             lo = min(group.shard_start, group.numel)
             hi = min(group.shard_start + group.shard_numel, group.numel)
-            group.shard.zero_()
-            group.shard[: hi - lo].copy_(reader.read(f"{i}.param", lo, hi, old_shard))
+            # Elements saved without values (a frozen part of a group, exclude_frozen) keep the model's.
+            group.shard[hi - lo:].zero_()
+            saved.read(i, "param", lo, hi, group.shard)
             if load_optimizer and group.master is not None and group.master is not group.shard:
-                source = f"{i}.master" if reader.has(f"{i}.master") else f"{i}.param"
-                group.master.zero_()
-                group.master[: hi - lo].copy_(reader.read(source, lo, hi, old_shard))
+                group.master[hi - lo:].zero_()
+                group.master[: hi - lo].copy_(group.shard[: hi - lo])  # where no master was saved
+                saved.read(i, "master", lo, hi, group.master, fallback="param")
             elif group.master is not None and group.master is not group.shard:
                 group.master.copy_(group.shard)
             if load_optimizer:
-                _load_group_state(i, group, owners, reader, lo, hi, old_shard)
+                _load_group_state(i, group, owners, saved, lo, hi)
     engine.after_step()  # re-gather persistent units from the loaded shards
     return meta
 
@@ -113,33 +112,29 @@ def placed_scalar_state(key: str, value: Tensor, fragment: Tensor, optimizer: to
     return value.to(dtype=torch.float32, device=fragment.device if on_device else "cpu", copy=True)
 
 
-def _load_group_state(
-    i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]], reader: ShardReader,
-    lo: int, hi: int, old_shard: int,
-) -> None:
+def _load_group_state(i: int, group: FlatGroup, owners: dict[int, tuple[int, torch.optim.Optimizer]],
+                      saved: SavedRanges, lo: int, hi: int) -> None:
     ranges = group.owned_ranges()
-    keys = reader.keys()
     flat: dict[str, Tensor] = {}
     for j, fragment in enumerate(group.fragments):
         if id(fragment) not in owners:
             continue
         o, optimizer = owners[id(fragment)]
-        prefix = f"{i}.opt{o}."
+        prefix = f"opt{o}."
         state: dict[str, Tensor] = {}
-        for key in keys:
-            if not key.startswith(prefix):
+        for name in saved.state_names(i, prefix):
+            if not saved.holds(i, j, prefix + name):
                 continue
-            name = key[len(prefix):]
             if name.endswith(".scalar"):
-                value = reader.read(key, 0, len(group.params), len(group.params))[j]
-                if not torch.isnan(value):
-                    state[name.removesuffix(".scalar")] = placed_scalar_state(name.removesuffix(".scalar"), value, fragment,
-                                                                              optimizer)
+                value = saved.scalar(i, j, prefix + name)
+                if value is not None and not torch.isnan(value):
+                    key = name.removesuffix(".scalar")
+                    state[key] = placed_scalar_state(key, value, fragment, optimizer)
                 continue
             if name not in flat:
-                data = reader.read(key, lo, hi, old_shard)
-                flat[name] = torch.zeros(group.shard_numel, dtype=data.dtype, device=group.state_device)
-                flat[name][: hi - lo].copy_(data)
+                flat[name] = torch.zeros(group.shard_numel, dtype=saved.dtype(i, prefix + name),
+                                         device=group.state_device)
+                saved.read(i, prefix + name, lo, hi, flat[name])
             a, b = ranges[j]
             state[name] = flat[name][a:b]
         if state:

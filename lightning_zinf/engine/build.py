@@ -137,7 +137,7 @@ class UnitBuilder:
                 groups = [self._flat_group(members, rank0 or any(id(p) in built_real for _, p in members))
                           for members in split_by_kind(spec.params)]
                 persistent = spec.is_root or sum(g.numel for g in groups) <= self.persistence_threshold
-                units[index] = Unit(index, spec.name, groups, persistent, spec.module)
+                units[index] = Unit(index, spec.name, groups, persistent, spec.module, run=spec.run)
         finally:
             replayer.close()
             torch.set_rng_state(own_rng)

@@ -57,6 +57,7 @@ from lightning_zinf.engine.buffers import BufferPool, GatherPool
 from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, hybrid_group_size, make_swap_space, swapped_shards
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
+from lightning_zinf.engine.grouping import auto_blocks, unit_size_for
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.freezing import Freezing
 from lightning_zinf.engine.negotiation import LOOP_END, STEP_END, USER_COLLECTIVE
@@ -101,8 +102,10 @@ class ZeroEngine:
     Args:
         module: The model. Its buffers are moved to ``device`` and stay replicated on every rank.
         block_classes: Module classes (or class names) whose whole subtree is one unit, e.g. a
-            transformer block. Default: each module's own parameters are a unit.
-        prefetch: Prefetch and persistence settings.
+            transformer block. Default: units of at most ``prefetch.unit_size`` elements grouped
+            by the engine (:mod:`~lightning_zinf.engine.grouping`; measured here when ``None``, a
+            collective), or with ``unit_size=0`` (the default) each module's own parameters.
+        prefetch: Prefetch, persistence and unit size settings.
         device: Where shards, gathered parameters and gradient shards live (the compute device;
             ``"cuda"`` means the current CUDA device).
         group: The data-parallel process group (default: the world, or one local rank without
@@ -141,6 +144,8 @@ class ZeroEngine:
 
     Attributes:
         units: The units, in plan order (a unit's ``index`` is its position).
+        unit_size: The most elements per unit of the modules grouped automatically (the measured
+            or given ``prefetch.unit_size``), or 0 (``block_classes`` given, or a unit per module).
         schedule: The :class:`~lightning_zinf.engine.schedule.Schedule`: the hooks that decide when
             units are gathered, prefetched and released.
         states: The :class:`~lightning_zinf.engine.units.UnitStates`: the unit state machine
@@ -242,7 +247,13 @@ class ZeroEngine:
         shard_device = torch.device("cpu") if shards_offloaded else self.device
         self.tiled_layers = tile_linear_layers(module, tiling) if tiling is not None else []
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
-        specs, uses = plan_units(module, block_classes)
+        # Without block_classes, modules are grouped into units of about unit_size elements
+        # (grouping.py): a unit per module costs each small tensor its own hooks and collectives.
+        first = next(module.parameters(), None)
+        self.unit_size = unit_size_for(block_classes, prefetch.unit_size, prefetch.bucket_size, self.comm, self.device,
+                                       mixed_precision.compute_dtype(first.dtype if first is not None
+                                                                     else torch.float32).itemsize)
+        specs, uses = plan_units(module, block_classes, auto_blocks(module, self.unit_size) if self.unit_size else ())
         # Before any shard exists: the preflight counts the swap files the partitioning will write.
         swapped = (ParamOffload.planned_bytes(swapped_shards(specs, mixed_precision, zero_pp, self.comm.shard_size))
                    if offload.param == "nvme" else 0)
@@ -294,6 +305,14 @@ class ZeroEngine:
                                  meet=self.agreement.waypoint,
                                  copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0,
                                  hold_for_backward=sharding == "grad_op")
+        if self.unit_size and not block_classes:
+            # The modules inside a grouped unit are gathered by the module that owns it; one called
+            # without that module's forward gathers the unit itself (Schedule.guard).
+            for spec, unit in zip(specs, self.units):
+                own = {id(p) for _, p in spec.params}
+                for inner in spec.modules:
+                    if inner not in uses and any(id(p) in own for p in inner._parameters.values() if p is not None):
+                        self.schedule.guard(inner, unit)
         self.steps = OptimizerSteps(self.units, comm=self.comm, states=self.states, agreement=self.agreement,
                                     transfers=self.transfers, device=self.device, shard_device=shard_device,
                                     param_offload=self.param_offload,

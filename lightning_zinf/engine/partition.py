@@ -40,6 +40,8 @@ class UnitSpec:
             to earlier units (a tied output layer), which own no unit of their own.
         is_root: The unit holds the root module's own parameters; their use is not tied to a
             forward call, so the unit stays gathered.
+        run: The unit is a run of sibling modules (:func:`~lightning_zinf.engine.grouping.auto_blocks`),
+            each of which gathers it.
     """
 
     name: str
@@ -47,6 +49,7 @@ class UnitSpec:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
     modules: list[nn.Module] = field(default_factory=list)
     is_root: bool = False
+    run: bool = False
 
 
 def resolve_block_classes(block_classes: Sequence[Union[str, type]]) -> tuple[set[type], set[str]]:
@@ -84,7 +87,7 @@ def matches_classes(module: nn.Module, classes: set[type], names: set[str]) -> O
 
 
 def plan_units(
-    root: nn.Module, block_classes: Sequence[Union[str, type]] = ()
+    root: nn.Module, block_classes: Sequence[Union[str, type]] = (), blocks: Sequence[Sequence[nn.Module]] = ()
 ) -> tuple[list[UnitSpec], dict[nn.Module, list[int]]]:
     """Assign every parameter of ``root`` to exactly one unit.
 
@@ -101,6 +104,10 @@ def plan_units(
     Args:
         root: The model.
         block_classes: Classes, or class names, whose instances are fetched as one unit.
+        blocks: Runs of consecutive sibling modules of ``root``, each fetched as one unit
+            (:func:`~lightning_zinf.engine.grouping.auto_blocks`' choice): a run of one module is
+            a block as if its class were named; a longer run is one unit of all its members'
+            subtrees, which each member's forward gathers (named ``first..last``).
 
     Returns:
         ``(units, uses)``: the units, and for every module with hooks the indices of the units its
@@ -111,6 +118,9 @@ def plan_units(
             or matches no module of ``root``.
     """
     classes, names = resolve_block_classes(block_classes)
+    chosen = {id(run[0]) for run in blocks if len(run) == 1}
+    runs = {id(run[0]): run for run in blocks if len(run) > 1}
+    module_names = {id(m): n for n, m in root.named_modules()} if runs else {}
     units: list[UnitSpec] = []
     uses: dict[nn.Module, list[int]] = {}
     owner: dict[int, int] = {}
@@ -127,7 +137,9 @@ def plan_units(
                 if p is None or p.numel() == 0:
                     continue
                 if id(p) in owner:
-                    if owner[id(p)] not in needed:
+                    # Tied to an earlier unit's parameter (not to one of this unit: a run of siblings
+                    # may hold both ends of a tie, T5's encoder and decoder embeddings).
+                    if owner[id(p)] != len(units) and owner[id(p)] not in needed:
                         needed.append(owner[id(p)])
                     continue
                 owner[id(p)] = len(units)
@@ -150,7 +162,18 @@ def plan_units(
             matched.add(entry)
         if id(module) in inside_block:
             continue
-        block = entry is not None
+        run = runs.get(id(module))
+        if run is not None:
+            members = [pair for m in run for pair in m.named_modules(prefix=module_names[id(m)])]
+            inside_block.update(id(m) for _, m in members[1:])
+            needed = []
+            add_unit(f"{mod_name}..{module_names[id(run[-1])]}", module, members, needed)
+            if units and units[-1].module is module:
+                units[-1].run = True
+            for member in run:
+                uses[member] = list(needed)
+            continue
+        block = entry is not None or id(module) in chosen
         if not block:
             needed: list[int] = []
             add_unit(mod_name, module, [(mod_name, module)], needed)

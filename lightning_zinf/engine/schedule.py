@@ -111,6 +111,10 @@ class Schedule:
         self._uses = uses
         # Per module, its forward calls in progress: each one's frozen use and the units it holds for backward.
         self._calls: dict[nn.Module, list[tuple[Optional[_Use], list[Unit]]]] = {}
+        # Modules inside automatically grouped units (guard), and per module whether each of its
+        # calls in progress gathered the unit itself.
+        self._guards: dict[nn.Module, list[Unit]] = {}
+        self._guarding: dict[nn.Module, list[bool]] = {}
         self._backward_end_queued = False
         # Called once when a backward starts (the engine reads the next optimizer step's first
         # state ahead: OptimizerSteps.prepare_step).
@@ -147,6 +151,16 @@ class Schedule:
         # the post-hook must still end that use of the unit.
         return [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                 module.register_forward_hook(self._post_forward, always_call=True)]
+
+    def guard(self, module: nn.Module, unit: Unit) -> None:
+        """Gather ``unit`` for ``module`` (a module inside a unit grouped automatically, whose
+        parameters are the unit's) when it runs while nothing else uses the unit: called without
+        the forward of the module that gathers it (an encoder called by ``generate()`` without
+        its model's forward, a layer shared with another part of the model). Inside that forward,
+        the usual case, the hook only checks the unit's depth."""
+        self._guards[module] = [unit]
+        self.handles.extend([module.register_forward_pre_hook(self._guard_pre_forward, with_kwargs=True),
+                             module.register_forward_hook(self._guard_post_forward, always_call=True)])
 
     def add_use(self, module: nn.Module, unit: Unit) -> None:
         """Gather ``unit`` whenever ``module`` runs (hooking ``module`` if it was not yet)."""
@@ -192,6 +206,7 @@ class Schedule:
         forward or backward that raised."""
         self._backward_end_queued = False
         self._calls.clear()
+        self._guarding.clear()
 
     def remove(self) -> None:
         """Remove every hook this schedule installed."""
@@ -206,6 +221,11 @@ class Schedule:
         trace, start its gather if it is released, prefetch the next units of the trace and read
         the NVMe shards of the next ones ahead, then wait for it."""
         upcoming = self.tracer.request(unit.index)
+        if unit.run:  # its next members' requests: it stays gathered for them (_post_forward)
+            same = 0
+            while same < len(upcoming) and upcoming[same] == unit.index:
+                same += 1
+            upcoming = upcoming[same:]
         self.states.claim(unit)
         if unit.state == RELEASED:
             self.states.start_gather(unit)
@@ -281,8 +301,26 @@ class Schedule:
             self._begin_pass((module.training, torch.is_grad_enabled()))
 
     @_eager
+    def _guard_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        units = self._guards[module]
+        alone = units[0].forward_depth == 0
+        self._guarding.setdefault(module, []).append(alone)
+        return self._enter(module, units, args, kwargs) if alone else None
+
+    @_eager
+    def _guard_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        calls = self._guarding.get(module)
+        if calls and calls.pop():
+            return self._leave(module, self._guards[module], output)
+        return None
+
+    @_eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        units = self._uses[module]
+        return self._enter(module, self._uses[module], args, kwargs)
+
+    def _enter(self, module: nn.Module, units: list[Unit], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A forward call of ``module`` that uses ``units`` starts: acquire them (and mark them for
+        backward); the arguments, cast and threaded through the post-backward node as needed."""
         recompute = torch.is_grad_enabled() and in_backward()
         # ZeRO-2 (grad_op): a forward that records a graph keeps its units for their backward.
         hold = recompute or (self.hold_for_backward and torch.is_grad_enabled())
@@ -320,7 +358,12 @@ class Schedule:
 
     @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        units = self._uses[module]
+        return self._leave(module, self._uses[module], output)
+
+    def _leave(self, module: nn.Module, units: list[Unit], output: Any) -> Any:
+        """The forward call of ``module`` that :meth:`_enter` began ends: hook its outputs'
+        backward, release the units nothing else holds; the output (a copy where it is a view of a
+        released parameter)."""
         use, fresh = self._calls[module].pop()
         for unit in units:
             unit.forward_depth -= 1
@@ -343,7 +386,10 @@ class Schedule:
                 for unit in fresh:
                     unit.held = False
         for unit in units:
-            self.states.maybe_release(unit)
+            # A run of siblings grouped into one unit (grouping.py) whose next member runs next:
+            # released after that one instead of gathered again for it.
+            if not (unit.run and self.tracer.requested_next(unit.index)):
+                self.states.maybe_release(unit)
         return output
 
     # --- backward ---------------------------------------------------------------------------------

@@ -157,6 +157,13 @@ class Tracer:
         self._cursor += 1
         return trace.order[self._cursor :] if self.enabled else []
 
+    def requested_next(self, unit: int) -> bool:
+        """Whether the agreed trace being replayed says the next gather request is ``unit`` again
+        (a unit that several sibling modules use, one after another: it stays gathered between them)."""
+        trace = self._current
+        return (trace is not None and not self._diverged and trace.state == _REPLAY
+                and self._cursor < len(trace.order) and trace.order[self._cursor] == unit)
+
     def unit_order(self) -> list[int]:
         """The units of the pass in progress (or last begun and not finished), in the order it
         first gathered or, by its agreed trace, gathers them: the order the next pass of its kind

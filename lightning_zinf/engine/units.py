@@ -94,13 +94,16 @@ class Unit:
             then reduce-scattered).
         pending_backward: Forward uses whose input-side post-backward node has not run yet.
         kept: Stays gathered between forward passes (``keep_gathered``).
+        run: A run of sibling modules that each gather it (:mod:`~lightning_zinf.engine.grouping`):
+            kept gathered from one member's forward to the next when the trace says so.
     """
 
     def __init__(self, index: int, name: str, groups: list[FlatGroup], persistent: bool,
-                 module: Optional[nn.Module] = None) -> None:
+                 module: Optional[nn.Module] = None, run: bool = False) -> None:
         self.index = index
         self.name = name
         self.module = module
+        self.run = run
         self.groups = groups
         self.numel = sum(g.numel for g in groups)
         self.persistent = persistent

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_zinf.config import MixedPrecisionConfig
 from lightning_zinf.engine.build import split_by_kind
 from lightning_zinf.engine.flat import shard_numel
+from lightning_zinf.engine.grouping import auto_blocks
 from lightning_zinf.engine.partition import plan_units
 
 __all__ = ["GroupFacts", "Inventory"]
@@ -75,18 +76,25 @@ class Inventory:
     @classmethod
     def of(cls, module: nn.Module, *, world: int, block_classes: Sequence[Union[str, type]] = (),
            mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig(),
-           persistence_threshold: int = 100_000) -> "Inventory":
-        """The inventory of ``module`` (real or on the meta device) as the engine would partition it.
+           persistence_threshold: int = 100_000, unit_size: int = 0) -> "Inventory":
+        """The inventory of ``module`` (real or on the meta device) as the engine would partition it
+        (``unit_size``: the engine's, resolved: modules grouped into units of at most that many
+        elements where no ``block_classes`` are given, :mod:`~lightning_zinf.engine.grouping`;
+        0: a unit per module).
 
         Raises:
             ValueError: as :func:`~lightning_zinf.engine.partition.plan_units` (no parameters, a
                 ``block_classes`` entry that matches nothing).
         """
-        specs, uses = plan_units(module, block_classes)
+        specs, uses = plan_units(module, block_classes,
+                                 auto_blocks(module, unit_size) if unit_size and not block_classes else ())
+        # Tied: used by a module outside the unit's own (a tied head); the members of a run of
+        # siblings (grouping.py) are the unit's own modules, used one after another.
+        own = [{id(m) for m in spec.modules} for spec in specs]
         users: dict[int, int] = {}
-        for ids in uses.values():
+        for user, ids in uses.items():
             for i in ids:
-                users[i] = users.get(i, 0) + 1
+                users[i] = users.get(i, 0) + (id(user) not in own[i] or specs[i].module is user)
         groups = []
         for index, spec in enumerate(specs):
             kinds = split_by_kind(spec.params)

@@ -360,7 +360,7 @@ def _free_bytes(device: torch.device, ranks_per_node: int) -> Optional[int]:
 def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, device: torch.device,
                   block_classes: tuple, mixed_precision: "MixedPrecisionConfig", persistence_threshold: int,
                   bucket_size: int, placement: "Placement", compute: Optional[float] = None,
-                  timeout: Optional[timedelta] = None) -> ShardingChoice:
+                  timeout: Optional[timedelta] = None, unit_size: int = 0) -> ShardingChoice:
     """``sharding="auto"`` for ``module`` on this world. Collective: every rank measures the links
     and the quantization together, and all decide from the slowest rank's rates and rank 0's free
     memory (the least any rank has), so that they choose alike. A probe that fails on some rank
@@ -378,6 +378,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
         placement: The offload tiers, for each candidate's predicted state.
         compute: Seconds of a step's forward and backward, from the example input (``None``: not known).
         timeout: The probe groups' (the strategy's).
+        unit_size: As the engine's, resolved (:meth:`Inventory.of <lightning_zinf.planning.inventory.Inventory.of>`).
 
     Returns:
         The :class:`ShardingChoice` (:func:`choose_sharding`).
@@ -386,7 +387,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
 
     accelerator = device.type != "cpu"
     inventory = Inventory.of(module, world=world, block_classes=block_classes, mixed_precision=mixed_precision,
-                             persistence_threshold=persistence_threshold)
+                             persistence_threshold=persistence_threshold, unit_size=unit_size)
     if world // ranks_per_node <= 1:
         return choose_sharding(inventory, world, ranks_per_node, Links(None, None), state_bytes={}, free_bytes=None)
     links = measure_links(Topology(world, dist.get_rank(), ranks_per_node), device, timeout=timeout)
@@ -407,7 +408,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
 
     def state(shards: int, secondary: bool = False) -> tuple[int, int]:
         counted = Inventory.of(module, world=shards, block_classes=block_classes, mixed_precision=mixed_precision,
-                               persistence_threshold=persistence_threshold)
+                               persistence_threshold=persistence_threshold, unit_size=unit_size)
         predicted = predict(counted, placement, bucket_size=bucket_size, accelerator=accelerator)
         # hpZ's secondary partitions: a node's share of every group, in the compute dtype.
         extra = sum(g.numel * g.compute_bytes for g in counted.groups) // ranks_per_node if secondary else 0
