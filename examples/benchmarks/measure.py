@@ -120,10 +120,13 @@ def run_killable(cmd: list[str], env: dict[str, str], log_path: Path, timeout: f
             return proc.wait()
 
 
-def self_launched_rank(script: str, contender: str, script_args: list[str], timeout: float) -> tuple[dict | None, str]:
+def self_launched_rank(script: str, contender: str, script_args: list[str], timeout: float, python: str | None = None,
+                       env: dict[str, str] | None = None) -> tuple[dict | None, str]:
     """Driver side of a benchmark script that is also its own rank program: run
     ``torchrun --nproc_per_node 2 script --rank-of contender *script_args --result FILE`` with one
-    thread per rank and this checkout on ``PYTHONPATH``; returns what rank 0 wrote to FILE (JSON),
+    thread per rank and this checkout on ``PYTHONPATH``, under ``python`` (default: this
+    interpreter; another venv's, DeepSpeed's) with ``env`` added to this process's environment;
+    returns what rank 0 wrote to FILE (JSON),
     or ``None`` and the tail of the job's stderr when it wrote nothing. Rank programs write FILE once
     every rank is done with its work: a job that fails after that (a rank aborting in gloo's
     teardown with "terminate called without an active exception", seen here under DDP as well)
@@ -135,8 +138,8 @@ def self_launched_rank(script: str, contender: str, script_args: list[str], time
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rank0.json"
         env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])), **(env or {}))
+        cmd = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                "--rank-of", contender, *script_args, "--result", str(out)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
