@@ -680,3 +680,24 @@ def test_a_parameter_without_optimizer_state_starts_afresh_in_other_units(tmp_pa
     same_units = _unused_then_used(path, 0, save=False)
     one_unit = _unused_then_used(path, 10_000, save=False)
     assert one_unit == same_units
+
+
+def _save_per_module(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    engine, optimizer = _gpt_engine(0, {"unit_size": 0})
+    _train_steps(engine, optimizer, rank, world, range(2))
+    save_sharded(engine, [optimizer], path, {})
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_a_checkpoint_of_two_ranks_loads_into_other_units_on_one(tmp_path: Path) -> None:
+    """Saved by 2 ranks with a unit per module, loaded by 1 rank whose units pack whole blocks:
+    each parameter's range is read across the old ranks' files, and every weight is the saved one."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(_save_per_module, 2, path)[0]
+    engine, optimizer = _gpt_engine(1, {"unit_size": 60_000})
+    assert "blocks.0" in [u.name for u in engine.units]  # a whole block: the save had a unit per module
+    load_sharded(engine, [optimizer], path)
+    with engine.gathered():
+        for name, p in engine.module.named_parameters():
+            assert torch.equal(p, saved[name]), name

@@ -1,5 +1,6 @@
-"""Loading a sharded checkpoint at this or any other world size: each rank reads only the byte
-ranges of the old shard files that overlap its own shards, one flat group at a time."""
+"""Loading a sharded checkpoint at this or any other world size, and into the same or other units
+(:mod:`~lightning_zinf.checkpoint.regroup`): each rank reads only the byte ranges of the old shard
+files that overlap its own shards, one flat group at a time."""
 
 from __future__ import annotations
 
@@ -89,9 +90,11 @@ def load_sharded(
             group.shard[hi - lo:].zero_()
             saved.read(i, "param", lo, hi, group.shard)
             if load_optimizer and group.master is not None and group.master is not group.shard:
+                # The loaded weights, then the saved masters where there are any (a group saved
+                # without one kept its master in its weights; frozen elements keep the model's).
                 group.master[hi - lo:].zero_()
-                group.master[: hi - lo].copy_(group.shard[: hi - lo])  # where no master was saved
-                saved.read(i, "master", lo, hi, group.master, fallback="param")
+                group.master[: hi - lo].copy_(group.shard[: hi - lo])
+                saved.read(i, "master", lo, hi, group.master)
             elif group.master is not None and group.master is not group.shard:
                 group.master.copy_(group.shard)
             if load_optimizer:

@@ -96,7 +96,13 @@ def match_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pat
             numel = 1
             for size in shape:
                 numel *= size
-            segs.append(Segment(offset, offset + numel, j, old["offsets"][k]))
+            last = segs[-1] if segs else None
+            if last is not None and last.group == j and last.hi == offset and \
+                    last.start + last.hi - last.lo == old["offsets"][k]:
+                # The next parameter of the same saved group, in the same order: one read for both.
+                segs[-1] = Segment(last.lo, offset + numel, j, last.start)
+            else:
+                segs.append(Segment(offset, offset + numel, j, old["offsets"][k]))
             origs.append(Origin(j, k))
         segments.append(segs)
         origins.append(origs)
@@ -116,7 +122,14 @@ class SavedRanges:
         self.reader = reader
         self.saved = saved
         self.sources = sources
+        self._keys = set(reader.keys())
+        self._names: dict[tuple[int, str], list[str]] = {}
         self._scalars: dict[str, Tensor] = {}
+
+    def _held(self, group: int, suffix: str) -> Optional[str]:
+        """The key of saved group ``group``'s tensor ``suffix``, if it holds it with its values."""
+        key = f"{group}.{suffix}"
+        return key if key in self._keys and not self.saved[group].get("excluded", False) else None
 
     def excluded(self, i: int) -> bool:
         """Every element of current group ``i`` was saved without its values (``exclude_frozen``)."""
@@ -126,58 +139,39 @@ class SavedRanges:
         """Whether the saved group of current group ``i``'s parameter at ``position`` holds the
         tensor ``suffix`` with its values (a parameter never stepped before the save has no
         optimizer state there, whatever its new group's other parameters have)."""
-        group = self.sources.origins[i][position].group
-        return not self.saved[group].get("excluded", False) and self.reader.has(f"{group}.{suffix}")
+        return self._held(self.sources.origins[i][position].group, suffix) is not None
 
     def state_names(self, i: int, prefix: str) -> list[str]:
         """The names after ``prefix`` (``"opt0."``) of the tensors the saved groups that feed
         current group ``i`` hold, in the checkpoint's order, each once."""
-        feeding = {s.group for s in self.sources.segments[i]}
-        names: dict[str, None] = {}
-        for key in self.reader.keys():
-            group, _, rest = key.partition(".")
-            if group.isdigit() and int(group) in feeding and rest.startswith(prefix):
-                names.setdefault(rest[len(prefix):], None)
-        return list(names)
+        if (i, prefix) not in self._names:
+            feeding = {s.group for s in self.sources.segments[i]}
+            names: dict[str, None] = {}
+            for key in self.reader.keys():
+                group, _, rest = key.partition(".")
+                if group.isdigit() and int(group) in feeding and rest.startswith(prefix):
+                    names.setdefault(rest[len(prefix):], None)
+            self._names[i, prefix] = list(names)
+        return self._names[i, prefix]
 
-    def _key(self, group: int, suffix: str, fallback: Optional[str]) -> Optional[str]:
-        """The key saved group ``group`` holds ``suffix`` under (or its ``fallback``), if any and
-        if it was saved with its values."""
-        if self.saved[group].get("excluded", False):
-            return None
-        for key in (f"{group}.{suffix}", f"{group}.{fallback}" if fallback is not None else None):
-            if key is not None and self.reader.has(key):
-                return key
-        return None
-
-    def read(self, i: int, suffix: str, lo: int, hi: int, into: Tensor, fallback: Optional[str] = None) -> bool:
-        """Write elements ``[lo, hi)`` of current group ``i``'s tensor ``suffix`` into ``into[: hi - lo]``,
-        from each saved group that holds it (else its ``fallback``, as ``"param"`` for a master
-        saved only as the weights). Elements of saved groups that hold neither, or were saved
-        without their values, are left as ``into`` has them.
-
-        Returns:
-            Whether any saved group feeding ``i`` held the tensor (or its fallback), whether or
-            not this rank's range overlaps it.
-        """
-        found = False
+    def read(self, i: int, suffix: str, lo: int, hi: int, into: Tensor) -> None:
+        """Write elements ``[lo, hi)`` of current group ``i``'s tensor ``suffix`` into
+        ``into[: hi - lo]``, from each saved group that holds it. Elements of saved groups that do
+        not (a master saved only as the weights, state of a parameter never stepped), or that
+        were saved without their values, are left as ``into`` has them."""
         for seg in self.sources.segments[i]:
-            key = self._key(seg.group, suffix, fallback)
-            if key is None:
-                continue
-            found = True
+            key = self._held(seg.group, suffix)
             start, stop = max(seg.lo, lo), min(seg.hi, hi)
-            if start < stop:
+            if key is not None and start < stop:
                 into[start - lo: stop - lo].copy_(self.reader.read(key, seg.start + start - seg.lo,
                                                                    seg.start + stop - seg.lo,
                                                                    self.reader.shard_numel(seg.group)))
-        return found
 
     def dtype(self, i: int, suffix: str) -> Optional[torch.dtype]:
         """The stored dtype of ``suffix`` in the first saved group feeding ``i`` that holds it."""
         for seg in self.sources.segments[i]:
             key = f"{seg.group}.{suffix}"
-            if self.reader.has(key):
+            if key in self._keys:
                 return self.reader.read(key, 0, 0, self.reader.shard_numel(seg.group)).dtype
         return None
 
@@ -186,7 +180,7 @@ class SavedRanges:
         parameter at ``position``, from its saved group; ``None`` where that group holds none."""
         origin = self.sources.origins[i][position]
         key = f"{origin.group}.{suffix}"
-        if not self.reader.has(key):
+        if key not in self._keys:
             return None
         if key not in self._scalars:  # one read per saved group, not per parameter
             n = len(self.saved[origin.group]["names"])

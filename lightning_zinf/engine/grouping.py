@@ -63,23 +63,7 @@ def _has_forward(module: nn.Module) -> bool:
 
 def _subtree_numel(root: nn.Module) -> dict[int, int]:
     """Elements of every module's subtree (by module id), each parameter once per subtree."""
-    sizes: dict[int, int] = {}
-
-    def visit(module: nn.Module) -> set[int]:
-        seen = {id(p) for p in module.parameters(recurse=False) if p is not None}
-        numel = {id(p): p.numel() for p in module.parameters(recurse=False) if p is not None}
-        for child in module.children():
-            if id(child) not in sizes:
-                visit(child)
-            for p in child.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    numel[id(p)] = p.numel()
-        sizes[id(module)] = sum(numel.values())
-        return seen
-
-    visit(root)
-    return sizes
+    return {id(m): sum(p.numel() for p in m.parameters()) for m in root.modules()}
 
 
 def auto_blocks(root: nn.Module, unit_size: int) -> list[list[nn.Module]]:
