@@ -197,6 +197,27 @@ def test_ordering_on_one_key(tmp_path: Path) -> None:
             sw.read("k", out_a1)  # the last write issued was b's size
 
 
+def test_requests_chained_on_one_key_finish_while_the_interpreter_exits(tmp_path: Path) -> None:
+    """At a script's end the interpreter stops concurrent.futures' executors (they refuse new work)
+    before the swapper's close() waits for its requests; a request chained behind one that
+    finishes then must still run (it used to be dropped, and close() waited for it forever: a
+    script that caught a full disk's SwapError hung at exit). The executor is shut down here as
+    the interpreter does, while the first of three requests on one key is in flight."""
+    import threading
+
+    data = torch.arange(16 << 20, dtype=torch.float32)  # 64 MiB: in flight when the executor stops
+    out = torch.empty_like(data)
+    sw = NvmeSwapper(tmp_path / "swap", SMALL_BLOCKS)
+    handles = [sw.write("k", data), sw.read("k", out), sw.write("k", data)]
+    sw._pool._executor.shutdown(wait=False)  # what the interpreter's exit does to every executor
+    waiter = threading.Thread(target=_wait, args=(handles,), daemon=True)
+    waiter.start()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), [str(h) for h in handles]  # (not closed then: close() would wait too)
+    assert _same(out, data)
+    sw.close()
+
+
 def test_dev_shm_tmpfs(tmp_path: Path) -> None:
     """/dev/shm is tmpfs. Linux >= 6.6 gives tmpfs O_DIRECT, older kernels refuse it: either way the
     swapper agrees with an independent probe and the data round-trips."""

@@ -158,14 +158,24 @@ class BlockPool:
         """Queue ``task``; it runs on a pool thread when a slot is free (reads first)."""
         with self._lock:
             (self._reads if read else self._writes).append(task)
-            self._pump()
+            refused = self._pump()
+        self._run_here(refused)
 
-    def _pump(self) -> None:
-        # Called with self._lock held.
+    def _pump(self) -> list[Callable[[], None]]:
+        """Start queued tasks while slots are free (called with ``self._lock`` held); the tasks
+        the executor refused, for the caller to run in its own thread once it lets the lock go."""
+        refused = []
         while self._in_flight < self._window and (self._reads or self._writes):
             task = (self._reads or self._writes).popleft()
             self._in_flight += 1
-            self._executor.submit(self._run, task)
+            try:
+                self._executor.submit(self._run, task)
+            except RuntimeError:
+                # The interpreter is exiting: concurrent.futures takes no new work then, but a
+                # request chained behind one that just finished (a write after a failed one, at a
+                # script's end) must still finish, or close() would wait for it forever.
+                refused.append(task)
+        return refused
 
     def _run(self, task: Callable[[], None]) -> None:
         try:
@@ -173,7 +183,12 @@ class BlockPool:
         finally:
             with self._lock:
                 self._in_flight -= 1
-                self._pump()
+                refused = self._pump()
+            self._run_here(refused)
+
+    def _run_here(self, tasks: list[Callable[[], None]]) -> None:
+        for task in tasks:
+            self._run(task)
 
     def shutdown(self) -> None:
         """Stop the threads once queued tasks have run (the caller has waited for its requests)."""
