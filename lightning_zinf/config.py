@@ -48,11 +48,11 @@ class PrefetchConfig:
         unit_size: Without ``block_classes``: the most parameter elements of a unit when the engine
             groups modules into units itself (:mod:`lightning_zinf.engine.grouping`: the largest
             subtrees of at most this size, consecutive sibling ones packed together, each a unit).
-            ``None``: chosen at setup from the measured all-gather latency and bandwidth, at most
-            ``bucket_size``. ``0`` (default, for now): a unit per module (each module's own
-            parameters), as DeepSpeed does by default. Ignored
-            when ``block_classes`` is given. DeepSpeed's ``stage3_module_granularity_threshold``,
-            set by measurement instead of by hand.
+            ``None``: ``bucket_size`` (a unit's fixed cost is the host's, which prefetch does not
+            hide: the fewest units that fit what may be gathered ahead anyway are the fastest;
+            0 with ``bucket_size=0``). ``0`` (default, for now): a unit per module (each module's
+            own parameters), as DeepSpeed does by default. Ignored when ``block_classes`` is
+            given. DeepSpeed's ``stage3_module_granularity_threshold``, without measuring by hand.
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many
             tiny collectives for biases and norms. DeepSpeed's ``stage3_param_persistence_threshold``.
@@ -77,7 +77,7 @@ class PrefetchConfig:
 
     enabled: bool = True
     bucket_size: int = 10_000_000
-    unit_size: Optional[int] = 0
+    unit_size: Optional[int] = None
     persistence_threshold: int = 100_000
     overlap_reduce: bool = True
     inference_budget: int = 0
@@ -90,7 +90,7 @@ class PrefetchConfig:
                  "an integer >= 0 (a number of bytes)")
         _require(self.unit_size is None or (isinstance(self.unit_size, int) and not isinstance(self.unit_size, bool)
                                             and self.unit_size >= 0), "PrefetchConfig", "unit_size", self.unit_size,
-                 "None (measured at setup), 0 (a unit per module) or an integer > 0 (elements per unit)")
+                 "None (the bucket_size), 0 (a unit per module) or an integer > 0 (elements per unit)")
         for name in ("bucket_size", "persistence_threshold"):
             value = getattr(self, name)
             _require(

@@ -21,13 +21,13 @@ from lightning_zinf.config import MixedPrecisionConfig
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.heap import keep_within
 from lightning_zinf.options import ZeroOptions
+from lightning_zinf.engine.grouping import unit_size_for
 from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 from lightning_zinf.planning.activations import ActivationPlan
 from lightning_zinf.planning.cost import Placement
 from lightning_zinf.planning.sharding import ShardingChoice, auto_sharding
 from lightning_zinf.offload import SwapError
-from lightning_zinf.engine.grouping import measured_unit_size
 from lightning_zinf.planning.bandwidth import measure_bandwidths, measure_collective
 from lightning_zinf.planning.profile import ForwardProfile, profile_forward, time_blocks
 
@@ -77,7 +77,9 @@ def build_engine(
         UserWarning: ``options.activation_checkpointing`` is set but the model already checkpoints
             some layers itself (:func:`checkpointed_layers`); the option is then ignored.
     """
-    options = _planned_unit_size(module, options, device, options.mixed_precision or precision)
+    # The units pinned before any plan: a plan may lower the prefetch bucket, which must not
+    # regroup the modules it planned for (unit_size=None follows the bucket).
+    options = dataclasses.replace(options, prefetch=dataclasses.replace(options.prefetch, unit_size=_unit_size(options)))
     choice = None
     if options.sharding == "auto":
         options, choice = _auto_sharding(module, options, device, options.mixed_precision or precision, ranks_per_node,
@@ -143,24 +145,6 @@ def build_engine(
     return engine
 
 
-def _planned_unit_size(module: nn.Module, options: ZeroOptions, device: torch.device,
-                       precision: MixedPrecisionConfig) -> ZeroOptions:
-    """The options with ``prefetch.unit_size`` measured here, once, where a plan reads the units
-    (``memory_budget``, ``sharding="auto"``) and the engine would otherwise measure it after the
-    plan: the plan and the engine then group the modules alike. Measured over every rank (the
-    engine measures over its shard group, not built yet). Collective."""
-    if options.block_classes or options.prefetch.unit_size is not None or (
-            options.memory_budget is None and options.sharding != "auto"):
-        return options
-    distributed = dist.is_available() and dist.is_initialized()
-    group = dist.group.WORLD if distributed else None
-    first = next(module.parameters(), None)
-    size = measured_unit_size(group, group, device,
-                              precision.compute_dtype(first.dtype if first is not None else torch.float32).itemsize,
-                              options.prefetch.bucket_size, agree_on=device)
-    return dataclasses.replace(options, prefetch=dataclasses.replace(options.prefetch, unit_size=size))
-
-
 def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device, precision: MixedPrecisionConfig,
                 loss_scaling: bool = False, world: Optional[int] = None, ranks_per_node: int = 1) -> Optional[MemoryPlan]:
     """The placement ``options.memory_budget`` gives ``module`` over this process group's ranks
@@ -180,7 +164,6 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
     """
     if options.memory_budget is None:
         return None
-    options = _planned_unit_size(module, options, device, precision)  # as the engine will group
     distributed = dist.is_available() and dist.is_initialized()
     if world is None:
         world = dist.get_world_size() if distributed else 1
@@ -194,7 +177,7 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
         bandwidths = dataclasses.replace(bandwidths, collective=measure_collective(device))
     inventory = Inventory.of(module, world=world, block_classes=options.block_classes, mixed_precision=precision,
                              persistence_threshold=options.prefetch.persistence_threshold,
-                             unit_size=options.prefetch.unit_size or 0)
+                             unit_size=_unit_size(options))
     return plan_memory(inventory, options.memory_budget, accelerator=device.type != "cpu", offload=options.offload,
                        prefetch=options.prefetch, host_budget=options.host_memory_budget,
                        optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
@@ -228,13 +211,18 @@ def _auto_choice(module: nn.Module, options: ZeroOptions, device: torch.device, 
     choice = auto_sharding(module, world=world, ranks_per_node=per_node, device=device,
                            block_classes=tuple(options.block_classes), mixed_precision=precision,
                            persistence_threshold=options.prefetch.persistence_threshold,
-                           bucket_size=options.prefetch.bucket_size, unit_size=options.prefetch.unit_size or 0,
+                           bucket_size=options.prefetch.bucket_size, unit_size=_unit_size(options),
                            placement=Placement(param=options.offload.param, optimizer=options.offload.optimizer),
                            compute=compute, timeout=timeout)
     rank_zero_info(f"lightning_zinf: {choice.describe()}")
     zero_pp = dataclasses.replace(options.zero_pp, hpz=choice.zero_pp.hpz, qwz=choice.zero_pp.qwz,
                                   qgz=choice.zero_pp.qgz)
     return dataclasses.replace(options, sharding=choice.sharding, zero_pp=zero_pp), choice
+
+
+def _unit_size(options: ZeroOptions) -> int:
+    """The elements per unit the engine will group the modules into (0: none), for a plan to count alike."""
+    return unit_size_for(options.block_classes, options.prefetch.unit_size, options.prefetch.bucket_size)
 
 
 def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:

@@ -30,7 +30,7 @@ def _fit(rank: int, world: int, persistence: int) -> dict:
     lit = TinyLit()
     kept = _KeptAtLog()
     trainer = L.Trainer(
-        strategy=ZeroInfinityStrategy(prefetch={"persistence_threshold": persistence}),
+        strategy=ZeroInfinityStrategy(prefetch={"persistence_threshold": persistence, "unit_size": 0}),  # per module, as counted
         accelerator="cpu", devices=world, max_steps=3, callbacks=[ZeroMonitor(), kept],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
@@ -65,7 +65,7 @@ def _fit_nvme(rank: int, world: int, nvme: str, overlap_step: bool = False) -> d
     lit = TinyLit()
     trainer = L.Trainer(
         strategy=ZeroInfinityStrategy(
-            prefetch={"persistence_threshold": 0},
+            prefetch={"persistence_threshold": 0, "unit_size": 0},  # a unit per module, as counted
             offload={"param": "nvme", "optimizer": "nvme", "nvme_path": nvme, "overlap_step": overlap_step},
         ),
         accelerator="cpu", devices=world, max_steps=3, callbacks=[ZeroMonitor()],

@@ -23,7 +23,7 @@ from tests.harness import run_distributed
 
 WORLD = 2
 STEPS = 6
-NO_PERSIST = PrefetchConfig(persistence_threshold=0)
+NO_PERSIST = PrefetchConfig(persistence_threshold=0, unit_size=0)  # a unit per module: ranks part at modules
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,7 +180,7 @@ def _ddp_reference(build: Callable[[], nn.Module], steps: int) -> dict:
 def test_ranks_running_different_modules_train_as_ddp(build: Callable[[], nn.Module]) -> None:
     """Every rank ends each step with DDP's losses and parameters (AdamW, so a wrong or missing
     gradient anywhere shows), including steps that leave a trace all ranks had agreed on."""
-    ranks = run_distributed(_zinf, WORLD, build, STEPS, PrefetchConfig(persistence_threshold=0), timeout=240)
+    ranks = run_distributed(_zinf, WORLD, build, STEPS, NO_PERSIST, timeout=240)
     want = _ddp_reference(build, STEPS)
     for rank, got in enumerate(ranks):
         assert got["losses"] == pytest.approx(want["losses"][rank], rel=1e-5), rank
@@ -209,7 +209,7 @@ def test_ranks_running_different_modules_with_offload_and_zero_pp(world: int, op
     for key, value in options.items():
         value = {k: (str(tmp_path) if v == "NVME" else v) for k, v in value.items()}
         built[key] = OffloadConfig(**value) if key == "offload" else ZeroPPConfig(**value)
-    ranks = run_distributed(_zinf, world, Interleaved, 4, PrefetchConfig(persistence_threshold=0), built, timeout=300)
+    ranks = run_distributed(_zinf, world, Interleaved, 4, NO_PERSIST, built, timeout=300)
     want = _ddp_reference_world(Interleaved, 4, world)
     for rank, got in enumerate(ranks):
         assert got["losses"] == pytest.approx(want["losses"][rank], rel=tolerance), rank

@@ -138,7 +138,8 @@ def test_a_corrupt_shard_file_is_named_on_every_rank(tmp_path: Path) -> None:
     assert all(code == 0 for code, _ in results), results[0][1][-2000:]
     (shard,) = (tmp_path / "ckpt").glob("save-*/rank_00001.safetensors")
     data = bytearray(shard.read_bytes())
-    data[-64:] = bytes(64)  # the tail of the last tensor: the header still parses
+    start = 8 + int.from_bytes(data[:8], "little")  # after the header, which still parses
+    data[start:start + 64] = bytes(b ^ 0xFF for b in data[start:start + 64])  # the first tensor's head (a shard's tail may be padding)
     shard.write_bytes(bytes(data))
     results, wall = _run_ranks("corrupt", tmp_path)
     for code, err in results:

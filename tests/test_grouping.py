@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zinf import PrefetchConfig, ZeroEngine
-from lightning_zinf.engine.grouping import HOST_SECONDS, LATENCY_SHARE, MIN_UNIT_SIZE, auto_blocks
+from lightning_zinf.engine.grouping import auto_blocks
 from tests import models
 from tests.harness import run_distributed
 
@@ -109,7 +109,7 @@ def test_a_run_of_siblings_is_gathered_once_for_all_of_them() -> None:
 
 
 def test_engine_units_follow_the_blocks_and_the_size_zero_keeps_a_unit_per_module() -> None:
-    assert PrefetchConfig().unit_size == 0  # the default, until the measured size is
+    assert PrefetchConfig().unit_size is None  # the default: units of the prefetch bucket's size
     torch.manual_seed(0)
     model = models.GPT(d=64, layers=4, vocab=64, heads=2)
     block = _subtree(model.blocks[0])
@@ -123,38 +123,25 @@ def test_engine_units_follow_the_blocks_and_the_size_zero_keeps_a_unit_per_modul
         PrefetchConfig(unit_size=-1)
 
 
-def _measured(rank: int, world: int, bucket_size: int) -> dict:
-    from lightning_zinf.planning import bandwidth
-
-    # The probes' timings, by rank (five of the latency, then five of 4 MiB): rank 1 is the slow
-    # one; each rank's fastest counts.
-    timings = iter([4e-5, 9e-5, 5e-5, 6e-5, 7e-5, 4e-3, 5e-3, 4e-3, 6e-3, 9e-3] if rank == 0 else
-                   [3e-4, 1e-4, 2e-4, 2e-4, 2e-4, 9e-3, 8e-3, 8e-3, 9e-3, 9e-3])
-    original, bandwidth.timed_all_gather = bandwidth.timed_all_gather, lambda *args: next(timings)
-    try:
-        torch.manual_seed(0)
-        engine = ZeroEngine(models.GPT(d=64, layers=24, vocab=64, heads=2),
-                            prefetch=PrefetchConfig(bucket_size=bucket_size, unit_size=None))
-    finally:
-        bandwidth.timed_all_gather = original
+def _sized(rank: int, world: int, bucket_size: int) -> dict:
+    torch.manual_seed(0)
+    engine = ZeroEngine(models.GPT(d=64, layers=24, vocab=64, heads=2),
+                        prefetch=PrefetchConfig(bucket_size=bucket_size, unit_size=None))
     return {"unit_size": engine.unit_size, "units": [u.name for u in engine.units]}
 
 
-def test_the_measured_size_is_the_slowest_ranks_on_every_rank() -> None:
-    """The latency and bandwidth probes differ by rank; each rank keeps its fastest probe and
-    every rank takes the slowest rank's figures (rank 1's: 0.1 ms a call, 8 ms for 4 MiB), so
-    every rank groups alike: 9 x (latency + the host's work per collective) x bandwidth in fp32
-    elements, rounded down to a power of two; at most the prefetch bucket."""
-    latency, seconds = 1e-4, 8e-3
-    target = int((1 - LATENCY_SHARE) / LATENCY_SHARE * (latency + HOST_SECONDS) * (4 << 20)
-                 / (seconds - latency)) // 4
-    target = 1 << (target.bit_length() - 1)  # rounded down to a power of two
-    assert MIN_UNIT_SIZE < target < 10_000_000  # neither bound decides with the default bucket
-    results = run_distributed(_measured, 2, 10_000_000)
-    assert [r["unit_size"] for r in results] == [target, target]
+def test_units_sized_by_the_bucket_are_the_same_on_every_rank() -> None:
+    """``unit_size=None`` takes the prefetch bucket, on every rank alike (a divergent grouping
+    would pair different collectives): units of two blocks each with a bucket of two blocks' elements,
+    a unit per module with no bucket, and no unit larger than the bucket."""
+    torch.manual_seed(0)
+    model = models.GPT(d=64, layers=24, vocab=64, heads=2)
+    pair = 2 * _subtree(model.blocks[0])
+    results = run_distributed(_sized, 2, pair)
+    assert [r["unit_size"] for r in results] == [pair, pair]
     assert results[0]["units"] == results[1]["units"]
-    capped = run_distributed(_measured, 2, target // 2)
-    assert [r["unit_size"] for r in capped] == [max(MIN_UNIT_SIZE, target // 2)] * 2
+    assert "blocks.0..blocks.1" in results[0]["units"] and "blocks.22..blocks.23" in results[0]["units"], results[0]
+    assert [r["unit_size"] for r in run_distributed(_sized, 2, 0)] == [0, 0]
 
 
 def _t5(rank: int, world: int, steps: int) -> dict:
@@ -202,7 +189,7 @@ def test_a_transformers_t5_without_block_classes_trains_as_plain_pytorch() -> No
 def _gathered_peak(rank: int, world: int, depth: int) -> dict:
     torch.manual_seed(0)
     model = models.GPT(vocab=64, d=64, layers=depth, heads=2, seq=16)
-    # The bucket: three blocks' elements, so that the measured size makes units of a few blocks.
+    # The bucket: three blocks' elements, so that the automatic size makes units of a few blocks.
     bucket = 3 * sum(p.numel() for p in model.blocks[0].parameters())
     engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0, bucket_size=bucket, unit_size=None))
     optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=1e-2))
@@ -216,7 +203,7 @@ def _gathered_peak(rank: int, world: int, depth: int) -> dict:
 
 
 def test_the_memory_bound_holds_with_units_sized_automatically() -> None:
-    """ZeRO-3's bound with the measured unit size, which does not depend on the model's: the
+    """ZeRO-3's bound with units sized automatically (the bucket), which does not depend on the model's: the
     gathered parameter bytes at their peak do not grow from 12 to 24 blocks beyond one unit, and
     stay a few units (the one in use, the next, the tied embedding)."""
     peaks = {depth: run_distributed(_gathered_peak, 2, depth)[0] for depth in (12, 24)}

@@ -197,7 +197,8 @@ def _fit(rank: int, world: int, strategy) -> dict:
             engine = trainer.strategy.engine
             SwapFolder.files = _files(engine) if engine.swapper is not None else {}
 
-    chosen = strategy if isinstance(strategy, str) else ZeroInfinityStrategy(offload=strategy)
+    # A unit per module: groups small enough for some to fit the host part.
+    chosen = strategy if isinstance(strategy, str) else ZeroInfinityStrategy(offload=strategy, prefetch={"unit_size": 0})
     lit = LitGPT(GLOBAL_BATCH // world)
     trainer = _trainer(chosen, world, callbacks=[SwapFolder()])
     trainer.fit(lit)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroEngine, meta_parameters
+from lightning_zinf.engine.grouping import unit_size_for
 from lightning_zinf.engine_setup import build_engine, memory_plan
 from lightning_zinf.offload import SwapError
 from lightning_zinf.options import ZeroOptions
@@ -54,7 +55,8 @@ def _ledger_against_prediction(rank: int, world: int, model_name: str, offload: 
                           host_bytes=offload.get("host_bytes", 0), staging_bytes=offload.get("staging_bytes", 0),
                           device_bytes=offload.get("device_bytes", 0))
     inventory = Inventory.of(model, world=world, block_classes=blocks, mixed_precision=mp,
-                             persistence_threshold=prefetch.persistence_threshold)
+                             persistence_threshold=prefetch.persistence_threshold,
+                             unit_size=unit_size_for(blocks, prefetch.unit_size, prefetch.bucket_size))
     predicted = predict(inventory, placement, bucket_size=prefetch.bucket_size, sharding=sharding)
     engine = ZeroEngine(model, block_classes=blocks, offload=OffloadConfig(**offload, nvme_path=nvme_path),
                         mixed_precision=mp, prefetch=prefetch, sharding=sharding)
@@ -71,18 +73,21 @@ NVME = dict(staging_bytes=8 << 20)
 # (padded shards and buffers), with a tied embedding gathered from its first use to the head and a
 # prefetch bucket that ends mid-model (qkv, proj, up, down: backward's window at up, proj and qkv ahead,
 # is larger than any of forward's); and most units persistent, re-gathered together after each step
-# (their transient buffers outgrow the window).
+# (their transient buffers outgrow the window); and the odd sizes grouped into units of at most the
+# bucket, as without block_classes by default (runs of a block's layers, the embedding alone).
 LEDGER_MODELS = {
     "gpt": (dict(d=128, layers=4, vocab=256, seq=16), ["Block"], PrefetchConfig()),
     "lora": (dict(d=128, layers=4, vocab=256, seq=16, lora_rank=4), ["Block"], PrefetchConfig()),
     "odd-units": (dict(d=100, layers=3, vocab=400, heads=2, seq=16), [],
-                  PrefetchConfig(bucket_size=50_000, persistence_threshold=1_000)),
-    "persistent-units": (dict(d=128, layers=4, vocab=1024, seq=16), [], PrefetchConfig()),
+                  PrefetchConfig(bucket_size=50_000, persistence_threshold=1_000, unit_size=0)),
+    "persistent-units": (dict(d=128, layers=4, vocab=1024, seq=16), [], PrefetchConfig(unit_size=0)),
+    "auto-units": (dict(d=100, layers=3, vocab=400, heads=2, seq=16), [],
+                   PrefetchConfig(bucket_size=50_000, persistence_threshold=1_000)),
 }
 
 
 @pytest.mark.parametrize("offload", [{}, dict(param="nvme", optimizer="nvme", **NVME)], ids=["device", "nvme"])
-@pytest.mark.parametrize("model_name", ["odd-units", "persistent-units"])
+@pytest.mark.parametrize("model_name", ["odd-units", "persistent-units", "auto-units"])
 def test_prediction_bounds_the_ledger_under_grad_op(model_name: str, offload: dict, tmp_path) -> None:
     """Under ``sharding="grad_op"`` every unit a forward gathers is held until its backward: the
     predicted ``gathered`` peak is the whole model's units, and every ledger category stays at or
@@ -109,7 +114,9 @@ def test_prediction_bounds_every_ledger_category(model_name: str, offload: dict,
         assert not over, f"ledger peaks above the prediction (measured, predicted): {over}"
         # Not far above either: within 30% in blocks; one unit per module, of many sizes, leaves the CPU
         # gradient pool more ways to keep free buffers than it takes, and its bound is the looser.
-        tight = 0.7 if model_name in ("gpt", "lora") else 0.5
+        # Grouped units are looser still: the CPU pool's prediction for a few large bf16 gradient
+        # buffers is 4x what it keeps (the measured case: auto-units, cpu, bf16 at 0.41 of the prediction).
+        tight = 0.7 if model_name in ("gpt", "lora") else 0.4 if model_name == "auto-units" else 0.5
         assert measured["device_total"] >= tight * result["device"], (measured["device_total"], result["device"])
 
 
@@ -221,7 +228,9 @@ def _fit(rank: int, world: int, budget, nvme_path: str, ask_first: bool = False)
                 torch.manual_seed(0)
                 self.model = models.GPT(**FIT_GPT)
 
-    strategy = ZeroInfinityStrategy(memory_budget=budget, offload={"nvme_path": nvme_path})
+    # A unit per module: grouped, this small model is one flat group, which NVMe's staging (three
+    # optimizer sub-groups of the largest group) would take more memory for than NVMe saves.
+    strategy = ZeroInfinityStrategy(memory_budget=budget, offload={"nvme_path": nvme_path}, prefetch={"unit_size": 0})
     lit = Larger(GLOBAL_BATCH // world)
     trainer = _trainer(strategy, world)
     # The plan asked for first, as the docs show (the model is built in configure_model).

@@ -111,7 +111,7 @@ def _ddp(rank: int, world: int, case: Case) -> tuple[list[float], dict[str, torc
 
 def _zero(rank: int, world: int, case: Case) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _build(case)
-    engine = ZeroEngine(model, block_classes=case.blocks, prefetch=PrefetchConfig(persistence_threshold=case.persistence),
+    engine = ZeroEngine(model, block_classes=case.blocks, prefetch=PrefetchConfig(persistence_threshold=case.persistence, unit_size=0),
                         activation_checkpointing=case.ac)
     opt = engine.shard_optimizer(_optimizer(case, model.parameters()))
     # Released parameters hold no memory: only shards (and persistent units) stay resident.

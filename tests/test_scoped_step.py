@@ -117,7 +117,9 @@ def _trainer_two_optimizers(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 def test_two_optimizers_stepped_at_different_times_match_pytorch() -> None:
     """B's gradient accumulates over two backwards although A steps in between (a step of A used
-    to mark every group's gradients consumed, so B stepped on the last backward's alone)."""
+    to mark every group's gradients consumed, so B stepped on the last backward's alone). Grouped
+    by default, the pair is one unit whose flat group holds both optimizers' parameters: A's step
+    consumes only its own parameters' gradients (a GAN's generator and discriminator alike)."""
     want = _plain_two_optimizers()
     got = run_distributed(_trainer_two_optimizers, 2, init_pg=False)[0]
     assert set(got) == set(want)
@@ -174,7 +176,8 @@ def _crossing(log: list[tuple[int, ...]]) -> int:
 def _hpz_run(rank: int, world: int, frozen_bits: Optional[int]) -> dict:
     torch.manual_seed(0)
     model = _PolicyAndReward()
-    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0),
+    # A unit per module: the two models' units apart (grouped, both would share one).
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=0, unit_size=0),
                         zero_pp=ZeroPPConfig(hpz=True, ranks_per_node=PARTITION, frozen_bits=frozen_bits))
     opt = engine.shard_optimizer(torch.optim.AdamW(model.policy.parameters(), lr=1e-2))
     share = BATCH // world
@@ -263,3 +266,60 @@ def test_a_load_or_an_edit_refreshes_frozen_secondaries(frozen_bits: Optional[in
             for p in reward.parameters():
                 p.mul_(-1.0)
             torch.testing.assert_close(got["edited"], reward(got["x"]), **tol)
+
+
+class _GAN(nn.Module):
+    """A generator and a discriminator small enough to be one unit, one flat group, when grouped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.d = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.d(self.g(z))
+
+
+def _gan(engine_options: Optional[dict]) -> dict[str, torch.Tensor]:
+    """The usual GAN loop: D's zero_grad, backward and step, then G's, whose loss flows back
+    through D (so D's slices of the shared group receive G's loss too); once, G's gradient
+    accumulates over a second backward before the next zero_grad."""
+    torch.manual_seed(0)
+    model = _GAN()
+    opt_g = torch.optim.SGD(model.g.parameters(), lr=0.1, momentum=0.9)
+    opt_d = torch.optim.Adam(model.d.parameters(), lr=0.01)
+    engine = None
+    if engine_options is not None:
+        engine = ZeroEngine(model, **engine_options)
+        assert len(engine.groups) == 1, [g.names for g in engine.groups]
+        opt_g, opt_d = engine.shard_optimizer(opt_g), engine.shard_optimizer(opt_d)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        z, real = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+        opt_d.zero_grad()
+        (F.softplus(-model.d(real)).mean() + F.softplus(model.d(model.g(z).detach())).mean()).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        F.softplus(-model(z)).mean().backward()
+        opt_g.step()
+        if step == 1:
+            F.softplus(-model(z)).mean().backward()
+    if engine is None:
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    with engine.gathered():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_a_gan_in_one_flat_group_trains_as_plain_pytorch(offload: Optional[str]) -> None:
+    """Grouped, a GAN's generator and discriminator share one flat group: each optimizer's step and
+    zero_grad consume only its own parameters' gradients, the other's keep accumulating (G's loss
+    reaches D's parameters), as each ``.grad`` does in torch: the weights equal plain PyTorch's
+    exactly, with the optimizers on the device and offloaded to the host (stepped in the background)."""
+    from lightning_zinf import OffloadConfig
+
+    want = _gan(None)
+    got = _gan({"prefetch": PrefetchConfig(unit_size=10_000),
+                "offload": OffloadConfig(optimizer=offload) if offload else OffloadConfig()})
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)

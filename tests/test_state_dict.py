@@ -297,5 +297,5 @@ def test_a_state_dict_on_one_rank_is_named_on_every_rank() -> None:
     each rank raises naming where every rank was (it once failed with a TypeError inside the
     divergence report, the two checks' payloads mixed up)."""
     for message in run_distributed(_one_rank_reads, 2):
-        assert "rank 0 was at about to issue a gather of unit 'fc1'" in message, message
+        assert "rank 0 was at about to issue a gather of unit 'fc1..fc3'" in message, message  # the MLP's one unit
         assert "rank 1 was at the meeting of the ranks at the start of a pass" in message, message

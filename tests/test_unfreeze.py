@@ -338,7 +338,7 @@ def _mlp_step(model, opt, step: int, rank: int, world: int) -> None:
 
 def _memory(rank: int, world: int) -> dict:
     model = models.MLP(frozen=True)  # fc1 frozen when partitioned: no master, no gradient shard
-    engine = ZeroEngine(model)
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(unit_size=0))  # a group per layer, as sized by hand
     opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
     fc1, fc2 = (next(g for g in engine.groups if g.names[0] == f"{m}.weight") for m in ("fc1", "fc2"))
     seen = {}

@@ -2,13 +2,14 @@
 for ``PrefetchConfig.inference_budget`` from 0 to the whole model.
 
     python examples/benchmarks/generation.py [--ranks 2] [--layers 6] [--width 384] [--new-tokens 32]
-        [--budgets 0,0.25,0.5,1.0] [--out results/generation.json]
+        [--budgets 0,0.25,0.5,1.0] [--block-classes GPT2Block] [--out results/generation.json]
 
 Each contender runs on ``--ranks`` processes joined by gloo (CPU); every rank generates
 ``--new-tokens`` tokens for its own batch of prompts after one untimed warm-up call. ``replicated``
 is the ``transformers`` model whole on every rank (DDP's inference); ``zinf@f`` partitions it with
 ``inference_budget`` = f x the model's gathered bytes, one pass per ``generate()`` call as the
-strategy's ``predict_step`` runs it. Below the whole model ``transformers`` runs with
+strategy's ``predict_step`` runs it, its modules grouped into units automatically (no
+``block_classes``, as a user who names none; ``--block-classes GPT2Block`` for a unit per block). Below the whole model ``transformers`` runs with
 ``synced_gpus`` (one all-reduce per token, which the replicated model does not need); at the whole
 model it does not. Prints tokens/s per rank and the ratio to
 ``replicated``, and checks that every contender produced the same tokens.
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budgets", default="0,0.25,0.5,1.0", help="inference_budget as fractions of the model's bytes")
+    parser.add_argument("--block-classes", nargs="*", default=[],
+                        help="zinf's block_classes (default: none, the modules grouped automatically; GPT2Block: a "
+                             "unit per transformer block)")
     parser.add_argument("--out", default=str(HERE / "results" / "generation.json"))
     return parser.parse_args(argv)
 
@@ -68,7 +72,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, fraction: float | No
     keep = None
     if fraction is not None:
         # As the strategy runs a predict step: one pass per generate() call.
-        engine = ZeroEngine(model, block_classes=["GPT2Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+        # No block_classes unless asked: the engine groups the modules itself, as for a user who names none.
+        engine = ZeroEngine(model, block_classes=args.block_classes, prefetch=PrefetchConfig(persistence_threshold=0),
                             auto_pass=False)
         budget = int(fraction * model_bytes)
 

@@ -6,21 +6,24 @@ each) with a tanh between them, a micro-batch of 8 x 100, SGD, 2 ranks on CPU wi
 contender a ``torchrun`` job of its own, in plain PyTorch (no Lightning loop) so only the sharding
 differs:
 
-  zinf   ZeroEngine, one unit per Linear (the default), persistence threshold 0 so every unit is
+  zinf   ZeroEngine, one unit per Linear (``unit_size=0``), persistence threshold 0 so every unit is
          gathered and released each step (``--persistence-threshold 10100``: every unit persistent
-         instead, gathered only after each step, all of them together)
+         instead, gathered only after each step, all of them together; ``--layers-per-unit K``:
+         units of K Linears each, grouped by ``unit_size``, so the cost per tensor shows apart from
+         the cost per unit)
   fsdp2  fully_shard on every Linear and on the root (reshard_after_forward=True)
   ddp    DistributedDataParallel (no sharding: the compute and the gradient all-reduce)
 
 Per contender: s/step (mean over the steps after the first 3, rank 0; of it, the time in
 ``optimizer.step()``, which for zinf includes re-gathering the persistent units), the overhead
-per unit per step, in microseconds: (s/step - DDP's s/step) / layers, and the largest difference between its
+per unit and per tensor per step, in microseconds: (s/step - DDP's s/step) / units (or / the
+2 x layers tensors), and the largest difference between its
 losses and DDP's over the steps (the same model, data and updates: a contender flagged there is not
 training as DDP does, so its time does not count). The ratio is zinf's overhead per unit over
 FSDP2's (below 1: zinf's units are cheaper).
 
     python examples/benchmarks/unit_cost.py [--layers 500] [--steps 20] [--lr 1e-3] [--only zinf,fsdp2,ddp]
-                                            [--persistence-threshold 0]
+                                            [--persistence-threshold 0] [--layers-per-unit 1]
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def _model(layers: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*mods)
 
 
-def run_rank(contender: str, layers: int, steps: int, lr: float, out: Path, persistence: int = 0) -> None:
+def run_rank(contender: str, layers: int, steps: int, lr: float, out: Path, persistence: int = 0,
+             per_unit: int = 1) -> None:
     """One rank of one contender (under torchrun): train, time each step, write rank 0's times."""
     import torch.distributed as dist
 
@@ -62,7 +66,9 @@ def run_rank(contender: str, layers: int, steps: int, lr: float, out: Path, pers
     if contender == "zinf":
         from lightning_zinf import PrefetchConfig, ZeroEngine
 
-        engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=persistence))
+        # unit_size 0: a unit per Linear; K Linears' elements: runs of K consecutive Linears.
+        size = 0 if per_unit == 1 else per_unit * (WIDTH * WIDTH + WIDTH)
+        engine = ZeroEngine(model, prefetch=PrefetchConfig(persistence_threshold=persistence, unit_size=size))
     elif contender == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -99,7 +105,8 @@ def drive(args: argparse.Namespace) -> None:
     for name in args.only:
         print(f"[unit_cost] running {name} ...", flush=True)
         options = ["--layers", str(args.layers), "--steps", str(args.steps), "--lr", str(args.lr),
-                   "--persistence-threshold", str(args.persistence_threshold)]
+                   "--persistence-threshold", str(args.persistence_threshold),
+                   "--layers-per-unit", str(args.layers_per_unit)]
         data, error = self_launched_rank(__file__, name, options, args.timeout)
         if data is None:
             results[name] = {"status": "failed", "error": error}
@@ -112,30 +119,34 @@ def drive(args: argparse.Namespace) -> None:
     ddp_losses = results.get("ddp", {}).get("losses")
     for res in results.values():
         if res["status"] == "ok" and ddp is not None:
-            res["overhead_us_per_unit"] = (res["mean_step_s"] - ddp) / args.layers * 1e6
+            units = -(-args.layers // args.layers_per_unit) if res is results.get("zinf") else args.layers
+            res["overhead_us_per_unit"] = (res["mean_step_s"] - ddp) / units * 1e6
+            res["overhead_us_per_tensor"] = (res["mean_step_s"] - ddp) / (2 * args.layers) * 1e6
         if res["status"] == "ok" and ddp_losses is not None:
             # Same model, data and updates: a contender that does not train the same is not timed fairly.
             res["loss_gap_to_ddp"] = max(abs(a - b) for a, b in zip(res["losses"], ddp_losses))
     ours, peer = results.get("zinf", {}), results.get("fsdp2", {})
     ratio = (ours["overhead_us_per_unit"] / peer["overhead_us_per_unit"]
              if "overhead_us_per_unit" in ours and "overhead_us_per_unit" in peer else None)
-    print(f"\n{args.layers} units of {WIDTH * WIDTH + WIDTH:,} parameters, 2 ranks, gloo\n")
-    print(f"{'contender':<10} {'s/step':>8} {'of it step()':>13} {'us/unit/step over DDP':>22} {'max |loss - DDP loss|':>22}")
+    print(f"\n{args.layers} Linear layers of {WIDTH * WIDTH + WIDTH:,} parameters (2 tensors each), zinf's units "
+          f"of {args.layers_per_unit}, 2 ranks, gloo\n")
+    print(f"{'contender':<10} {'s/step':>8} {'of it step()':>13} {'us/unit/step over DDP':>22} "
+          f"{'us/tensor/step over DDP':>24} {'max |loss - DDP loss|':>22}")
     for name, res in results.items():
         if res["status"] != "ok":
             print(f"{name:<10} FAILED")
             continue
-        extra, gap = res.get("overhead_us_per_unit"), res.get("loss_gap_to_ddp")
+        extra, gap, per_tensor = res.get("overhead_us_per_unit"), res.get("loss_gap_to_ddp"), res.get("overhead_us_per_tensor")
         flag = "  (NOT TRAINING AS DDP DOES)" if gap is not None and gap > _LOSS_TOLERANCE else ""
         print(f"{name:<10} {res['mean_step_s']:>8.4f} {res['mean_optimizer_step_s']:>13.4f} "
-              f"{'-' if extra is None else f'{extra:.1f}':>22} "
+              f"{'-' if extra is None else f'{extra:.1f}':>22} {'-' if per_tensor is None else f'{per_tensor:.1f}':>24} "
               f"{'-' if gap is None else f'{gap:.2e}':>22}{flag}")
         if "exit_note" in res:
             print(f"  note: {res['exit_note']}")
     if ratio is not None:
         print(f"\nzinf / fsdp2 overhead per unit: {ratio:.2f}")
     record = run_record(layers=args.layers, steps=args.steps, warmup=WARMUP, results=results, zinf_over_fsdp2=ratio,
-                        persistence_threshold=args.persistence_threshold)
+                        persistence_threshold=args.persistence_threshold, layers_per_unit=args.layers_per_unit)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(f"results: {args.out}")
@@ -149,12 +160,17 @@ def main() -> None:
     parser.add_argument("--persistence-threshold", type=int, default=0,
                         help="zinf's persistence threshold in elements; 10100 or more makes every unit persistent "
                              "(default: %(default)s)")
+    parser.add_argument("--layers-per-unit", type=int, default=1,
+                        help="Linear layers per zinf unit (1: a unit per Linear; default: %(default)s)")
     add_self_launch_options(parser, CONTENDERS, HERE / "results" / "unit_cost.json")
     args = parser.parse_args()
     if args.rank_of:
-        run_rank(args.rank_of, args.layers, args.steps, args.lr, args.result, args.persistence_threshold)
+        run_rank(args.rank_of, args.layers, args.steps, args.lr, args.result, args.persistence_threshold,
+                 args.layers_per_unit)
         return
     chosen_contenders(parser, args, CONTENDERS)
+    if args.layers_per_unit < 1:
+        parser.error("--layers-per-unit must be at least 1")
     if args.steps <= WARMUP:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     drive(args)

@@ -262,6 +262,19 @@ def _prefixed(old: list[str], new: list[str]) -> bool:
     return len(old) == len(new) and bool(extra) and all(a == extra + b for a, b in zip(longer, shorter))
 
 
+def check_prefix(saved: list[str], current: list[str], path: Path) -> None:
+    """Raise :class:`CheckpointError` naming the prefix when the checkpoint's parameter names
+    (``saved``, in order) are the model's (``current``) with one prefix added or removed."""
+    if saved and current and _prefixed(saved, current):
+        raise CheckpointError(
+            f"{path} names the model's parameters with another prefix ({saved[0]!r} in the checkpoint, "
+            f"{current[0]!r} in the model): it was saved from a module that holds this one, or is held "
+            "by it (a LightningModule's checkpoint loaded into its bare model, or the reverse). Load it into "
+            "the same module class it was saved from (with Fabric, set up the LightningModule itself), or "
+            "consolidate it and load it with load_full_state_dict(..., prefix=...)."
+        )
+
+
 def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], path: Path) -> None:
     if len(saved) != len(current):
         raise CheckpointError(
@@ -280,14 +293,8 @@ def _check_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pa
                     "saving?): use the settings it was saved with, or consolidate the checkpoint and load "
                     "it with load_full_state_dict, which converts."
                 )
-            if old[key] != new[key] and key == "names" and _prefixed(old[key], new[key]):
-                raise CheckpointError(
-                    f"{path} names the model's parameters with another prefix ({old[key][0]!r} in the checkpoint, "
-                    f"{new[key][0]!r} in the model): it was saved from a module that holds this one, or is held "
-                    "by it (a LightningModule's checkpoint loaded into its bare model, or the reverse). Load it into "
-                    "the same module class it was saved from (with Fabric, set up the LightningModule itself), or "
-                    "consolidate it and load it with load_full_state_dict(..., prefix=...)."
-                )
+            if old[key] != new[key] and key == "names":
+                check_prefix(old[key], new[key], path)
             if old[key] != new[key]:
                 raise CheckpointError(
                     f"{path} was saved from a different model: unit '{new['unit']}' has {key} "

@@ -1,8 +1,9 @@
 """Which saved flat ranges hold the elements of each of the model's flat groups, so that a sharded
 checkpoint loads into other units than it was saved from.
 
-The units depend on settings that may change between a save and a load: ``block_classes``, and
-``PrefetchConfig.unit_size`` where it is measured on the machine (:mod:`lightning_zinf.engine.grouping`).
+The units depend on settings that may change between a save and a load: ``block_classes``,
+``PrefetchConfig.unit_size`` and ``bucket_size`` (:mod:`lightning_zinf.engine.grouping`), and the
+module the engine wraps (a LightningModule groups its model otherwise than the bare model does).
 FSDP2's distributed checkpoints load whatever the wrapping, since they are saved per parameter.
 Here a checkpoint is saved per flat group, and each group is a concatenation of whole parameters
 (``offsets``), so every parameter of the model is one contiguous range of one saved group. A
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zinf.checkpoint.format import CheckpointError, ShardReader, _check_layout
+from lightning_zinf.checkpoint.format import CheckpointError, ShardReader, _check_layout, check_prefix
 
 __all__ = ["Origin", "SavedRanges", "Segment", "match_layout"]
 
@@ -76,7 +77,10 @@ def match_layout(saved: list[dict[str, Any]], current: list[dict[str, Any]], pat
     saved_names = sorted(n for g in saved for n in g["names"])
     current_names = sorted(n for g in current for n in g["names"])
     if len(saved_names) != len(current_names) or any(n not in where for n in current_names):
-        _check_layout(saved, current, path)  # the plain load's messages: prefix, tiling, other model
+        # The units may differ too (a LightningModule's grouped otherwise than its bare model): the
+        # prefix first, then the plain load's messages (tiling, other model).
+        check_prefix([n for g in saved for n in g["names"]], [n for g in current for n in g["names"]], path)
+        _check_layout(saved, current, path)
         missing = [n for n in current_names if n not in where]
         raise CheckpointError(f"{path} was saved from a different model: it holds {len(saved_names)} parameters, the "
                               f"model {len(current_names)}" + (f" (the checkpoint lacks {missing[:3]})" if missing else "")

@@ -144,8 +144,9 @@ class ZeroEngine:
 
     Attributes:
         units: The units, in plan order (a unit's ``index`` is its position).
-        unit_size: The most elements per unit of the modules grouped automatically (the measured
-            or given ``prefetch.unit_size``), or 0 (``block_classes`` given, or a unit per module).
+        unit_size: The most elements per unit of the modules grouped automatically
+            (``prefetch.unit_size``, or its ``bucket_size`` where that is ``None``), or 0
+            (``block_classes`` given, or a unit per module).
         schedule: The :class:`~lightning_zinf.engine.schedule.Schedule`: the hooks that decide when
             units are gathered, prefetched and released.
         states: The :class:`~lightning_zinf.engine.units.UnitStates`: the unit state machine
@@ -249,10 +250,7 @@ class ZeroEngine:
         self.checkpointed_modules = apply_activation_checkpointing(module, activation_checkpointing)
         # Without block_classes, modules are grouped into units of about unit_size elements
         # (grouping.py): a unit per module costs each small tensor its own hooks and collectives.
-        first = next(module.parameters(), None)
-        self.unit_size = unit_size_for(block_classes, prefetch.unit_size, prefetch.bucket_size, self.comm, self.device,
-                                       mixed_precision.compute_dtype(first.dtype if first is not None
-                                                                     else torch.float32).itemsize)
+        self.unit_size = unit_size_for(block_classes, prefetch.unit_size, prefetch.bucket_size)
         specs, uses = plan_units(module, block_classes, auto_blocks(module, self.unit_size) if self.unit_size else ())
         # Before any shard exists: the preflight counts the swap files the partitioning will write.
         swapped = (ParamOffload.planned_bytes(swapped_shards(specs, mixed_precision, zero_pp, self.comm.shard_size))

@@ -21,8 +21,9 @@ see and edit the exact values.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +54,15 @@ def keeps_compute_copy(dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
     """Whether an offloaded shard of ``dtype`` gathered in ``compute_dtype`` gets a compute copy
     (:attr:`FlatGroup.compute_shard`): a floating-point ``compute_dtype`` narrower than ``dtype``."""
     return compute_dtype.is_floating_point and compute_dtype.itemsize < dtype.itemsize
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (elements)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class FlatGroup:
@@ -143,7 +153,8 @@ class FlatGroup:
         self.params = params
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.offsets = [0, *itertools.accumulate(self.numels)][: len(params)]
+        self._strides = [_contiguous_strides(shape) for shape in self.shapes]
         self.numel = sum(self.numels)
         self.dtype = storage_dtype or params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype
@@ -210,7 +221,9 @@ class FlatGroup:
         self.swapped_optimizer = False
         self.exposed = [False] * len(params)
         self._ready = [False] * len(params)
+        self._unready = sum(self.wants_grad)  # parameters wanting a gradient without one yet (mark_ready)
         self.received = [False] * len(params)  # got a gradient since the last consumption
+        self._stale = [False] * len(params)  # consumed by one optimizer's step, the group's others kept (after_step)
         self._accumulated = False
         self._grad_flat: Optional[Tensor] = None
         self._grad_views: list[Tensor] = []
@@ -469,8 +482,8 @@ class FlatGroup:
 
     def finish_gather(self) -> None:
         """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
-        for p, offset, numel, shape in zip(self.params, self.offsets, self.numels, self.shapes):
-            p.data = self.active[offset : offset + numel].view(shape)
+        for p, view in zip(self.params, self._views(self.active)):
+            p.data = view
 
     def repoint(self) -> None:
         """Point every parameter back at the buffer it is gathered into, or at the empty tensor of a
@@ -601,12 +614,23 @@ class FlatGroup:
             ranges.append((lo, hi))
         return ranges
 
-    def after_step(self) -> None:
+    def after_step(self, held: Optional[Sequence[bool]] = None) -> None:
         """Cast the stepped fp32 master back into the compute-dtype shard (unless the optimizer is
         offloaded: :class:`~lightning_zinf.offload.optimizer.OptimizerOffload` copies each group as
         it steps it); the gradients are consumed (the next backward starts a fresh accumulation, as
-        after ``zero_grad``). The hpZ secondary partition, now stale, is dropped."""
+        after ``zero_grad``). The hpZ secondary partition, now stale, is dropped.
+
+        Args:
+            held: Per parameter, whether the optimizer that stepped holds it (``None``: all). Where
+                it does not hold a parameter that takes gradients (two optimizers over one unit:
+                a GAN's generator and discriminator grouped together), only the held parameters'
+                gradients are consumed (marked stale: the next backward starts them over, in
+                :meth:`accumulate`, while an offloaded step may still read them now): the others
+                keep accumulating across this step, as in plain torch.
+        """
         self.drop_secondary()
+        partial = (held is not None and not self.swapped_optimizer
+                   and any(not h and p.requires_grad for p, h in zip(self.params, held)))
         if self.master is not None and not self.host_state:  # an offloaded optimizer copies as it steps
             if self.shard.device != self.master.device and self._pin_shard:
                 self._send_master_to_host()
@@ -614,16 +638,23 @@ class FlatGroup:
                 if self.master is not self.shard:
                     self.shard.copy_(self.master)
                 self.shard_changed()
-        self._consumed = True
+        if not partial:
+            self._consumed = True
+            return
+        self._stale = [a or b for a, b in zip(self._stale, held)]
 
     def free_consumed_grads(self) -> None:
         """Free the fp32 gradient shard once the optimizer has consumed it and no fragment holds it
         (``zero_grad()`` set every ``.grad`` to ``None``): until the next backward accumulates into
         a new one, forward runs without it (FSDP2's sharded gradients are freed the same way).
         Not for a gradient shard that the NVMe optimizer offload swaps."""
-        if (self.grad_shard is not None and self._consumed and not self.swapped_optimizer
-                and all(f.grad is None for f in self.fragments)):
+        if self.grad_shard is None or self.swapped_optimizer or not all(f.grad is None for f in self.fragments):
+            return
+        # Consumed by a step, or every fragment's gradient cleared between backwards (the zero_grad
+        # of each optimizer sharing the group): the next backward starts over either way.
+        if self._consumed or (self.fragments and not self._accumulated and not self.grads_in_transit):
             self.grad_shard, self._grad_fragments = None, []
+            self._consumed, self._stale = True, [False] * len(self.params)
 
     def discard_accumulated(self) -> None:
         """The gradients were consumed (a step) or zeroed: the next :meth:`accumulate` starts over."""
@@ -655,24 +686,37 @@ class FlatGroup:
     def _new_grad_buffer(self, pool: BufferPool) -> None:
         # In the dtype autograd produces for the gathered parameters (their compute dtype).
         self._grad_flat = pool.take(self.padded_numel, self.compute_dtype).zero_()
-        self._grad_views = [self._grad_flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        self._grad_views = self._views(self._grad_flat)
+
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        """Each parameter's view of ``flat`` (a full, 1-D buffer of this group), in its shape. One
+        ``as_strided`` each: a quarter of a slice and a reshape's host time, paid per tensor at every
+        gather and backward (thousands of small tensors a step in a grouped model)."""
+        base = flat.storage_offset()
+        return [flat.as_strided(shape, stride, base + offset)
+                for shape, stride, offset in zip(self.shapes, self._strides, self.offsets)]
 
     def mark_ready(self, index: int) -> bool:
         """Note that parameter ``index`` has its gradient; True once every parameter that requires
         one (:attr:`wants_grad`) has one."""
-        grad = self.params[index].grad
-        if not self._ready[index] and self._grad_flat is None and grad is not None:
-            # A gradient autograd allocated itself: accounted until start_reduce copies it.
-            self._loose_grad_bytes += grad.numel() * grad.element_size()
-            self.ledger.add("grad_buffers", grad.numel() * grad.element_size())
-        self._ready[index] = True
-        return all(ready or not wanted for ready, wanted in zip(self._ready, self.wants_grad))
+        if not self._ready[index]:
+            grad = self.params[index].grad
+            if self._grad_flat is None and grad is not None:
+                # A gradient autograd allocated itself: accounted until start_reduce copies it.
+                self._loose_grad_bytes += grad.numel() * grad.element_size()
+                self.ledger.add("grad_buffers", grad.numel() * grad.element_size())
+            self._ready[index] = True
+            # A count, not a scan of the flags: a grouped unit's group has hundreds of parameters,
+            # each calling this once a backward.
+            self._unready -= self.wants_grad[index]
+        return self._unready <= 0
 
     def set_wanted(self, wanted: list[bool]) -> None:
         """Which parameters require a gradient from the next pass on (one flag per parameter, at a
         pass boundary): :attr:`wants_grad`, and :attr:`trainable` if any does."""
         self.wants_grad = list(wanted)
         self.trainable = any(wanted)
+        self._unready = sum(w and not r for w, r in zip(self.wants_grad, self._ready))
 
     def _drop_loose_grads(self) -> None:
         for p in self.params:
@@ -727,7 +771,7 @@ class FlatGroup:
             self._grad_flat, self._grad_views = None, []
             pool.move(flat, "reduce_pending")
         self._drop_loose_grads()
-        self._ready = [False] * len(self.params)
+        self._ready, self._unready = [False] * len(self.params), sum(self.wants_grad)
         if self.comm.local and self.comm.qgz_bits is None:
             # The mean over one rank is the flat gradient itself (shard_numel == padded_numel):
             # hand it on as the result, with no second buffer and no copy.
@@ -748,12 +792,16 @@ class FlatGroup:
 
     def discard_grads(self, pool: BufferPool) -> None:
         """Drop a prepared flat gradient that received nothing, or gradients autograd stored
-        itself, and forget partial readiness (after a backward that raised)."""
+        itself, and forget partial readiness (after a backward that raised). Nothing to do, and no
+        pass over the parameters, where no backward reached the group (every decode step of a
+        generation settles every group)."""
+        if self._grad_flat is None and not self._loose_grad_bytes and not any(self._ready):
+            return
         if self._grad_flat is not None:
             pool.give(self._grad_flat)
             self._grad_flat, self._grad_views = None, []
         self._drop_loose_grads()
-        self._ready = [False] * len(self.params)
+        self._ready, self._unready = [False] * len(self.params), sum(self.wants_grad)
 
     def accumulate(self, reduced: Tensor, got: list[bool]) -> bool:
         """Add a reduced gradient slice to the fp32 gradient shard; ``got`` marks the parameters
@@ -780,6 +828,10 @@ class FlatGroup:
             # storage when they are handed to the optimizer.
             self._grad_fragments = [self.grad_shard[lo:hi] for lo, hi in self.owned_ranges()]
         fresh = self.fresh_accumulation or adopt
+        if fresh:
+            self._stale = [False] * len(self.params)
+        elif not self._accumulated:
+            self._start_over_stale()
         self._consumed = False
         to_host = self.host_state and not adopt
         if to_host:
@@ -804,6 +856,20 @@ class FlatGroup:
             self._record_norms()
         self._accumulated = True
         return adopt
+
+    def _start_over_stale(self) -> None:
+        """At a backward's first slice onto kept gradients: the parameters whose gradients were
+        consumed since (stepped by one of the optimizers sharing the group, or cleared by its
+        ``zero_grad``: the fragment's ``.grad`` is ``None``) start over from zero; the others keep
+        accumulating, as each parameter's ``.grad`` does in torch."""
+        if self.swapped_optimizer or self.grad_shard is None:
+            return
+        cleared = [f.grad is None for f in self.fragments] if self.fragments else [False] * len(self.params)
+        for j, (lo, hi) in enumerate(self.owned_ranges()):
+            if self._stale[j] or cleared[j]:
+                self.grad_shard[lo:hi].zero_()
+                self.received[j] = False
+        self._stale = [False] * len(self.params)
 
     @property
     def grads_in_transit(self) -> bool:

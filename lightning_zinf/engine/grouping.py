@@ -20,41 +20,27 @@ choice of the modules to wrap. Here the engine groups by size:
 - the grouping reads only the module tree and the parameters' shapes, so every rank makes the
   same one from the same model and the same ``unit_size``.
 
-``unit_size`` comes from the measured collective (:func:`measured_unit_size`): a unit large enough
-that the fixed cost of each of its collectives is at most a tenth of their time, ``9 α β`` bytes
-for a cost ``α`` (seconds) and bandwidth ``β`` (bytes per second) — α / (α + n / β) ≤ 0.1. ``α``
-is the measured all-gather latency plus the engine's host work per collective of a unit
-(:data:`HOST_SECONDS`), which on a CPU is the larger part. The size is at most the
-prefetch bucket (``PrefetchConfig.bucket_size``, the elements the user lets be gathered ahead),
-and never a size that depends on the model's: the working set stays a few units, flat in depth
-(Rajbhandari et al., SC'20, §5).
+``unit_size``, unless the user sets it, is the prefetch bucket (``PrefetchConfig.bucket_size``:
+the elements the user lets be gathered ahead of use). A unit's fixed cost is mostly the host's
+(its hooks, the bookkeeping of its gathers, releases and reduce-scatter: 1.8-3.4 ms a unit a step
+on the CPU testbed), and prefetch hides a gather's transfer but not that work, so fewer, larger
+units are faster until a unit is as large as what may be gathered ahead anyway. A size from the
+measured collective instead (a unit whose latency is a tenth of its gather, ``9 α β`` bytes) gave
+2**21 elements on the testbed and 0.72-0.88x DDP on ``small_tensors.py``'s models, against
+0.88-0.97x at 2**23 (examples/benchmarks/RESULTS.md, 2026-11-29). The size is never one that
+grows with the model's: the working set stays a few units, flat in depth (Rajbhandari et al.,
+SC'20, §5), and it reads no measurement, so every rank groups alike.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_zinf.comm.collectives import Collectives
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["auto_blocks", "measured_unit_size", "unit_size_for", "HOST_SECONDS", "LATENCY_SHARE", "MIN_UNIT_SIZE"]
-
-#: The most of a gather's time its latency may take in a unit of the measured size.
-LATENCY_SHARE = 0.1
-#: Elements below which a measured unit size is not taken.
-MIN_UNIT_SIZE = 1 << 16
-#: The engine's host work per collective of a unit (its hooks, the gather's and release's
-#: bookkeeping), seconds: unit_cost.py measured 2.1-2.4 ms per unit per step over DDP on the CPU
-#: machine (examples/benchmarks/RESULTS.md, 2026-11-26), three collectives a unit a step.
-HOST_SECONDS = 7e-4
-#: The probes: an all-gather of one element per rank (latency) and of this many bytes in all (bandwidth).
-_PROBE_BYTES = 4 << 20
-_REPEATS = 5
-
+__all__ = ["auto_blocks", "unit_size_for"]
 
 def _has_forward(module: nn.Module) -> bool:
     """Whether ``module``'s class defines a forward (containers inherit nn.Module's, which raises)."""
@@ -118,72 +104,11 @@ def auto_blocks(root: nn.Module, unit_size: int) -> list[list[nn.Module]]:
     return runs
 
 
-def measured_unit_size(gather_group: Optional[dist.ProcessGroup], agree_group: Optional[dist.ProcessGroup],
-                       device: torch.device, compute_bytes: int, most: int,
-                       agree_on: torch.device = torch.device("cpu")) -> int:
-    """The unit size from the all-gather latency and bandwidth of ``gather_group`` (module
-    docstring): ``9 α β / compute_bytes`` elements with ``α`` the latency plus
-    :data:`HOST_SECONDS`, rounded down to a power of two, at least :data:`MIN_UNIT_SIZE` and at
-    most ``most`` (which wins when smaller; 0: :data:`MIN_UNIT_SIZE`). Each probe is the
-    fastest of a few (the least disturbed by a busy host: the figures decide the model's units
-    and should not follow a momentary load). Every rank of ``agree_group`` must call it together. The slowest rank's figures
-    decide, so every rank gets the same size: the grouping must be the same everywhere, or the
-    ranks' collectives would not pair. Where nothing is gathered (one rank, or groups of one under
-    hybrid sharding) no latency is to be hidden: ``most``.
-
-    Args:
-        gather_group: The ranks that gather parameters together (the engine's
-            :attr:`~lightning_zinf.comm.Collectives.gather_group`: under hybrid sharding each shard
-            group measures its own); ``None``: nothing is gathered.
-        agree_group: Every rank that must get the same size; ``None``: this rank alone.
-        device: Where the probes' buffers are (the compute device: with NCCL, its GPU).
-        compute_bytes: Bytes per element of the gathered parameters (their compute dtype's).
-        most: The largest size taken (the prefetch bucket, ``PrefetchConfig.bucket_size``; 0:
-            only the next unit is gathered ahead, and :data:`MIN_UNIT_SIZE` is the largest).
-        agree_on: Where ``agree_group`` takes its tensors (the host for gloo, the engine's
-            control group; the GPU for NCCL).
-
-    Returns:
-        Elements per unit, > 0.
-    """
-    most = most if most > 0 else MIN_UNIT_SIZE
-    if agree_group is None or dist.get_world_size(agree_group) < 2:
-        return most
-    # Imported here: the planning package reads the grouping (Inventory.of) when it is imported.
-    from lightning_zinf.planning.bandwidth import timed_all_gather
-
-    latency = seconds = 0.0
-    if gather_group is not None and dist.get_world_size(gather_group) > 1:
-        world = dist.get_world_size(gather_group)
-        small = torch.ones(1, dtype=torch.uint8, device=device)
-        small_whole = torch.empty(world, dtype=torch.uint8, device=device)
-        part = torch.ones(_PROBE_BYTES // world, dtype=torch.uint8, device=device)
-        whole = torch.empty(part.numel() * world, dtype=torch.uint8, device=device)
-        latency = min(timed_all_gather(small_whole, small, gather_group, device, 1) for _ in range(_REPEATS))
-        seconds = min(timed_all_gather(whole, part, gather_group, device, 1) for _ in range(_REPEATS))
-        del part, whole
-    # Every rank takes part, also one that gathers nothing, and every rank gets the slowest figures.
-    slowest = torch.tensor([latency, seconds], dtype=torch.float64, device=agree_on)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=agree_group)
-    latency, seconds = slowest.tolist()
-    if seconds == 0.0:  # no rank gathers anything
-        return most
-    bandwidth = _PROBE_BYTES / max(seconds - latency, 1e-9)
-    target = int((1 - LATENCY_SHARE) / LATENCY_SHARE * (latency + HOST_SECONDS) * bandwidth) // compute_bytes
-    # Rounded down to a power of two: a figure that moves a little from run to run (a busy host)
-    # mostly gives the same units, and with them the same flat groups and checkpoint layout.
-    target = 1 << (max(target, 1).bit_length() - 1)
-    return min(most, max(MIN_UNIT_SIZE, target))
-
-
-def unit_size_for(block_classes: Sequence[Union[str, type]], unit_size: Optional[int], bucket_size: int,
-                  comm: Collectives, device: torch.device, compute_bytes: int) -> int:
-    """The engine's unit size: 0 (no grouping: the user's blocks) with ``block_classes``, else
-    ``unit_size`` (:class:`~lightning_zinf.PrefetchConfig`'s), measured over the engine's gather
-    group (:func:`measured_unit_size`, at most ``bucket_size``) where it is ``None``. Collective
-    where it measures."""
+def unit_size_for(block_classes: Sequence[Union[str, type]], unit_size: Optional[int], bucket_size: int) -> int:
+    """The engine's unit size, in parameter elements: 0 (no grouping: the user's blocks) with
+    ``block_classes``; else ``unit_size`` (:class:`~lightning_zinf.PrefetchConfig`'s) where it is
+    given; else (``None``) the prefetch bucket, ``bucket_size`` (module docstring; 0: a unit per
+    module, the least gathered at once). Reads no rank's measurement: every rank gets the same."""
     if block_classes:
         return 0
-    if unit_size is not None:
-        return unit_size
-    return measured_unit_size(comm.gather_group, comm.control_group, device, compute_bytes, bucket_size)
+    return bucket_size if unit_size is None else unit_size

@@ -180,7 +180,10 @@ class Schedule:
         their own, so each replays one stable trace (ZeRO-Infinity §6.2's trace, kept across the
         steps of RLHF generation, as DeepSpeed-Chat's hybrid engine keeps its inference mode).
 
-        The hooks exist only until then: forwards outside the phase (a compiled training forward
+        A submodule with no parameter below it gathers nothing: it starts no pass, and its
+        outermost forward's gathers start the passes of the submodules that make them. The modules
+        the schedule hooks already count through those hooks (one hook pair per module call). The
+        hooks exist only until then: forwards outside the phase (a compiled training forward
         among them) run without them.
 
         Returns:
@@ -189,9 +192,16 @@ class Schedule:
         outer = _OuterForwards(begin_pass)
         handles = []
         for name, sub in module.named_modules():
-            # Prepended: the pass must start before this module's own pre-hook gathers its units.
-            handles.append(sub.register_forward_pre_hook(functools.partial(outer.enter, name), prepend=True))
-            handles.append(sub.register_forward_hook(outer.leave, always_call=True))
+            if sub in self._uses or sub in self._guards:
+                # Counted by the schedule's own hooks (a decode step runs one hook pair per module,
+                # not two), which call the pair first and last.
+                outer.names[sub] = name
+            elif next(sub.parameters(), None) is not None:
+                # Prepended: the pass must start before this module's own pre-hook gathers its units.
+                handles.append(sub.register_forward_pre_hook(functools.partial(outer.enter, name), prepend=True))
+                handles.append(sub.register_forward_hook(outer.leave, always_call=True))
+            # A module with no parameter below it gathers nothing by itself: the first module that
+            # gathers starts the pass where it is called outermost.
         self._outer = outer
 
         def remove() -> None:
@@ -302,6 +312,8 @@ class Schedule:
 
     @_eager
     def _guard_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if self._outer is not None:
+            self._outer.enter_hooked(module)
         units = self._guards[module]
         alone = units[0].forward_depth == 0
         self._guarding.setdefault(module, []).append(alone)
@@ -309,13 +321,19 @@ class Schedule:
 
     @_eager
     def _guard_post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        calls = self._guarding.get(module)
-        if calls and calls.pop():
-            return self._leave(module, self._guards[module], output)
-        return None
+        try:
+            calls = self._guarding.get(module)
+            if calls and calls.pop():
+                return self._leave(module, self._guards[module], output)
+            return None
+        finally:
+            if self._outer is not None:
+                self._outer.leave_hooked(module)
 
     @_eager
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if self._outer is not None:
+            self._outer.enter_hooked(module)
         return self._enter(module, self._uses[module], args, kwargs)
 
     def _enter(self, module: nn.Module, units: list[Unit], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -358,7 +376,11 @@ class Schedule:
 
     @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        return self._leave(module, self._uses[module], output)
+        try:
+            return self._leave(module, self._uses[module], output)
+        finally:
+            if self._outer is not None:
+                self._outer.leave_hooked(module)
 
     def _leave(self, module: nn.Module, units: list[Unit], output: Any) -> Any:
         """The forward call of ``module`` that :meth:`_enter` began ends: hook its outputs'
@@ -483,6 +505,24 @@ class _OuterForwards:
     def __init__(self, begin_pass: Callable[[str], None]) -> None:
         self.begin_pass = begin_pass
         self.depth = 0
+        # The modules the schedule hooks itself, by qualified name: their hooks call the pair below.
+        self.names: dict[nn.Module, str] = {}
+        # Per hooked module, its calls in progress that entered (kept per module: a user's pre-hook
+        # that raises before the schedule's skips the entry, not the always-called post-hook).
+        self._entered: dict[nn.Module, int] = {}
+
+    def enter_hooked(self, module: nn.Module) -> None:
+        """:meth:`enter` from the schedule's pre-hook of ``module`` (nothing for a module outside the phase's)."""
+        name = self.names.get(module)
+        if name is not None:
+            self._entered[module] = self._entered.get(module, 0) + 1
+            self.enter(name, module, ())
+
+    def leave_hooked(self, module: nn.Module) -> None:
+        """:meth:`leave` from the schedule's post-hook, for a call :meth:`enter_hooked` entered."""
+        if self._entered.get(module):
+            self._entered[module] -= 1
+            self.leave(module, (), None)
 
     @_eager
     def enter(self, name: str, module: nn.Module, args: Any) -> None:

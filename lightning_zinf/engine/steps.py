@@ -109,7 +109,8 @@ class OptimizerSteps:
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
         # The groups it steps: those holding a master fragment it was given (an unfreeze or
         # add_param_group may add some).
-        optimizer.register_step_post_hook(lambda opt, *_: self.after_step(self.sharded.stepped(opt)))
+        optimizer.register_step_post_hook(lambda opt, *_: self.after_step(
+            self.sharded.stepped(opt), held={id(t) for g in opt.param_groups for t in g["params"]}))
         return optimizer
 
     def _wait_before_state_access(self, optimizer: torch.optim.Optimizer) -> None:
@@ -209,7 +210,7 @@ class OptimizerSteps:
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
     @phased("zinf.after_step")
-    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None) -> None:
+    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None, held: Optional[set[int]] = None) -> None:
         """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs, with the
         flat groups that optimizer steps: those holding a master fragment it was given): for
         ``groups``, cast the masters into the compute shards, mark the gradients consumed and drop
@@ -219,10 +220,13 @@ class OptimizerSteps:
         disturb each other: another optimizer's gradients keep accumulating across this step, as
         in plain torch, and frozen groups keep their secondary partitions (a step cannot change
         them; loads and edits drop them, :meth:`state_resident`). A group holding parameters of
-        two optimizers is consumed by the step of either.
+        two optimizers has only the stepped parameters' gradients consumed (:meth:`FlatGroup.after_step
+        <lightning_zinf.engine.flat.FlatGroup.after_step>`), except with its optimizer on NVMe.
 
         Args:
             groups: The groups the optimizer that stepped holds, or ``None`` (after a load): every group.
+            held: The ids of the tensors that optimizer holds (its master fragments); ``None``: every
+                parameter of ``groups``.
         """
         self._settle(boundary=True)
         if self._shard_device != self.device:
@@ -233,7 +237,7 @@ class OptimizerSteps:
             rewrites = self.param_offload is not None and group.master is not None and not group.host_state
             if rewrites:
                 self.param_offload.will_overwrite(group)
-            group.after_step()
+            group.after_step(None if held is None else [id(f) in held for f in group.fragments])
             if rewrites:
                 self.param_offload.changed(group)
         # Updated shards copied from host-side masters (in order, on the copy stream) are read by
