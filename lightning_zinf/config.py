@@ -50,8 +50,8 @@ class PrefetchConfig:
             subtrees of at most this size, consecutive sibling ones packed together, each a unit).
             ``None``: ``bucket_size`` (a unit's fixed cost is the host's, which prefetch does not
             hide: the fewest units that fit what may be gathered ahead anyway are the fastest;
-            0 with ``bucket_size=0``). ``0`` (default, for now): a unit per module (each module's
-            own parameters), as DeepSpeed does by default. Ignored when ``block_classes`` is
+            0 with ``bucket_size=0``); the default. ``0``: a unit per module (each module's own
+            parameters), as DeepSpeed does by default. Ignored when ``block_classes`` is
             given. DeepSpeed's ``stage3_module_granularity_threshold``, without measuring by hand.
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many

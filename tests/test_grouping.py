@@ -2,8 +2,8 @@
 units of at most ``unit_size`` elements (:mod:`lightning_zinf.engine.grouping`).
 
 The grouping is checked against the module tree itself (every unit's parameters are one module's
-subtree, no larger than the size, and no larger subtree would have fitted), the measured size
-against the formula with the slowest rank's figures, the training against a single-process
+subtree, no larger than the size, and no larger subtree would have fitted), the default size
+(the prefetch bucket) alike on every rank, the training against a single-process
 PyTorch run of a ``transformers`` T5 that nobody grouped by hand, and the memory bound by the
 engine's ledger at two depths.
 """
@@ -263,9 +263,9 @@ def test_a_module_called_without_its_units_forward_gathers_the_unit() -> None:
 
 
 def test_a_memory_budget_plans_the_units_the_engine_will_group() -> None:
-    """``memory_budget`` with a measured unit size: the plan (also the strategy's preview,
-    ``memory_plan()``) measures the size first and predicts the units the engine then groups
-    (one process: no collective to measure, the bucket's size), not a unit per module."""
+    """``memory_budget`` with the default unit size: the plan (also the strategy's preview,
+    ``memory_plan()``) predicts the units the engine groups (of the bucket's size), not a unit
+    per module."""
     from lightning_zinf import MixedPrecisionConfig, meta_parameters
     from lightning_zinf.engine_setup import memory_plan
     from lightning_zinf.options import ZeroOptions
@@ -277,6 +277,6 @@ def test_a_memory_budget_plans_the_units_the_engine_will_group() -> None:
         return memory_plan(model, ZeroOptions(memory_budget="1GiB", prefetch=PrefetchConfig(unit_size=unit_size)),
                            device=torch.device("cpu"), precision=MixedPrecisionConfig())
 
-    measured, as_built, per_module = plan(None), plan(PrefetchConfig().bucket_size), plan(0)
-    assert measured.prediction == as_built.prediction
-    assert measured.prediction != per_module.prediction
+    default, as_built, per_module = plan(None), plan(PrefetchConfig().bucket_size), plan(0)
+    assert default.prediction == as_built.prediction
+    assert default.prediction != per_module.prediction

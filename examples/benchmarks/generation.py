@@ -9,9 +9,9 @@ Each contender runs on ``--ranks`` processes joined by gloo (CPU); every rank ge
 is the ``transformers`` model whole on every rank (DDP's inference); ``zinf@f`` partitions it with
 ``inference_budget`` = f x the model's gathered bytes, one pass per ``generate()`` call as the
 strategy's ``predict_step`` runs it, its modules grouped into units automatically (no
-``block_classes``, as a user who names none; ``--block-classes GPT2Block`` for a unit per block). Below the whole model ``transformers`` runs with
-``synced_gpus`` (one all-reduce per token, which the replicated model does not need); at the whole
-model it does not. Prints tokens/s per rank and the ratio to
+``block_classes``, as a user who names none; ``--block-classes GPT2Block`` for a unit per block).
+Below the whole model ``transformers`` runs with ``synced_gpus`` (one all-reduce per token, which
+the replicated model does not need); at the whole model it does not. Prints tokens/s per rank and the ratio to
 ``replicated``, and checks that every contender produced the same tokens.
 """
 

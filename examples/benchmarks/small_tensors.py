@@ -28,7 +28,8 @@ Contenders, each a ``torchrun --nproc_per_node 2`` job of this script:
 
   ddp              DistributedDataParallel (full replicas: the ceiling, the model fits)
   zinf             ZeroEngine(model) with no block_classes (what a user who names none gets:
-                   modules grouped into units of the measured PrefetchConfig.unit_size),
+                   modules grouped into units of the default PrefetchConfig.unit_size,
+                   the prefetch bucket's size),
                    optimizer through engine.shard_optimizer
   zinf_per_module  the same with unit_size=0: each module's own parameters a unit (the engine
                    before issue 42, and DeepSpeed's default granularity)

@@ -20,7 +20,7 @@ per unit and per tensor per step, in microseconds: (s/step - DDP's s/step) / uni
 2 x layers tensors), and the largest difference between its
 losses and DDP's over the steps (the same model, data and updates: a contender flagged there is not
 training as DDP does, so its time does not count). The ratio is zinf's overhead per unit over
-FSDP2's (below 1: zinf's units are cheaper).
+FSDP2's (below 1: zinf's units are cheaper), with a Linear per unit only.
 
     python examples/benchmarks/unit_cost.py [--layers 500] [--steps 20] [--lr 1e-3] [--only zinf,fsdp2,ddp]
                                             [--persistence-threshold 0] [--layers-per-unit 1]
@@ -126,8 +126,10 @@ def drive(args: argparse.Namespace) -> None:
             # Same model, data and updates: a contender that does not train the same is not timed fairly.
             res["loss_gap_to_ddp"] = max(abs(a - b) for a, b in zip(res["losses"], ddp_losses))
     ours, peer = results.get("zinf", {}), results.get("fsdp2", {})
+    # Per unit alike only when zinf's units are FSDP2's (a Linear each).
     ratio = (ours["overhead_us_per_unit"] / peer["overhead_us_per_unit"]
-             if "overhead_us_per_unit" in ours and "overhead_us_per_unit" in peer else None)
+             if args.layers_per_unit == 1 and "overhead_us_per_unit" in ours and "overhead_us_per_unit" in peer
+             else None)
     print(f"\n{args.layers} Linear layers of {WIDTH * WIDTH + WIDTH:,} parameters (2 tensors each), zinf's units "
           f"of {args.layers_per_unit}, 2 ranks, gloo\n")
     print(f"{'contender':<10} {'s/step':>8} {'of it step()':>13} {'us/unit/step over DDP':>22} "

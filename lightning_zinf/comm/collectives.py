@@ -397,12 +397,6 @@ class Collectives:
             self._nodes = NodeGroups.of_one_rank(self.topology, self.group)
         hold_groups(self)
 
-    @property
-    def gather_group(self) -> Optional[dist.ProcessGroup]:
-        """The process group the parameters are gathered over (the shard group; the world's
-        under full sharding), or ``None`` where gathers are local copies (one rank per group)."""
-        return None if self.local or self.shard_size < 2 else self._shard_group
-
     def drop_groups(self) -> None:
         """Let go of every process group, for good (at a normal exit: :mod:`lightning_zinf.comm.exit`)."""
         self.group = self.control_group = self._hpz_group = self._shard_group = self._replica_group = None

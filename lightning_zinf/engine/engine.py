@@ -103,8 +103,8 @@ class ZeroEngine:
         module: The model. Its buffers are moved to ``device`` and stay replicated on every rank.
         block_classes: Module classes (or class names) whose whole subtree is one unit, e.g. a
             transformer block. Default: units of at most ``prefetch.unit_size`` elements grouped
-            by the engine (:mod:`~lightning_zinf.engine.grouping`; measured here when ``None``, a
-            collective), or with ``unit_size=0`` (the default) each module's own parameters.
+            by the engine (:mod:`~lightning_zinf.engine.grouping`; ``None``, the default: the
+            prefetch bucket's size), or with ``unit_size=0`` each module's own parameters.
         prefetch: Prefetch, persistence and unit size settings.
         device: Where shards, gathered parameters and gradient shards live (the compute device;
             ``"cuda"`` means the current CUDA device).

@@ -56,15 +56,6 @@ def keeps_compute_copy(dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
     return compute_dtype.is_floating_point and compute_dtype.itemsize < dtype.itemsize
 
 
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (elements)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class FlatGroup:
     """One unit's parameters of one dtype and one ``requires_grad`` value (when built), sharded over ranks.
 
@@ -154,7 +145,7 @@ class FlatGroup:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [0, *itertools.accumulate(self.numels)][: len(params)]
-        self._strides = [_contiguous_strides(shape) for shape in self.shapes]
+        self._strides = [torch.empty(shape, device="meta").stride() for shape in self.shapes]  # contiguous
         self.numel = sum(self.numels)
         self.dtype = storage_dtype or params[0].dtype
         self.compute_dtype = compute_dtype or self.dtype

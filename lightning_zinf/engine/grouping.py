@@ -42,6 +42,7 @@ from lightning_zinf.tiling import LinearTile
 
 __all__ = ["auto_blocks", "unit_size_for"]
 
+
 def _has_forward(module: nn.Module) -> bool:
     """Whether ``module``'s class defines a forward (containers inherit nn.Module's, which raises)."""
     return type(module).forward is not nn.Module.forward

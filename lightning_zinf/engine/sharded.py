@@ -101,7 +101,8 @@ class ShardedOptimizers:
         self._placeholders: dict[tuple[int, int], Tensor] = {}
         self._presenting = False
         self._version = 0  # bumped whenever what an optimizer holds may have changed
-        self._stepped: list[tuple[Any, list[FlatGroup]]] = []  # per optimizer: (signature, groups)
+        # Per optimizer: (signature, groups, per group which of its fragments the optimizer holds).
+        self._stepped: list[tuple[Any, list[FlatGroup], list[list[bool]]]] = []
         self._seen: list[tuple[tuple[int, int], ...]] = []  # per optimizer: its param groups when last re-pointed
         self._digest: Optional[tuple[int, int]] = None  # (version, digest of the layouts)
 
@@ -119,7 +120,7 @@ class ShardedOptimizers:
         layout = [self._re_point(param_group, type(optimizer).__name__) for param_group in optimizer.param_groups]
         self.optimizers.append(optimizer)
         self.plain_layouts.append(layout)
-        self._stepped.append(((), []))
+        self._stepped.append(((), [], []))
         self._seen.append(_signature(optimizer))
         self._version += 1
         self._intercept_add_param_group(optimizer)
@@ -308,14 +309,21 @@ class ShardedOptimizers:
     def stepped(self, optimizer: torch.optim.Optimizer) -> list[FlatGroup]:
         """The flat groups ``optimizer`` steps: those holding one of its fragments (cached until
         what it holds changes: an unfreeze, ``add_param_group``)."""
+        return self._held(optimizer)[0]
+
+    def held_flags(self, optimizer: torch.optim.Optimizer) -> list[list[bool]]:
+        """Per group of :meth:`stepped`, per parameter, whether ``optimizer`` holds its fragment
+        (a group may hold another optimizer's parameters too: FlatGroup.after_step's ``held``)."""
+        return self._held(optimizer)[1]
+
+    def _held(self, optimizer: torch.optim.Optimizer) -> tuple[list[FlatGroup], list[list[bool]]]:
         k = self._position(optimizer)
         signature = (self._version, _signature(optimizer))
-        if self._stepped[k][0] == signature:
-            return self._stepped[k][1]
-        held = {id(t) for g in optimizer.param_groups for t in g["params"]}
-        groups = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
-        self._stepped[k] = (signature, groups)
-        return groups
+        if self._stepped[k][0] != signature:
+            held = {id(t) for g in optimizer.param_groups for t in g["params"]}
+            groups = [g for g in self.groups if any(id(f) in held for f in g.fragments)]
+            self._stepped[k] = (signature, groups, [[id(f) in held for f in g.fragments] for g in groups])
+        return self._stepped[k][1], self._stepped[k][2]
 
     def layout_digest(self) -> int:
         """A 32-bit digest of :attr:`plain_layouts` (the ranks' must agree: every rank adds the same

@@ -109,8 +109,8 @@ class OptimizerSteps:
         optimizer.register_step_pre_hook(lambda opt, *_: self._before_step(opt))
         # The groups it steps: those holding a master fragment it was given (an unfreeze or
         # add_param_group may add some).
-        optimizer.register_step_post_hook(lambda opt, *_: self.after_step(
-            self.sharded.stepped(opt), held={id(t) for g in opt.param_groups for t in g["params"]}))
+        optimizer.register_step_post_hook(lambda opt, *_: self.after_step(self.sharded.stepped(opt),
+                                                                          self.sharded.held_flags(opt)))
         return optimizer
 
     def _wait_before_state_access(self, optimizer: torch.optim.Optimizer) -> None:
@@ -210,7 +210,8 @@ class OptimizerSteps:
         return clip_grad_norm_(self.master_fragments(), max_norm, self.comm)
 
     @phased("zinf.after_step")
-    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None, held: Optional[set[int]] = None) -> None:
+    def after_step(self, groups: Optional[Sequence[FlatGroup]] = None,
+                   held: Optional[Sequence[Sequence[bool]]] = None) -> None:
         """After ``optimizer.step()`` (called by the hook :meth:`shard_optimizer` installs, with the
         flat groups that optimizer steps: those holding a master fragment it was given): for
         ``groups``, cast the masters into the compute shards, mark the gradients consumed and drop
@@ -225,19 +226,20 @@ class OptimizerSteps:
 
         Args:
             groups: The groups the optimizer that stepped holds, or ``None`` (after a load): every group.
-            held: The ids of the tensors that optimizer holds (its master fragments); ``None``: every
-                parameter of ``groups``.
+            held: Per group of ``groups``, per parameter, whether that optimizer holds it
+                (:meth:`ShardedOptimizers.held_flags
+                <lightning_zinf.engine.sharded.ShardedOptimizers.held_flags>`); ``None``: every one.
         """
         self._settle(boundary=True)
         if self._shard_device != self.device:
             self.transfers.host_wait_h2d()  # host-tier shards are rewritten below
         stepped = self.groups if groups is None else groups
-        for group in stepped:
+        for position, group in enumerate(stepped):
             # An offloaded optimizer rewrote the shards of what it stepped already (OptimizerOffload.step).
             rewrites = self.param_offload is not None and group.master is not None and not group.host_state
             if rewrites:
                 self.param_offload.will_overwrite(group)
-            group.after_step(None if held is None else [id(f) in held for f in group.fragments])
+            group.after_step(None if held is None else held[position])
             if rewrites:
                 self.param_offload.changed(group)
         # Updated shards copied from host-side masters (in order, on the copy stream) are read by
