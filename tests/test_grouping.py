@@ -280,3 +280,64 @@ def test_a_memory_budget_plans_the_units_the_engine_will_group() -> None:
     default, as_built, per_module = plan(None), plan(PrefetchConfig().bucket_size), plan(0)
     assert default.prediction == as_built.prediction
     assert default.prediction != per_module.prediction
+
+
+class _Containers(nn.Module):
+    """Parameters held in a ParameterList and a ParameterDict, which are never called: the
+    module holding them reads them in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rows = nn.ParameterList(nn.Parameter(torch.randn(2, 8) * 0.3) for _ in range(4))
+        self.extra = nn.ParameterDict({"scale": nn.Parameter(torch.ones(8)), "shift": nn.Parameter(torch.zeros(8))})
+        self.banks = nn.ModuleList([nn.ParameterList([nn.Parameter(torch.randn(8) * 0.1)])])  # one level deeper
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x @ torch.cat(list(self.rows)).T * self.extra["scale"] + self.extra["shift"] + self.banks[0][0]
+        return self.out(torch.tanh(hidden))
+
+
+def _containers_model() -> nn.Module:
+    # Below the root, whose own unit stays gathered: the holder's unit is gathered by its forward.
+    model = nn.Sequential(_Containers(), nn.Tanh(), nn.Linear(3, 2))
+    return model
+
+
+def _containers(rank: int, world: int, unit_size: int) -> dict:
+    model = _containers_model()
+    engine = ZeroEngine(model, prefetch=PrefetchConfig(unit_size=unit_size, persistence_threshold=0))
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": torch.stack(losses), "units": [u.name for u in engine.units]}
+
+
+@pytest.mark.parametrize("unit_size", [0, None], ids=["unit-per-module", "grouped"])
+def test_parameter_containers_belong_to_the_unit_of_the_module_that_holds_them(unit_size) -> None:
+    """A ParameterList and a ParameterDict (and a ParameterList in a ModuleList) are never called,
+    so with a unit per module their parameters are in the unit of the module holding them (a unit
+    of their own was never gathered:
+    the forward read empty tensors and raised); 2 ranks train as single-process PyTorch on both
+    ranks' batches."""
+    ranks = run_distributed(_containers, 2, unit_size)
+    model = _containers_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)]
+        losses = [model(x).square().mean() for x in xs]
+        (sum(losses) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(torch.stack([loss.detach() for loss in losses]))
+    for rank, got in enumerate(ranks):
+        torch.testing.assert_close(got["losses"], torch.stack(want)[:, rank], rtol=1e-5, atol=1e-6)
+        assert not any(name.startswith(("0.rows", "0.extra", "0.banks")) for name in got["units"]), got["units"]

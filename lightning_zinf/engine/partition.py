@@ -91,7 +91,9 @@ def plan_units(
 ) -> tuple[list[UnitSpec], dict[nn.Module, list[int]]]:
     """Assign every parameter of ``root`` to exactly one unit.
 
-    By default each module's own parameters (``recurse=False``) form a unit. A module whose class is
+    By default each module's own parameters (``recurse=False``, with those of its
+    ``ParameterList``/``ParameterDict`` children, directly or in a ``ModuleList``/``ModuleDict``:
+    never called, they are read by its forward; the root's stay gathered as its own do) form a unit. A module whose class is
     named in ``block_classes`` takes all parameters of its subtree as one coarser unit, except the
     tiles of a :class:`~lightning_zinf.TiledLinear` inside it, which stay units of their own (memory-
     centric tiling, ZeRO-Infinity §5.1.3): the block's other parameters then form several units, cut
@@ -176,7 +178,11 @@ def plan_units(
         block = entry is not None or id(module) in chosen
         if not block:
             needed: list[int] = []
-            add_unit(mod_name, module, [(mod_name, module)], needed)
+            # Parameter containers are never called: the module that holds one uses its
+            # parameters in its own forward, so they are part of its unit.
+            holders = list(_parameter_holders(module, mod_name))
+            inside_block.update(id(c) for _, c in holders)
+            add_unit(mod_name, module, [(mod_name, module), *holders], needed)
             if needed:
                 uses[module] = needed
             continue
@@ -219,6 +225,22 @@ def plan_units(
             "`configure_model` creates nothing leaves nothing to train)."
         )
     return units, uses
+
+
+def _parameter_holders(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    """The ``ParameterList``/``ParameterDict`` modules under ``module`` that only containers lead
+    to (directly, or through ``ModuleList``/``ModuleDict``), with their qualified names: never
+    called, their parameters are read by ``module``'s forward."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and prefix:
+        return  # a container is processed as the holder of no unit: its parent took these
+    for name, child in module.named_children():
+        qualified = f"{prefix}.{name}" if prefix else name
+        if isinstance(child, (nn.ParameterList, nn.ParameterDict)):
+            yield qualified, child
+        elif isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            for inner_name, inner in child.named_children():
+                if isinstance(inner, (nn.ParameterList, nn.ParameterDict)):
+                    yield f"{qualified}.{inner_name}", inner
 
 
 @contextmanager
