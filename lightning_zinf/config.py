@@ -62,13 +62,15 @@ class PrefetchConfig:
             reduce buffers less at the peak (under mixed precision a full-size cast to the reduce
             dtype), at the cost of that overlap.
         inference_budget: Bytes of gathered parameters that may stay gathered from one forward
-            pass to the next within one validation, test or prediction step (the strategy's
-            :meth:`~lightning_zinf.ZeroInfinityStrategy.predict_step` and the others;
-            :meth:`~lightning_zinf.ZeroEngine.keep_gathered` for your own loop). ``generate()``
-            then gathers each unit once per call instead of once per token, as DeepSpeed's hybrid
-            engine does, while the units kept fit the budget; the rest are gathered per forward as
-            usual. ``0`` (default): every unit is released after each forward (memory stays the
-            ZeRO-3 bound).
+            pass to the next through a validation, test or prediction loop, from one step to the
+            next (the strategy keeps them from the loop's start to its end, before training goes
+            on; :meth:`~lightning_zinf.ZeroEngine.keep_gathered` for your own loop). ``generate()``
+            then gathers each unit once per loop instead of once per token (DeepSpeed's hybrid
+            engine: once per call) while the units kept fit the budget; the rest are gathered per
+            forward as usual. When the whole model fits, the passes after the units are kept run
+            without the engine's forward hooks (:meth:`~lightning_zinf.ZeroEngine.begin_pass`).
+            ``0`` (default): every unit is released after each forward (memory stays the ZeRO-3
+            bound).
 
     Raises:
         ValueError: a negative ``bucket_size``, ``unit_size``, ``persistence_threshold`` or

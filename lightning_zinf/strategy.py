@@ -8,9 +8,10 @@ work), and each ``*_step`` starts a trace pass.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Mapping, Optional, Sequence
 
@@ -59,6 +60,8 @@ from lightning_zinf.preemption import Preemption
 from lightning_zinf.preemption_trainer import take_over_signals
 from lightning_zinf.repoint import Successors
 from lightning_zinf.summary import use_sharded_summary
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ZeroInfinityStrategy"]
 
@@ -282,6 +285,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine: Optional[ZeroEngine] = None
+        self._loop_keep = ExitStack()  # an evaluation loop's units kept gathered from step to step
+        self._loop_steps = 0  # the steps of the evaluation loop in progress so far
         self._successors = Successors()  # what partitioning put in place of the model's parameters
         self._watch: Optional[RankWatch] = None
         self._preemption: Optional[Preemption] = None
@@ -555,8 +560,9 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a validation trace pass, then run the LightningModule's step (units kept gathered
-        across its forward passes within ``PrefetchConfig.inference_budget``)."""
-        self.engine.begin_pass("validate")
+        across its forward passes, and from step to step of the loop, within
+        ``PrefetchConfig.inference_budget``)."""
+        self._begin_loop_pass("validate")
         with self.engine.keep_gathered(self.options.prefetch.inference_budget, verify=False):
             output = super().validation_step(*args, **kwargs)
         return self._step_end(output)
@@ -564,7 +570,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a test trace pass, then run the LightningModule's step (as validation)."""
-        self.engine.begin_pass("test")
+        self._begin_loop_pass("test")
         with self.engine.keep_gathered(self.options.prefetch.inference_budget, verify=False):
             output = super().test_step(*args, **kwargs)
         return self._step_end(output)
@@ -572,11 +578,44 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Start a predict trace pass, then run the LightningModule's step: a ``generate()`` in
-        it gathers each unit once while the units fit ``PrefetchConfig.inference_budget``."""
-        self.engine.begin_pass("predict")
+        it gathers each unit once per loop while the units fit ``PrefetchConfig.inference_budget``
+        (the loop keeps them from step to step)."""
+        self._begin_loop_pass("predict")
         with self.engine.keep_gathered(self.options.prefetch.inference_budget, verify=False):
             output = super().predict_step(*args, **kwargs)
         return self._step_end(output)
+
+    # The start of an evaluation loop: the units its steps keep gathered within inference_budget
+    # stay so from one step to the next (nothing changes the weights during the loop, as in
+    # DeepSpeed's hybrid engine between generate() calls); each step's keep_gathered is then nested
+    # in the loop's, and the loop's end releases them, before training goes on.
+    @override
+    def on_validation_start(self) -> None:
+        self._keep_for_loop()
+
+    @override
+    def on_test_start(self) -> None:
+        self._keep_for_loop()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._keep_for_loop()
+
+    def _keep_for_loop(self) -> None:
+        self._loop_keep.close()  # a loop that raised and did not reach its end
+        self._loop_steps = 0
+        budget = self.options.prefetch.inference_budget
+        if self._engine is not None and budget:
+            self._loop_keep.enter_context(self._engine.keep_gathered(budget, verify=False))
+
+    def _begin_loop_pass(self, kind: str) -> None:
+        """Begin the pass of an evaluation loop's step. With units kept from step to step, the
+        loop's first step gathers what the later ones find gathered: its collectives differ from
+        theirs, so the later steps are a kind of pass of their own (each kind's passes issue the
+        same collectives, which is what an agreed trace certifies)."""
+        kept = self._loop_steps > 0 and self.options.prefetch.inference_budget > 0
+        self._loop_steps += 1
+        self.engine.begin_pass((kind, "kept") if kept else kind)
 
     # The end of each loop: ranks whose steps did not split evenly (Lightning does not pad a predict
     # loop's batches) meet here, the ones done serving the others' remaining steps, as DDP's ranks
@@ -598,6 +637,7 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         self._loop_end()
 
     def _loop_end(self) -> None:
+        self._loop_keep.close()
         if self._engine is not None:
             self._engine.meet("loop end")
 
@@ -805,6 +845,11 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
         backend's timeout with its own); if another rank failed first, this rank's error is the
         consequence, and that rank's message is added to it (:func:`~lightning_zinf.failures.report_failure`)."""
         report_failure(self._watch, exception)
+        try:
+            self._loop_keep.close()  # the units an evaluation loop kept gathered (as a step's own keep does when it raises)
+        except Exception as error:  # the run's own error is the one to report; this one follows from it
+            log.warning("lightning_zinf: releasing the units an evaluation loop kept gathered failed after the run's "
+                        "error: %s", error)
 
     @override
     def teardown(self) -> None:

@@ -439,9 +439,15 @@ def test_a_step_on_the_trace_checks_nothing_per_collective_and_one_that_diverges
     assert 0 < diverged["rounds"] <= diverged["collectives"] + 3, steps
 
 
-def _predict_uneven(rank: int, world: int, strategy: str) -> list:
+def _predict_uneven(rank: int, world: int, strategy: str, budget: int = 0, samples: int = 5) -> list:
     import lightning as L
     from torch.utils.data import DataLoader
+
+    if budget:
+        from lightning_zinf import ZeroInfinityStrategy
+
+        strategy = ZeroInfinityStrategy(prefetch={"inference_budget": budget, "persistence_threshold": 0,
+                                                  "unit_size": 0})
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
@@ -452,20 +458,25 @@ def _predict_uneven(rank: int, world: int, strategy: str) -> list:
         def predict_step(self, batch, batch_idx):
             return self.net(batch)
 
-    data = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    data = torch.randn(samples, 4, generator=torch.Generator().manual_seed(3))
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=world, logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
     return [p.clone() for p in trainer.predict(Lit(), DataLoader(data, batch_size=1))]
 
 
-def test_a_predict_loop_whose_batches_do_not_split_evenly_runs_as_under_ddp() -> None:
+@pytest.mark.parametrize("budget, samples", [(0, 5), (200, 5), (1 << 30, 3)],
+                         ids=["no-budget", "part-kept", "whole-kept"])
+def test_a_predict_loop_whose_batches_do_not_split_evenly_runs_as_under_ddp(budget: int, samples: int) -> None:
     """``trainer.predict`` over 5 samples on 2 ranks (Lightning's predict sampler does not pad:
     rank 0 has 3 steps, rank 1 two, as a new user's run had): rank 1 serves rank 0's last step from
     the end of its loop, and every rank returns DDP's predictions (it crashed, rank 1's process
-    gone while rank 0 waited in a gather)."""
-    zinf = run_distributed(_predict_uneven, WORLD, "zero_infinity", init_pg=False, timeout=240)
-    ddp = run_distributed(_predict_uneven, WORLD, "ddp", init_pg=False, timeout=240)
-    assert [len(r) for r in zinf] == [len(r) for r in ddp] == [3, 2]
+    gone while rank 0 waited in a gather). Also with units kept from step to step of the loop
+    (``inference_budget``: one unit of two over 5 samples, or the whole model over 3: 2 steps and
+    1): the steps' passes still meet and check (a loop's keep left them unchecked: rank 0's last
+    step hung, alone in trusted gathers or in a trace's validation)."""
+    zinf = run_distributed(_predict_uneven, WORLD, "zero_infinity", budget, samples, init_pg=False, timeout=240)
+    ddp = run_distributed(_predict_uneven, WORLD, "ddp", 0, samples, init_pg=False, timeout=240)
+    assert [len(r) for r in zinf] == [len(r) for r in ddp] == [(samples + 1) // 2, samples // 2]
     for mine, theirs in zip(zinf, ddp):
         for a, b in zip(mine, theirs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

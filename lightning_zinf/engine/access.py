@@ -110,6 +110,7 @@ class StateAccess:
         """
         self._wait_for_step()
         self._settle()
+        outermost = self._stop_keeping()
         units = list(self.units)
         for unit in units:
             unit.forward_depth += 1
@@ -129,12 +130,35 @@ class StateAccess:
                 self.states.maybe_release(unit)
             if self._gathered_depth == 0:  # an enclosing block still wants the exact values
                 self.states.gather_exact([u for u in units if u.persistent])  # back to the compute dtype
+            if outermost:
+                self.resume_keeping()
 
     def begin_unit_access(self) -> None:
         """Finish every collective and swap in flight before code reads or writes parameters unit
         by unit (:meth:`hold_exact`); call once per traversal, not per unit."""
         self._wait_for_step()
         self._settle()
+        self._stop_keeping()
+
+    def _stop_keeping(self) -> bool:
+        """Before units are gathered for reading: release the units a ``keep_gathered`` block
+        keeps (an evaluation loop's) and keep none until :meth:`resume_keeping` (a flag: the
+        block's budget itself is left alone). A unit gathered for reading holds the exact values
+        (under mixed precision in a buffer of the parameters' dtype, not the compute dtype's;
+        edits that are not written back), which no later forward may compute with; the next
+        forward gathers what it keeps again. Returns whether keeping was on and this call
+        stopped it."""
+        if self.states.keeping_suspended:
+            return False
+        self.states.release_kept()
+        self.states.keeping_suspended = True
+        return True
+
+    def resume_keeping(self) -> None:
+        """Keep units again, within whatever ``keep_gathered`` block is open then (the end of a
+        read; the engine also calls it at every pass boundary: a traversal that raised, or one that
+        reads the full state dict and has no end call, leaves no pass without keeping)."""
+        self.states.keeping_suspended = False
 
     def hold_exact(self, unit: Unit) -> None:
         """Gather ``unit`` with its exact values in the parameters' own dtype (the fp32 masters'
@@ -175,3 +199,4 @@ class StateAccess:
         to their compute-dtype gather (collective, as the holds were)."""
         if self._gathered_depth == 0:  # inside gathered(): its exit does it
             self.states.gather_exact([u for u in units if u.persistent])
+            self.resume_keeping()

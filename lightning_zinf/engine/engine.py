@@ -69,7 +69,7 @@ from lightning_zinf.engine.steps import OptimizerSteps
 from lightning_zinf.engine.state_dict import StateDictHooks
 from lightning_zinf.engine.trace import Tracer
 from lightning_zinf.engine.transfer import Transfers, resolve_device
-from lightning_zinf.engine.units import Unit, UnitStates
+from lightning_zinf.engine.units import GATHERED, Unit, UnitStates
 from lightning_zinf.heap import setup_phase
 from lightning_zinf.offload.activations import ActivationOffload
 from lightning_zinf.offload.optimizer import OptimizerOffload
@@ -317,6 +317,9 @@ class ZeroEngine:
                                     offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
                                     sharded=self.sharded, settle=self._settle, tracer=self.tracer)
         self.schedule.on_backward_start = self.steps.prepare_step
+        self.states.before_release_kept = self.schedule.restore  # a bypassed pass ends with its kept units
+        self._mixed_precision = mixed_precision
+        self._auto_pass = auto_pass
         self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
                                  frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
         self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
@@ -371,18 +374,46 @@ class ZeroEngine:
         ahead but never used; frees the gradient shards the optimizer has consumed (after
         ``zero_grad()``). Every rank must call it at the same points.
 
+        A pass begun here, outside a forward (without ``auto_pass``), under ``torch.no_grad()``,
+        inside :meth:`keep_gathered` with every unit kept gathered already and its kind's trace
+        agreed, runs without the schedule's forward hooks (a later step of an evaluation loop that
+        keeps the whole model): torch's call path of the unpartitioned model. They are back at the
+        next pass, or when the kept units are released.
+
         Raises:
             RuntimeError: the ranks changed ``requires_grad`` differently, or unfroze a parameter
                 that cannot be (:meth:`Freezing.sync <lightning_zinf.engine.freezing.Freezing.sync>`);
                 the ranks' collectives since the last check differ (:meth:`verify_ranks_agree`).
         """
-        # Inside keep_gathered() and generation phases: checked once, at their end.
-        self._begin_pass(kind, check=not self.states.keep_budget and not self.generation.active)
+        # Inside keep_gathered() and generation phases: checked once, at their end (not inside an
+        # evaluation loop's keep, verify=False, whose driver begins every step's pass on every rank).
+        self._begin_pass(kind, check=not self.generation.verifying and not self.generation.active)
         if not self.generation.active:
             self.generation.resume_kind = kind
+            if self._hooks_needless():
+                self.schedule.bypass()
+
+    def _hooks_needless(self) -> bool:
+        """Whether the pass just begun needs no forward hook: every unit stays gathered in its
+        compute buffers (kept by ``keep_gathered``, as an evaluation loop keeps the whole model, or
+        persistent), nothing records a graph, no input is cast, and the kind's trace is agreed (so
+        no rank records what another does not). Its forward passes then run as the unpartitioned
+        model's, with none of the schedule's host time per module call
+        (``examples/benchmarks/generation.py``). Not with ``auto_pass``, whose pass starts inside a
+        forward, nor in a generation phase, whose passes start in the hooks, nor for a model a
+        module of which returned a view of a parameter (the hooks hand out a copy, which must not
+        point into gathered memory released later)."""
+        policy = self._mixed_precision
+        return (not self._auto_pass and bool(self.states.keep_budget) and not torch.is_grad_enabled()
+                and not self.schedule.outputs_views
+                and not (policy.param_dtype is not None and policy.cast_forward_inputs) and self.tracer.certified
+                and all(u.state == GATHERED and (u.kept or u.persistent) and all(g.holds_compute for g in u.groups)
+                        for u in self.units))
 
     def _begin_pass(self, kind: Hashable, check: bool) -> None:
+        self.schedule.restore()
         self.state_dict_hooks.reset()
+        self.access.resume_keeping()  # after a state-dict traversal that raised
         self._settle(boundary=True)
         self.gathers.new_window()
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
@@ -409,7 +440,10 @@ class ZeroEngine:
         ``"loop end"`` (a fit, validation, test or predict loop ended) or ``"collective"`` (before
         one the training code makes through the strategy: logging with ``sync_dist``, a barrier); ranks that ran different modules serve each other until all are
         there (:mod:`~lightning_zinf.engine.negotiation`). Every rank must call it at the same
-        points; one waiting elsewhere makes every rank raise ``RuntimeError`` naming each one's."""
+        points; one waiting elsewhere makes every rank raise ``RuntimeError`` naming each one's.
+        The forward hooks a pass took out (:meth:`begin_pass`) are back from here on: code after a
+        step (epoch-end hooks, callbacks) runs forwards the pass's decision did not foresee."""
+        self.schedule.restore()
         self.agreement.waypoint({"step end": STEP_END, "collective": USER_COLLECTIVE, "loop end": LOOP_END}[where])
 
     def register_external_parameter(self, module: nn.Module, param: nn.Parameter) -> None:

@@ -43,6 +43,8 @@ class Generation:
 
     Attributes:
         active: Inside :meth:`phase`.
+        verifying: How many :meth:`keep_gathered` blocks with ``verify`` are open (the passes begun
+            inside one are not checked at their start).
         resume_kind: The kind of the last pass begun outside a phase (``None``: none yet), begun
             again when a phase ends (the engine's :meth:`~lightning_zinf.ZeroEngine.begin_pass`
             records it).
@@ -62,6 +64,9 @@ class Generation:
         self._auto_pass = auto_pass
         self.active = False
         self.resume_kind: Optional[Hashable] = None
+        # keep_gathered blocks open that verify the ranks' collectives at their end (the passes in
+        # them are not checked one by one: their ranks may run different numbers of passes).
+        self.verifying = 0
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -90,12 +95,14 @@ class Generation:
         """
         previous = self.states.keep_budget
         self.states.keep_budget = budget
+        self.verifying += verify
         whole = self._holds_whole_model(budget)
         if whole:
             mark_partitioned(self.module, False)
         try:
             yield
         finally:
+            self.verifying -= verify
             if whole:
                 mark_partitioned(self.module, True)
             self.states.keep_budget = previous
@@ -103,6 +110,11 @@ class Generation:
                 self.states.release_kept()
                 if verify:
                     self.agreement.verify()
+            elif budget > previous:
+                # Inside a block that keeps less (an evaluation loop's): what this one kept beyond
+                # that would stay kept for the rest of the outer block; the outer block's next
+                # forwards keep their own again.
+                self.states.release_kept()
 
     def _holds_whole_model(self, budget: int) -> bool:
         return budget >= sum(g.padded_numel * g.compute_dtype.itemsize for g in self.groups)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import weakref
 from typing import Any, Callable, Hashable, Iterator, Mapping, Optional
 
@@ -31,7 +32,7 @@ from lightning_zinf.comm import Collectives
 from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.negotiation import BACKWARD_END
-from lightning_zinf.engine.trace import Tracer
+from lightning_zinf.engine.trace import Tracer, Upcoming
 from lightning_zinf.engine.units import RELEASED, Unit, UnitStates, in_backward
 from lightning_zinf.offload.params import ParamOffload
 
@@ -121,6 +122,12 @@ class Schedule:
         self.on_backward_start: Optional[Callable[[], None]] = None
         self._outer: Optional[_OuterForwards] = None  # a generation phase's passes, one per outermost forward
         self._watched: set[int] = set()  # ids of the parameters that have a gradient hook
+        # The forward hook pairs on modules (module, pre-hook id, post-hook id), and while they are
+        # bypassed, what bypass() took out of the modules' hook dicts.
+        self._pairs: list[tuple[nn.Module, int, int]] = []
+        self._bypassed: list[tuple[dict, list, dict]] = []
+        # A module's output was a view of a parameter (copied by _leave): its passes keep the hooks.
+        self.outputs_views = False
         self.handles = self._install(module)
         for unit in units:
             self.watch_gradients(unit)
@@ -149,8 +156,13 @@ class Schedule:
     def _hook_module(self, module: nn.Module) -> list[Any]:
         # always_call: checkpointing stops a recomputation by raising inside a module's forward;
         # the post-hook must still end that use of the unit.
-        return [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                module.register_forward_hook(self._post_forward, always_call=True)]
+        return self._forward_pair(module, self._pre_forward, self._post_forward)
+
+    def _forward_pair(self, module: nn.Module, pre: Callable[..., Any], post: Callable[..., Any]) -> list[Any]:
+        handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
+                   module.register_forward_hook(post, always_call=True)]
+        self._pairs.append((module, handles[0].id, handles[1].id))
+        return handles
 
     def guard(self, module: nn.Module, unit: Unit) -> None:
         """Gather ``unit`` for ``module`` (a module inside a unit grouped automatically, whose
@@ -159,8 +171,7 @@ class Schedule:
         its model's forward, a layer shared with another part of the model). Inside that forward,
         the usual case, the hook only checks the unit's depth."""
         self._guards[module] = [unit]
-        self.handles.extend([module.register_forward_pre_hook(self._guard_pre_forward, with_kwargs=True),
-                             module.register_forward_hook(self._guard_post_forward, always_call=True)])
+        self.handles.extend(self._forward_pair(module, self._guard_pre_forward, self._guard_post_forward))
 
     def add_use(self, module: nn.Module, unit: Unit) -> None:
         """Gather ``unit`` whenever ``module`` runs (hooking ``module`` if it was not yet)."""
@@ -211,6 +222,44 @@ class Schedule:
 
         return remove
 
+    def bypass(self) -> None:
+        """Take the forward hooks of the modules out until :meth:`restore`, so that forward passes
+        run as the unpartitioned model's (torch's call path without hooks): for a pass in which
+        every unit stays gathered and nothing needs them (the driver's decision:
+        :meth:`ZeroEngine.begin_pass <lightning_zinf.ZeroEngine.begin_pass>`). Call between
+        forwards only: a module whose forward is in progress would miss its post-hook. The
+        parameters' gradient hooks stay."""
+        if self._bypassed:
+            return
+        for module, pre, post in self._pairs:
+            for hooks, key in ((module._forward_pre_hooks, pre), (module._forward_hooks, post)):
+                if key in hooks:
+                    self._bypassed.append((hooks, list(hooks), {key: hooks.pop(key)}))
+
+    def restore(self) -> None:
+        """Put back the hooks :meth:`bypass` took out, each where it was among the module's hooks
+        (hooks registered meanwhile come after them, or first where they were prepended)."""
+        for hooks, order, taken in reversed(self._bypassed):
+            rest = dict(hooks)
+            known = set(order)
+            # Hooks ahead of every older one were prepended (none can tell where there is no older one).
+            first = next((i for i, key in enumerate(rest) if key in known), 0)
+            prepended = {key: rest.pop(key) for key in list(rest)[:first]}
+            hooks.clear()
+            hooks.update(prepended)
+            for key in order:
+                if key in taken:
+                    hooks[key] = taken[key]
+                elif key in rest:
+                    hooks[key] = rest.pop(key)
+            hooks.update(rest)
+        self._bypassed = []
+
+    @property
+    def bypassed(self) -> bool:
+        """Whether the forward hooks are taken out (:meth:`bypass`)."""
+        return bool(self._bypassed)
+
     def reset(self) -> None:
         """At a pass boundary: forget forward calls and a backward-end callback that died with a
         forward or backward that raised."""
@@ -220,9 +269,10 @@ class Schedule:
 
     def remove(self) -> None:
         """Remove every hook this schedule installed."""
+        self.restore()
         for handle in self.handles:
             handle.remove()
-        self.handles = []
+        self.handles, self._pairs = [], []
         self._watched.clear()
 
     # --- when to gather ---------------------------------------------------------------------------
@@ -232,10 +282,7 @@ class Schedule:
         the NVMe shards of the next ones ahead, then wait for it."""
         upcoming = self.tracer.request(unit.index)
         if unit.run:  # its next members' requests: it stays gathered for them (_post_forward)
-            same = 0
-            while same < len(upcoming) and upcoming[same] == unit.index:
-                same += 1
-            upcoming = upcoming[same:]
+            upcoming = upcoming.after_run(unit.index)
         self.states.claim(unit)
         if unit.state == RELEASED:
             self.states.start_gather(unit)
@@ -244,12 +291,13 @@ class Schedule:
             if self.copy_ahead:
                 self._copy_ahead(unit, upcoming)
             if self.param_offload is not None:
-                ahead = [self.units[i] for i in upcoming if self.units[i].state == RELEASED]
-                self.param_offload.read_ahead(g for u in ahead[: self.read_ahead] for g in u.groups
+                released = (self.units[i] for i in upcoming if self.units[i].state == RELEASED)
+                ahead = list(itertools.islice(released, self.read_ahead))  # not a walk of the whole trace
+                self.param_offload.read_ahead(g for u in ahead for g in u.groups
                                               if g.secondary is None and g.qwz_row is None and g.codes is None)
         self.states.wait_gather(unit)
 
-    def _gather_ahead(self, current: Unit, upcoming: list[int]) -> None:
+    def _gather_ahead(self, current: Unit, upcoming: Upcoming) -> None:
         """Start gathering the next released units of the trace, within the bucket budget; the
         first one always (a unit larger than the budget would otherwise never be prefetched).
 
@@ -257,6 +305,8 @@ class Schedule:
         acquired) is used again next, released in between (the last unit of forward, first in
         backward), the units after it are not gathered before it, since their gathers would
         queue in front of its gather on the copy stream (and the compute waiting for it)."""
+        if not self.states.any_released():
+            return  # not a walk over the rest of the trace at every module call of a model kept whole
         budget = self.bucket_size - self.states.ahead_numel()
         for index in upcoming:
             unit = self.units[index]
@@ -269,7 +319,7 @@ class Schedule:
             self.states.prefetch(unit)
             budget -= unit.numel
 
-    def _copy_ahead(self, current: Unit, upcoming: list[int]) -> None:
+    def _copy_ahead(self, current: Unit, upcoming: Upcoming) -> None:
         """Copy the host-tier shards of the next released units of the trace to the device, as
         many units as fit ``copy_ahead`` bytes together with those copied ahead already, in trace
         order (a unit that does not fit stops it: the link's queue stays in the order of use).
@@ -377,6 +427,8 @@ class Schedule:
     @_eager
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         try:
+            if not self._calls.get(module):
+                return None  # a call that began while the hooks were bypassed (restored during it)
             return self._leave(module, self._uses[module], output)
         finally:
             if self._outer is not None:
@@ -393,7 +445,8 @@ class Schedule:
         released = {g.active.untyped_storage().data_ptr() for u in units if not u.persistent for g in u.groups}
         if any(t.untyped_storage().data_ptr() in released for t in tensors):
             # An output that is a view of a parameter (learned queries) would point into storage
-            # the release below frees: hand out a copy instead.
+            # the release below frees: hand out a copy instead. (Not a pass without these hooks.)
+            self.outputs_views = True
             output = _map_tensors(output, lambda t: t.clone() if t.untyped_storage().data_ptr() in released else t)
             tensors = list(_tensors_in(output))
         # Also in a recomputation: reentrant checkpointing runs backward over the recomputed graph.

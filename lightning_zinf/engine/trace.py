@@ -20,14 +20,15 @@ checks each collective with the other ranks before issuing it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import zlib
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Iterator, Optional, Sequence
 
 from lightning_zinf.comm import Collectives
 
-__all__ = ["Tracer"]
+__all__ = ["Tracer", "Upcoming"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,46 @@ class _Trace:
     order: list[int] = field(default_factory=list)
     recording: list[int] = field(default_factory=list)
     validated: bool = False
+
+
+class Upcoming(Sequence[int]):
+    """The units a trace says come next (from a position of it to its end), read in place: a
+    request makes no copy of the rest of the trace, which is as long as the pass's requests (a
+    ``generate()`` call kept in one pass requests thousands of units).
+
+    Args:
+        order: The agreed trace.
+        start: The position of the first unit to come.
+    """
+
+    __slots__ = ("_order", "_start")
+
+    def __init__(self, order: list[int], start: int) -> None:
+        self._order, self._start = order, min(start, len(order))
+
+    def __len__(self) -> int:
+        return len(self._order) - self._start
+
+    def __getitem__(self, position):  # type: ignore[override]  (positions only; a slice copies)
+        if isinstance(position, slice):
+            return self._order[self._start:][position]
+        if not -len(self) <= position < len(self):
+            raise IndexError(position)
+        return self._order[self._start + position if position >= 0 else position]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._order, self._start, None)
+
+    def after_run(self, unit: int) -> "Upcoming":
+        """The units that come after the leading requests of ``unit`` (a run of siblings grouped
+        into one unit: their requests follow each other)."""
+        start = self._start
+        while start < len(self._order) and self._order[start] == unit:
+            start += 1
+        return Upcoming(self._order, start)
+
+
+_NONE = Upcoming([], 0)
 
 
 class Tracer:
@@ -132,7 +173,7 @@ class Tracer:
         trace.order, trace.recording = trace.recording, []
         trace.state = _REPLAY if agreed else _OFF  # replayed without prefetch when not enabled
 
-    def request(self, unit: int) -> list[int]:
+    def request(self, unit: int) -> Upcoming:
         """Note a gather request for ``unit``.
 
         Returns:
@@ -141,21 +182,21 @@ class Tracer:
         """
         trace = self._current
         if trace is None or self._diverged:
-            return []
+            return _NONE
         if trace.state == _RECORD:
             trace.recording.append(unit)
-            return []
+            return _NONE
         if trace.state != _REPLAY:
-            return []
+            return _NONE
         if self._cursor >= len(trace.order) or trace.order[self._cursor] != unit:
             self.expected = trace.order[self._cursor] if self._cursor < len(trace.order) else None
             self._diverged = True
             self.invalidations += 1
             if self.rerecord:
                 trace.state, trace.recording = _RECORD, []
-            return []
+            return _NONE
         self._cursor += 1
-        return trace.order[self._cursor :] if self.enabled else []
+        return Upcoming(trace.order, self._cursor) if self.enabled else _NONE
 
     def requested_next(self, unit: int) -> bool:
         """Whether the agreed trace being replayed says the next gather request is ``unit`` again

@@ -171,6 +171,10 @@ class UnitStates:
         self.peak_gathered_bytes = 0
         self.gathered_ahead = 0
         self.keep_budget = 0
+        self.keeping_suspended = False  # units are being read: none is kept (StateAccess._stop_keeping)
+        # Called before kept units are released (the schedule puts back the forward hooks a pass
+        # that kept every unit took out).
+        self.before_release_kept: Callable[[], None] = lambda: None
         agreement.serve_with(_weakly(self.serve))
         self._groups = [g for u in units for g in u.groups]
         self._group_index = {id(g): i for i, g in enumerate(self._groups)}
@@ -457,6 +461,11 @@ class UnitStates:
         """Whether some unit was prefetched and not claimed yet."""
         return bool(self._ahead)
 
+    def any_released(self) -> bool:
+        """Whether some unit is released (neither gathered nor in flight): with none, there is
+        nothing to gather ahead (a generation phase keeping the whole model)."""
+        return len(self._live) < len(self.units)
+
     def ahead_numel(self) -> int:
         """Parameter elements of the units prefetched and not claimed yet."""
         return sum(u.numel for u in self._ahead.values())
@@ -475,7 +484,8 @@ class UnitStates:
             and not unit.held
             and unit.index not in self._ahead
         ):
-            if self.keep_budget and self.kept_bytes() + unit.gathered_nbytes <= self.keep_budget:
+            if (self.keep_budget and not self.keeping_suspended
+                    and self.kept_bytes() + unit.gathered_nbytes <= self.keep_budget):
                 unit.kept = True  # for the next forward pass of this keep_gathered block
                 return
             with phase("zinf.release"):
@@ -495,11 +505,17 @@ class UnitStates:
             self.maybe_release(unit)
 
     def release_kept(self) -> None:
-        """End of a ``keep_gathered`` block: finish what is in flight and release every unit kept."""
+        """Finish what is in flight and release every unit kept (the end of a ``keep_gathered``
+        block; a read of the weights inside one, after which the forward passes gather again)."""
+        self.before_release_kept()
         self.settle()
-        for unit in self.units:
-            unit.kept = False
-            self.maybe_release(unit)
+        budget, self.keep_budget = self.keep_budget, 0  # released, not kept again at once
+        try:
+            for unit in self.units:
+                unit.kept = False
+                self.maybe_release(unit)
+        finally:
+            self.keep_budget = budget
 
     def kept_bytes(self) -> int:
         """Bytes of the units kept gathered between forward passes."""
