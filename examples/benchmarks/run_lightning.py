@@ -115,7 +115,7 @@ class SwapFiles(L.Callback):
 
 
 def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = True, host_bytes: int = 0,
-                  sharding: str = "full"):
+                  sharding: str = "full", units: str = "blocks"):
     if mode in ("zinf", "zinf_nvme"):
         import lightning_zinf  # noqa: F401  (registers the strategy names)
         from lightning_zinf import OffloadConfig, ZeroInfinityStrategy
@@ -123,7 +123,9 @@ def make_strategy(mode: str, nvme_path: str | None = None, overlap_step: bool = 
         offload = (OffloadConfig(param="nvme", optimizer="nvme", nvme_path=nvme_path, overlap_step=overlap_step,
                                  host_bytes=host_bytes)
                    if mode == "zinf_nvme" else None)
-        return ZeroInfinityStrategy(block_classes=[Block.__name__], offload=offload, sharding=sharding)
+        # units "auto": no block_classes, the engine groups the modules itself (a user who names none).
+        return ZeroInfinityStrategy(block_classes=[Block.__name__] if units == "blocks" else (), offload=offload,
+                                    sharding=sharding)
     if mode == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -150,6 +152,8 @@ def main() -> None:
                         help="zinf_nvme: OffloadConfig.host_bytes (NVMe-tier state kept in host memory; default: %(default)s)")
     parser.add_argument("--sharding", choices=["full", "grad_op"], default="full",
                         help="zinf's sharding, and fsdp2's reshard_after_forward (False for grad_op; default: %(default)s)")
+    parser.add_argument("--units", choices=["blocks", "auto"], default="blocks",
+                        help="zinf's units: a GPT block each (block_classes) or grouped by the engine (none named)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result-dir", required=True)
     args = parser.parse_args()
@@ -160,7 +164,8 @@ def main() -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     clock = StepClock()
     trainer = L.Trainer(
-        strategy=make_strategy(args.mode, args.nvme, args.overlap_step == "on", args.host_bytes, args.sharding),
+        strategy=make_strategy(args.mode, args.nvme, args.overlap_step == "on", args.host_bytes, args.sharding,
+                               args.units),
         accelerator="cpu",
         devices=world_size,
         max_steps=args.steps,

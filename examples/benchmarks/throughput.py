@@ -3,7 +3,8 @@
 Trains the same ~91M-parameter GPT (examples/gpt.py) on the same random tokens with AdamW (lr 1e-4),
 fp32, micro-batch 1 x 128 tokens per rank, 2 ranks on CPU with gloo, under each contender:
 
-  zinf       Lightning + lightning_zinf's ZeroInfinityStrategy (ZeRO-3, blocks gathered as units)
+  zinf       Lightning + lightning_zinf's ZeroInfinityStrategy (ZeRO-3, blocks gathered as units;
+             ``--zinf-units auto``: no block_classes, the modules grouped by the engine)
   fsdp2      Lightning ModelParallelStrategy with fully_shard per block and on the root
   ddp        Lightning strategy="ddp" (full replicas; the speed reference)
   deepspeed  a raw DeepSpeed ZeRO-3 engine, run with the interpreter of a separate venv
@@ -20,7 +21,7 @@ zinf leaner). A contender that fails is reported with the tail of its log; the o
 The note column flags a contender whose loss went non-finite or whose torchrun exited non-zero
 after every rank had reported all its steps.
 
-    python examples/benchmarks/throughput.py [--steps 7] [--only zinf,ddp] [--out PATH]
+    python examples/benchmarks/throughput.py [--steps 7] [--only zinf,ddp] [--zinf-units blocks|auto] [--out PATH]
 
 DeepSpeed JIT-compiles its CPU ops (fused_adam takes minutes) the first time they are used;
 step times exclude it, but run the deepspeed contender once beforehand to keep wall time short.
@@ -83,6 +84,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, conten
 
 def parse_args() -> argparse.Namespace:
     parser = benchmark_parser(__doc__, CONTENDERS, HERE / "results" / "throughput.json")
+    parser.add_argument("--zinf-units", choices=["blocks", "auto"], default="blocks",
+                        help="zinf's units: a GPT block each (block_classes, the default) or grouped by the engine "
+                             "(no block_classes, as a user who names none)")
     args = parser.parse_args()
     check_args(parser, args, CONTENDERS)
     return args
@@ -307,7 +311,7 @@ def run_all(
 
 def main() -> None:
     args = parse_args()
-    results, ratios = run_all(args, setup_record(args), "throughput")
+    results, ratios = run_all(args, setup_record(args), "throughput", script_args={"zinf": ["--units", args.zinf_units]})
     print()
     print(format_table(results, ratios))
     print(f"\nresults: {args.out}")
