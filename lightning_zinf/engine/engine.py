@@ -318,8 +318,6 @@ class ZeroEngine:
                                     sharded=self.sharded, settle=self._settle, tracer=self.tracer)
         self.schedule.on_backward_start = self.steps.prepare_step
         self.states.before_release_kept = self.schedule.restore  # a bypassed pass ends with its kept units
-        self._mixed_precision = mixed_precision
-        self._auto_pass = auto_pass
         self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
                                  frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
         self.generation = Generation(module, self.units, states=self.states, tracer=self.tracer, schedule=self.schedule,
@@ -403,8 +401,8 @@ class ZeroEngine:
         forward, nor in a generation phase, whose passes start in the hooks, nor for a model a
         module of which returned a view of a parameter (the hooks hand out a copy, which must not
         point into gathered memory released later)."""
-        policy = self._mixed_precision
-        return (not self._auto_pass and bool(self.states.keep_budget) and not torch.is_grad_enabled()
+        policy = self.schedule.mixed_precision
+        return (not self.schedule.starts_passes and bool(self.states.keep_budget) and not torch.is_grad_enabled()
                 and not self.schedule.outputs_views
                 and not (policy.param_dtype is not None and policy.cast_forward_inputs) and self.tracer.certified
                 and all(u.state == GATHERED and (u.kept or u.persistent) and all(g.holds_compute for g in u.groups)

@@ -88,6 +88,8 @@ class Schedule:
 
     Attributes:
         handles: The hook handles installed (removed by :meth:`remove`).
+        outputs_views: Some module's forward returned a view of a parameter (which the post-hook
+            hands out as a copy): passes of this model keep their hooks (:meth:`bypass`).
     """
 
     def __init__(self, module: nn.Module, units: list[Unit], uses: dict[nn.Module, list[Unit]], *,
@@ -254,6 +256,12 @@ class Schedule:
                     hooks[key] = rest.pop(key)
             hooks.update(rest)
         self._bypassed = []
+
+    @property
+    def starts_passes(self) -> bool:
+        """Whether a pre-hook on the root module begins a pass at each of its forwards (the
+        engine's ``auto_pass``)."""
+        return self._begin_pass is not None
 
     @property
     def bypassed(self) -> bool:

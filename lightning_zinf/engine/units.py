@@ -152,6 +152,10 @@ class UnitStates:
             once over the run.
         gathered_ahead: Units gathered by prefetch over the run.
         keep_budget: Bytes of units that may stay gathered between forward passes (``0``: none).
+        keeping_suspended: Units are being read (``StateAccess``): none is kept meanwhile, whatever
+            the budget.
+        before_release_kept: Called before kept units are released (the engine puts back the
+            forward hooks a pass that kept every unit took out).
         copies: The device copies of host-tier shards: every gather goes through it, and the
             schedule copies shards ahead with it.
     """
