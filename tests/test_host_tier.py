@@ -9,6 +9,7 @@ storage counters (``/proc/self/io``). The reference is the same run with everyth
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -29,6 +30,24 @@ ALL = 1 << 40
 def _storage_bytes() -> tuple[int, int]:
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def _silence_output() -> list[int]:
+    """Point this process's stdout and stderr at ``/dev/null`` and return the saved descriptors: a
+    line on either (a library's warning, gloo's C++ log) lands in pytest's capture file on the disk
+    and counts among ``/proc/self/io``'s written bytes (a page for the first byte)."""
+    saved = [os.dup(fd) for fd in (1, 2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    return saved
+
+
+def _restore_output(saved: list[int]) -> None:
+    for fd, copy in zip((1, 2), saved):
+        os.dup2(copy, fd)
+        os.close(copy)
 
 
 def _log_requests(engine: ZeroEngine) -> list[tuple[str, str, int]]:
@@ -64,6 +83,7 @@ def _train(rank: int, world: int, offload: dict, bf16: bool, ckpt: str, load: bo
     for step in range(STEPS):
         if step == WARMUP:
             engine.release_all()  # (writes behind the last step complete before counting)
+            quiet = _silence_output()
             requests, storage = _log_requests(engine), _storage_bytes()
             files = _files(engine)
         if step == SAVED + 1 and load:
@@ -79,6 +99,7 @@ def _train(rank: int, world: int, offload: dict, bf16: bool, ckpt: str, load: bo
             save_sharded(engine, [opt], ckpt, {})
     engine.release_all()
     read, written = (now - then for now, then in zip(_storage_bytes(), storage))
+    _restore_output(quiet)
     with engine.gathered():
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     memory = {k: now for k, (now, _) in engine.memory().items()}
