@@ -162,6 +162,10 @@ class FlatGroup:
         self.padded_numel = self.shard_numel * world
         self.shard_start = comm.shard_rank * self.shard_numel
         self._ranges = self._compute_owned_ranges()
+        # The ranges tile the shard in order (the parameters are laid out back to back): their
+        # sizes, and the padding after the last, split it into the fragments' views at once.
+        self._fragment_sizes = [hi - lo for lo, hi in self._ranges]
+        self._fragment_sizes.append(self.shard_numel - sum(self._fragment_sizes))
 
         if source is None:
             source = torch.cat([p.detach().reshape(-1) for p in params])
@@ -183,6 +187,7 @@ class FlatGroup:
         # Gathers for reading (exact values in the parameters' dtype): ``full`` itself when the dtypes agree.
         self._read = self.full if self.compute_dtype == self.dtype else torch.empty(self.padded_numel, dtype=self.dtype, device=device)
         self.active = self.full  # the buffer the parameters point into while gathered
+        self._view_cache: dict[bool, list[Tensor]] = {}  # active is full -> the parameters' views of it
         self._copy_owned: list[Tensor] = []  # gather buffers allocated on the copy stream
         # Released parameters are empty tensors of the compute dtype: a parameter whose dtype changes
         # gets a new gradient accumulator from autograd, so a parameter used twice in one forward
@@ -473,8 +478,17 @@ class FlatGroup:
 
     def finish_gather(self) -> None:
         """Point every parameter at its slice of the gathered buffer (call after ``wait()``)."""
-        for p, view in zip(self.params, self._views(self.active)):
+        for p, view in zip(self.params, self._gathered_views()):
             p.data = view
+
+    def _gathered_views(self) -> list[Tensor]:
+        # ``full`` and ``_read`` keep their storage objects for the group's life (the gather pool
+        # moves memory in and out of them), so their views are made once, not at every gather.
+        key = self.active is self.full
+        views = self._view_cache.get(key)
+        if views is None:
+            views = self._view_cache[key] = self._views(self.active)
+        return views
 
     def repoint(self) -> None:
         """Point every parameter back at the buffer it is gathered into, or at the empty tensor of a
@@ -596,6 +610,12 @@ class FlatGroup:
     def owned_ranges(self) -> list[tuple[int, int]]:
         """Per parameter, the [lo, hi) range of this rank's shard that holds its elements."""
         return self._ranges
+
+    def _fragment_views(self, shard: Tensor) -> list[Tensor]:
+        """Each parameter's 1-D view of ``shard`` (this rank's ``shard_numel`` elements), over its
+        :meth:`owned_ranges` (empty where the rank holds none of it). One ``split`` for all of them:
+        a slice each costs several times more host time, paid at every step per parameter."""
+        return list(shard.split(self._fragment_sizes))[: len(self.params)]
 
     def _compute_owned_ranges(self) -> list[tuple[int, int]]:
         ranges = []
@@ -756,8 +776,9 @@ class FlatGroup:
                 self._new_grad_buffer(pool)
             flat, views = self._grad_flat, self._grad_views
             for j, (p, view) in enumerate(zip(self.params, views)):
-                if p.grad is not None and p.grad is not view:  # autograd replaced our view
-                    view.copy_(p.grad)
+                grad = p.grad  # (read once: each read is a call into torch)
+                if grad is not None and grad is not view:  # autograd replaced our view
+                    view.copy_(grad)
                     got[j] = True
             self._grad_flat, self._grad_views = None, []
             pool.move(flat, "reduce_pending")
@@ -817,7 +838,7 @@ class FlatGroup:
                 self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.state_device)
             # Views made once, while the storage exists: an offloaded gradient shard may have no
             # storage when they are handed to the optimizer.
-            self._grad_fragments = [self.grad_shard[lo:hi] for lo, hi in self.owned_ranges()]
+            self._grad_fragments = self._fragment_views(self.grad_shard)
         fresh = self.fresh_accumulation or adopt
         if fresh:
             self._stale = [False] * len(self.params)

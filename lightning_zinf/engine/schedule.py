@@ -502,7 +502,8 @@ class Schedule:
             unit.pending_backward -= 1
             self.states.release_after_backward(unit)
 
-    @_eager
+    # Not decorated with _eager: its only caller, _call_weakly, is, and the decorator's two frame
+    # evaluation switches cost more than the rest of this hook (once per parameter per backward).
     def _on_grad(self, unit_index: int, position: int, index: int, param: Tensor) -> None:
         """A parameter's gradient has been accumulated (its post-accumulate hook): once its flat
         group's gradients are all there, release the unit if nothing else holds it and

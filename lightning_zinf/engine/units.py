@@ -184,6 +184,7 @@ class UnitStates:
         self._group_index = {id(g): i for i, g in enumerate(self._groups)}
         self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
         self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
+        self._ahead_numel = 0  # their elements (read at every acquire: not a sum over them)
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
         self.copies = DeviceCopies(ledger)
@@ -450,12 +451,15 @@ class UnitStates:
         """Start gathering a released ``unit`` ahead of its use; it stays gathered until
         :meth:`claim` or the next :meth:`settle`."""
         self.start_gather(unit)
+        if unit.index not in self._ahead:
+            self._ahead_numel += unit.numel
         self._ahead[unit.index] = unit
         self.gathered_ahead += 1
 
     def claim(self, unit: Unit) -> None:
         """``unit`` is being used: if it was prefetched, it no longer counts as ahead."""
-        self._ahead.pop(unit.index, None)
+        if self._ahead.pop(unit.index, None) is not None:
+            self._ahead_numel -= unit.numel
 
     def is_ahead(self, unit: Unit) -> bool:
         """Whether ``unit`` was prefetched and not claimed yet."""
@@ -472,7 +476,7 @@ class UnitStates:
 
     def ahead_numel(self) -> int:
         """Parameter elements of the units prefetched and not claimed yet."""
-        return sum(u.numel for u in self._ahead.values())
+        return self._ahead_numel
 
     # --- release ----------------------------------------------------------------------------------
     def maybe_release(self, unit: Unit) -> None:
@@ -543,6 +547,7 @@ class UnitStates:
         self.drain_reduces()
         self.finish_host_grads()
         self._ahead.clear()
+        self._ahead_numel = 0
         self.copies.drop_ahead()
         # Between passes every unit's counters are reset; otherwise only units gathered or in flight
         # (``_live``) have anything to finish, so that a checkpoint's or a state dict's per-unit
