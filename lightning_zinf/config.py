@@ -56,6 +56,14 @@ class PrefetchConfig:
         persistence_threshold: Units with at most this many elements stay gathered for the whole run
             (they are still sharded for the optimizer and re-gathered after each step). Avoids many
             tiny collectives for biases and norms. DeepSpeed's ``stage3_param_persistence_threshold``.
+        persistence_limit: Most parameter elements (a count, not bytes) of all persistent units
+            together, the root's own parameters aside: where the units under
+            ``persistence_threshold`` hold more, the smallest are kept (the ones whose fixed cost
+            per unit weighs most per element), in the model's order among equals, until the next
+            does not fit; the others are gathered and released as usual. Keeps the gathered memory
+            flat in depth for a model of thousands of small units (a unit per module of a deep
+            stack, many small experts). DeepSpeed's ``stage3_model_persistence_threshold`` (there
+            unlimited by default).
         overlap_reduce: Keep a unit's gradient reduce-scatter in flight while the backward of the
             next unit computes, finishing it when the next one starts (DeepSpeed's ``overlap_comm``;
             FSDP2 does so on GPUs). ``False`` waits for each right after issuing it: one unit's
@@ -73,14 +81,15 @@ class PrefetchConfig:
             bound).
 
     Raises:
-        ValueError: a negative ``bucket_size``, ``unit_size``, ``persistence_threshold`` or
-            ``inference_budget``.
+        ValueError: a negative ``bucket_size``, ``unit_size``, ``persistence_threshold``,
+            ``persistence_limit`` or ``inference_budget``.
     """
 
     enabled: bool = True
     bucket_size: int = 10_000_000
     unit_size: Optional[int] = None
     persistence_threshold: int = 100_000
+    persistence_limit: int = 10_000_000
     overlap_reduce: bool = True
     inference_budget: int = 0
 
@@ -93,7 +102,7 @@ class PrefetchConfig:
         _require(self.unit_size is None or (isinstance(self.unit_size, int) and not isinstance(self.unit_size, bool)
                                             and self.unit_size >= 0), "PrefetchConfig", "unit_size", self.unit_size,
                  "None (the bucket_size), 0 (a unit per module) or an integer > 0 (elements per unit)")
-        for name in ("bucket_size", "persistence_threshold"):
+        for name in ("bucket_size", "persistence_threshold", "persistence_limit"):
             value = getattr(self, name)
             _require(
                 isinstance(value, int) and not isinstance(value, bool) and value >= 0,

@@ -177,7 +177,7 @@ def memory_plan(module: nn.Module, options: ZeroOptions, *, device: torch.device
         bandwidths = dataclasses.replace(bandwidths, collective=measure_collective(device))
     inventory = Inventory.of(module, world=world, block_classes=options.block_classes, mixed_precision=precision,
                              persistence_threshold=options.prefetch.persistence_threshold,
-                             unit_size=_unit_size(options))
+                             persistence_limit=options.prefetch.persistence_limit, unit_size=_unit_size(options))
     return plan_memory(inventory, options.memory_budget, accelerator=device.type != "cpu", offload=options.offload,
                        prefetch=options.prefetch, host_budget=options.host_memory_budget,
                        optimizer_on_nvme=not loss_scaling, bandwidths=bandwidths,
@@ -211,6 +211,7 @@ def _auto_choice(module: nn.Module, options: ZeroOptions, device: torch.device, 
     choice = auto_sharding(module, world=world, ranks_per_node=per_node, device=device,
                            block_classes=tuple(options.block_classes), mixed_precision=precision,
                            persistence_threshold=options.prefetch.persistence_threshold,
+                           persistence_limit=options.prefetch.persistence_limit,
                            bucket_size=options.prefetch.bucket_size, unit_size=_unit_size(options),
                            placement=Placement(param=options.offload.param, optimizer=options.offload.optimizer),
                            compute=compute, timeout=timeout)

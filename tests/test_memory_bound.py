@@ -346,3 +346,73 @@ def test_each_of_two_models_keeps_the_bound_as_it_deepens(frozen_bits) -> None:
         for key in ("gathered", "grad_buffers", "reduce_pending"):
             assert deep[key] - base[key] <= deep["unit"], (depths, key, base, deep)
         assert 0 < deep["gathered"] <= 4 * deep["unit"], (depths, deep)
+
+
+LIMIT = 2_000  # persistence_limit of the test below: elements
+
+
+def _small_units(rank: int, world: int, depth: int, limit: int) -> dict:
+    """A stack of ``depth`` Linear(16, 16) + LayerNorm(16) pairs, a unit per module (every one under
+    the persistence threshold), bucket of 600 elements; two steps. What an observer outside the
+    engine sees: the elements of parameters holding values (a released one is an empty tensor)
+    after the last step, and their peak over every module call of its forward."""
+    from lightning_zinf.planning.inventory import Inventory
+
+    torch.manual_seed(0)
+    layers = [m for _ in range(depth) for m in (torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))]
+    model = torch.nn.Sequential(*layers)
+    # What the planner predicts, from the model as the user built it.
+    inventory = Inventory.of(model, world=world, unit_size=0, persistence_limit=limit)
+    prefetch = PrefetchConfig(unit_size=0, bucket_size=600, persistence_limit=limit)
+    engine = ZeroEngine(model, prefetch=prefetch)
+    opt = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+
+    def holding() -> int:
+        return sum(p.numel() for p in params)
+
+    peak = [0]
+    for layer in layers:  # after the engine's own pre-hooks: the unit is gathered when it runs
+        layer.register_forward_pre_hook(lambda *_: peak.__setitem__(0, max(peak[0], holding())))
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(2):
+        peak[0] = 0
+        loss = model(torch.randn(4, 16, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    planned = sorted({(f.unit, f.persistent) for f in inventory.groups})
+    with engine.gathered():
+        weights = [p.detach().clone() for p in params]
+    return {"between_steps": holding(), "peak": peak[0], "losses": losses, "weights": weights,
+            "planned": [persistent for _, persistent in planned],
+            "engine": [unit.persistent for unit in engine.units]}
+
+
+def test_persistent_units_stay_within_the_limit_and_flat_in_depth() -> None:
+    """``persistence_limit``: in a stack of hundreds of units under the persistence threshold, the
+    parameters an observer sees holding values between steps stay within the limit at 8 and at 48
+    layer pairs (without it, the whole model: the observer does see persistence), the smallest
+    units are the ones kept (the LayerNorms first), the peak over the forward grows by no more than
+    a unit with depth, the planner's inventory marks the same units persistent, and training is the
+    same, bit for bit, as with every unit persistent."""
+    def run(depth: int, limit: int) -> dict:
+        return run_distributed(_small_units, 2, depth, limit)[0]
+
+    shallow, deep, unlimited = run(8, LIMIT), run(48, LIMIT), run(48, 1 << 40)
+    total = 48 * (16 * 16 + 16 + 2 * 16)
+    assert unlimited["between_steps"] == total  # every unit persistent: all held
+    for r in (shallow, deep):
+        assert 0 < r["between_steps"] <= LIMIT, r["between_steps"]
+        assert r["planned"] == r["engine"]
+    # The smallest first: every LayerNorm (32 elements) of the deep stack, then as many Linears
+    # (272) as the rest of the limit holds, the first ones.
+    linears = (LIMIT - 48 * 32) // 272
+    assert deep["engine"][1::2] == [True] * 48
+    assert deep["engine"][0::2] == [True] * linears + [False] * (48 - linears)
+    assert deep["peak"] - shallow["peak"] <= 16 * 16 + 16, (shallow["peak"], deep["peak"])
+    assert deep["peak"] < total / 4
+    assert deep["losses"] == unlimited["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(deep["weights"], unlimited["weights"]))

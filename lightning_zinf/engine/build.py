@@ -21,12 +21,12 @@ from torch import nn
 
 from lightning_zinf.comm import Collectives
 from lightning_zinf.comm.topology import require_divisor
-from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, ZeroPPConfig
+from lightning_zinf.config import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, ZeroPPConfig
 from lightning_zinf.engine.buffers import GatherPool
 from lightning_zinf.engine.flat import FlatGroup, shard_numel
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.construction import Replayer, recorder_of
-from lightning_zinf.engine.partition import UnitSpec, materialize, parameter_slots, parent_modules
+from lightning_zinf.engine.partition import UnitSpec, materialize, parameter_slots, parent_modules, persistent_units
 from lightning_zinf.engine.transfer import Transfers
 from lightning_zinf.engine.units import Unit
 from lightning_zinf.offload.host import DEVICE_STATE_BYTES
@@ -50,7 +50,10 @@ class UnitBuilder:
         shard_device: Where parameter shards live (the CPU with parameter offload).
         mixed_precision: The storage and compute dtypes of each group.
         zero_pp: ``frozen_bits`` and ``block``: frozen groups stored quantized.
-        persistence_threshold: Units of at most this many elements stay gathered.
+        persistence_threshold: Units of at most this many elements stay gathered, smallest first
+            while all of them hold at most ``persistence_limit`` elements
+            (:func:`~lightning_zinf.engine.partition.persistent_units`).
+        persistence_limit: See ``persistence_threshold``.
         ledger: The engine's ledger (groups account their buffers there).
         transfers: The engine's host/device copy queue.
         gathers: The engine's gather-buffer memory (shared by its groups).
@@ -73,6 +76,7 @@ class UnitBuilder:
 
     def __init__(self, module: nn.Module, comm: Collectives, *, device: torch.device, shard_device: torch.device,
                  mixed_precision: MixedPrecisionConfig, zero_pp: ZeroPPConfig, persistence_threshold: int,
+                 persistence_limit: int = PrefetchConfig.persistence_limit,
                  ledger: MemoryLedger, transfers: Transfers, param_offload: Optional[ParamOffload],
                  host_copies: bool = False, device_copies: bool = False, device_state_bytes: int = 0,
                  preloaded: Collection[str] = (), gathers: Optional[GatherPool] = None) -> None:
@@ -83,6 +87,7 @@ class UnitBuilder:
         self.mixed_precision = mixed_precision
         self.zero_pp = zero_pp
         self.persistence_threshold = persistence_threshold
+        self.persistence_limit = persistence_limit
         self.ledger = ledger
         self.transfers = transfers
         self.gathers = gathers or GatherPool(device, ledger)
@@ -126,6 +131,7 @@ class UnitBuilder:
             # The initialisation routes of parameters built on the meta device draw from rank 0's state.
             torch.set_rng_state(self.comm.broadcast(own_rng.clone()))
         units: list[Optional[Unit]] = [None] * len(specs)
+        persistent = persistent_units(specs, self.persistence_threshold, self.persistence_limit)
         try:
             for index, spec in enumerate(specs):
                 outside = False
@@ -136,8 +142,7 @@ class UnitBuilder:
                 rank0 = outside or not same_draws
                 groups = [self._flat_group(members, rank0 or any(id(p) in built_real for _, p in members))
                           for members in split_by_kind(spec.params)]
-                persistent = spec.is_root or sum(g.numel for g in groups) <= self.persistence_threshold
-                units[index] = Unit(index, spec.name, groups, persistent, spec.module, run=spec.run)
+                units[index] = Unit(index, spec.name, groups, persistent[index], spec.module, run=spec.run)
         finally:
             replayer.close()
             torch.set_rng_state(own_rng)

@@ -264,7 +264,8 @@ class ZeroEngine:
         self.gathers = GatherPool(self.device, self.ledger)
         self.units = UnitBuilder(module, self.comm, device=self.device, shard_device=shard_device,
                                  mixed_precision=mixed_precision, zero_pp=zero_pp,
-                                 persistence_threshold=prefetch.persistence_threshold, ledger=self.ledger,
+                                 persistence_threshold=prefetch.persistence_threshold,
+                                 persistence_limit=prefetch.persistence_limit, ledger=self.ledger,
                                  transfers=self.transfers, param_offload=self.param_offload,
                                  host_copies=offload.param == "cpu",
                                  device_copies=offload.param == "none" and offload.optimizer != "none",

@@ -23,7 +23,7 @@ from lightning_zinf.engine.construction import ConstructionRecorder, Replayer
 from lightning_zinf.heap import setup_phase
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["UnitSpec", "plan_units", "meta_parameters", "materialize", "parameter_slots", "parent_modules",
+__all__ = ["UnitSpec", "plan_units", "persistent_units", "meta_parameters", "materialize", "parameter_slots", "parent_modules",
            "resolve_block_classes", "matches_classes"]
 
 
@@ -84,6 +84,31 @@ def matches_classes(module: nn.Module, classes: set[type], names: set[str]) -> O
         if key in names:
             return key
     return None
+
+
+def persistent_units(specs: Sequence[UnitSpec], threshold: int, limit: int) -> list[bool]:
+    """Which units stay gathered for the whole run (ZeRO-3's persistent parameters, Rajbhandari et
+    al., SC'20, §7.2, with DeepSpeed's two bounds): the root's own unit always; of the others, those
+    of at most ``threshold`` elements, smallest first (plan order among equals) while their elements
+    together stay within ``limit``. Reads only the specs' shapes: every rank decides alike.
+
+    Args:
+        specs: The units, in plan order (:func:`plan_units`).
+        threshold: ``PrefetchConfig.persistence_threshold``: most elements of one persistent unit.
+        limit: ``PrefetchConfig.persistence_limit``: most elements of all of them, the root's aside.
+
+    Returns:
+        One flag per spec, in order.
+    """
+    flags = [spec.is_root for spec in specs]
+    sizes = [sum(p.numel() for _, p in spec.params) for spec in specs]
+    room = limit
+    for size, index in sorted((n, i) for i, n in enumerate(sizes) if not specs[i].is_root and n <= threshold):
+        if size > room:
+            break  # the rest are no smaller
+        flags[index] = True
+        room -= size
+    return flags
 
 
 def plan_units(

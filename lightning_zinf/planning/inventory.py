@@ -14,11 +14,11 @@ from typing import Sequence, Union
 
 from torch import nn
 
-from lightning_zinf.config import MixedPrecisionConfig
+from lightning_zinf.config import MixedPrecisionConfig, PrefetchConfig
 from lightning_zinf.engine.build import split_by_kind
 from lightning_zinf.engine.flat import shard_numel
 from lightning_zinf.engine.grouping import auto_blocks
-from lightning_zinf.engine.partition import plan_units
+from lightning_zinf.engine.partition import persistent_units, plan_units
 
 __all__ = ["GroupFacts", "Inventory"]
 
@@ -35,7 +35,7 @@ class GroupFacts:
         storage_bytes: Bytes per element of the shard (the parameters' dtype, or ``frozen_dtype``).
         compute_bytes: Bytes per element gathered (``param_dtype``, else the parameters' dtype).
         trainable: ``requires_grad``: has gradient shards, an fp32 master and optimizer state.
-        persistent: Its unit stays gathered for the whole run (``persistence_threshold``).
+        persistent: Its unit stays gathered for the whole run (``persistence_threshold``, ``persistence_limit``).
         tensors: Parameters in the group.
         tied: Its unit is used by several modules (tied weights: an embedding that is also the
             output layer), so its gathered values and full gradient may live from one use to the other.
@@ -76,7 +76,8 @@ class Inventory:
     @classmethod
     def of(cls, module: nn.Module, *, world: int, block_classes: Sequence[Union[str, type]] = (),
            mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig(),
-           persistence_threshold: int = 100_000, unit_size: int = 0) -> "Inventory":
+           persistence_threshold: int = PrefetchConfig.persistence_threshold,
+           persistence_limit: int = PrefetchConfig.persistence_limit, unit_size: int = 0) -> "Inventory":
         """The inventory of ``module`` (real or on the meta device) as the engine would partition it
         (``unit_size``: the engine's, resolved: modules grouped into units of at most that many
         elements where no ``block_classes`` are given, :mod:`~lightning_zinf.engine.grouping`;
@@ -96,9 +97,10 @@ class Inventory:
             for i in ids:
                 users[i] = users.get(i, 0) + (id(user) not in own[i] or specs[i].module is user)
         groups = []
+        persistent_flags = persistent_units(specs, persistence_threshold, persistence_limit)
         for index, spec in enumerate(specs):
             kinds = split_by_kind(spec.params)
-            persistent = spec.is_root or sum(p.numel() for _, p in spec.params) <= persistence_threshold
+            persistent = persistent_flags[index]
             for members in kinds:
                 first = members[0][1]
                 numel = sum(p.numel() for _, p in members)

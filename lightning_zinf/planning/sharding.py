@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zinf.comm.topology import NodeGroups, RankSetGroups, Topology
-from lightning_zinf.config import ZeroPPConfig
+from lightning_zinf.config import PrefetchConfig, ZeroPPConfig
 from lightning_zinf.planning.bandwidth import timed_all_gather
 from lightning_zinf.planning.inventory import Inventory
 
@@ -360,7 +360,8 @@ def _free_bytes(device: torch.device, ranks_per_node: int) -> Optional[int]:
 def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, device: torch.device,
                   block_classes: tuple, mixed_precision: "MixedPrecisionConfig", persistence_threshold: int,
                   bucket_size: int, placement: "Placement", compute: Optional[float] = None,
-                  timeout: Optional[timedelta] = None, unit_size: int = 0) -> ShardingChoice:
+                  timeout: Optional[timedelta] = None, unit_size: int = 0,
+                  persistence_limit: int = PrefetchConfig.persistence_limit) -> ShardingChoice:
     """``sharding="auto"`` for ``module`` on this world. Collective: every rank measures the links
     and the quantization together, and all decide from the slowest rank's rates and rank 0's free
     memory (the least any rank has), so that they choose alike. A probe that fails on some rank
@@ -374,6 +375,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
         block_classes: As the engine's.
         mixed_precision: As the engine's.
         persistence_threshold: As the engine's ``PrefetchConfig``.
+        persistence_limit: As the engine's ``PrefetchConfig``.
         bucket_size: As the engine's ``PrefetchConfig``.
         placement: The offload tiers, for each candidate's predicted state.
         compute: Seconds of a step's forward and backward, from the example input (``None``: not known).
@@ -387,7 +389,8 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
 
     accelerator = device.type != "cpu"
     inventory = Inventory.of(module, world=world, block_classes=block_classes, mixed_precision=mixed_precision,
-                             persistence_threshold=persistence_threshold, unit_size=unit_size)
+                             persistence_threshold=persistence_threshold, unit_size=unit_size,
+                             persistence_limit=persistence_limit)
     if world // ranks_per_node <= 1:
         return choose_sharding(inventory, world, ranks_per_node, Links(None, None), state_bytes={}, free_bytes=None)
     links = measure_links(Topology(world, dist.get_rank(), ranks_per_node), device, timeout=timeout)
@@ -408,7 +411,8 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
 
     def state(shards: int, secondary: bool = False) -> tuple[int, int]:
         counted = Inventory.of(module, world=shards, block_classes=block_classes, mixed_precision=mixed_precision,
-                               persistence_threshold=persistence_threshold, unit_size=unit_size)
+                               persistence_threshold=persistence_threshold, unit_size=unit_size,
+                               persistence_limit=persistence_limit)
         predicted = predict(counted, placement, bucket_size=bucket_size, accelerator=accelerator)
         # hpZ's secondary partitions: a node's share of every group, in the compute dtype.
         extra = sum(g.numel * g.compute_bytes for g in counted.groups) // ranks_per_node if secondary else 0
