@@ -55,6 +55,7 @@ from lightning_zinf.engine.activation import apply_activation_checkpointing
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool, GatherPool
 from lightning_zinf.engine.build import UnitBuilder, check_group_sizes, hybrid_group_size, make_swap_space, swapped_shards
+from lightning_zinf.engine.exposure import GatherExposure
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.generation import Generation, mark_partitioned
 from lightning_zinf.engine.grouping import auto_blocks, unit_size_for
@@ -158,6 +159,9 @@ class ZeroEngine:
         access: The :class:`~lightning_zinf.engine.access.StateAccess`: exact reads and edits of the state.
         generation: The :class:`~lightning_zinf.engine.generation.Generation`: units kept, generation phases.
         steps: The :class:`~lightning_zinf.engine.steps.OptimizerSteps`: the sharded optimizers' steps.
+        exposure: The :class:`~lightning_zinf.engine.exposure.GatherExposure`: the third training
+            forward's time on gathers against its compute (``report``), and the warning when the
+            gathers take longer.
         ledger: The :class:`~lightning_zinf.engine.ledger.MemoryLedger` of the buffers whose size
             changes during a step; :meth:`memory` adds the long-lived state.
         checkpointed_modules: Qualified names of the modules ``activation_checkpointing`` wrapped.
@@ -317,7 +321,9 @@ class ZeroEngine:
                                     param_offload=self.param_offload,
                                     offload=self.offload, swapper=self.swapper, nvme_path=offload.nvme_path,
                                     sharded=self.sharded, settle=self._settle, tracer=self.tracer)
-        self.schedule.on_backward_start = self.steps.prepare_step
+        self.exposure = GatherExposure(self.device, self.comm.rank, prefetch.enabled)
+        self.states.exposure = self.exposure
+        self.schedule.on_backward_start = self._backward_starts
         self.states.before_release_kept = self.schedule.restore  # a bypassed pass ends with its kept units
         self.freezing = Freezing(self.units, self.comm, schedule=self.schedule, sharded=self.sharded,
                                  frozen_dtype=mixed_precision.frozen_dtype, nvme_optimizer=offload.optimizer == "nvme")
@@ -410,6 +416,10 @@ class ZeroEngine:
                         for u in self.units))
 
     def _begin_pass(self, kind: Hashable, check: bool) -> None:
+        # PEFT's disable_adapter() freezes the adapters for a while in a generation phase; a pass
+        # without backward leaves the flags to the next training pass.
+        training = not self.generation.active and torch.is_grad_enabled()
+        self.exposure.pass_ends()  # before settling: a measured forward ends at its last gather
         self.schedule.restore()
         self.state_dict_hooks.reset()
         self.access.resume_keeping()  # after a state-dict traversal that raised
@@ -418,14 +428,25 @@ class ZeroEngine:
         if self.offload is None:  # offloaded gradient shards are the offload's to manage
             for group in self.groups:
                 group.free_consumed_grads()
-        # PEFT's disable_adapter() freezes the adapters for a while in a generation phase; a pass
-        # without backward leaves the flags to the next training pass.
-        training = not self.generation.active and torch.is_grad_enabled()
         decision = self.agreement.begin_pass(kind, check, self.freezing.prepare() if training else None)
         if decision is not None:  # every rank is at a training pass, together
             self.freezing.apply(decision)
             if self.activation_plan is not None:
                 self.activation_plan.at_training_pass(self.comm)
+        self.exposure.pass_begins(training)
+        self._exposure_done()
+
+    def _backward_starts(self) -> None:
+        # The forward is over: its waits for gathers are all counted (GatherExposure), and the
+        # optimizer step's first state is read ahead.
+        self.exposure.forward_end()
+        self._exposure_done()
+        self.steps.prepare_step()
+
+    def _exposure_done(self) -> None:
+        # Once measured (or given up), gathers no longer ask its clock.
+        if self.exposure.finished:
+            self.states.exposure = None
 
     def _settle(self, boundary: bool = False) -> None:
         """Finish every collective in flight and release what no pass is using (at a pass

@@ -162,10 +162,6 @@ class FlatGroup:
         self.padded_numel = self.shard_numel * world
         self.shard_start = comm.shard_rank * self.shard_numel
         self._ranges = self._compute_owned_ranges()
-        # The ranges tile the shard in order (the parameters are laid out back to back): their
-        # sizes, and the padding after the last, split it into the fragments' views at once.
-        self._fragment_sizes = [hi - lo for lo, hi in self._ranges]
-        self._fragment_sizes.append(self.shard_numel - sum(self._fragment_sizes))
 
         if source is None:
             source = torch.cat([p.detach().reshape(-1) for p in params])
@@ -613,9 +609,11 @@ class FlatGroup:
 
     def _fragment_views(self, shard: Tensor) -> list[Tensor]:
         """Each parameter's 1-D view of ``shard`` (this rank's ``shard_numel`` elements), over its
-        :meth:`owned_ranges` (empty where the rank holds none of it). One ``split`` for all of them:
-        a slice each costs several times more host time, paid at every step per parameter."""
-        return list(shard.split(self._fragment_sizes))[: len(self.params)]
+        :meth:`owned_ranges` (empty where the rank holds none of it). One ``as_strided`` each, as
+        :meth:`_views` makes them: single views (not ``split``'s multiple outputs, on which torch
+        refuses some in-place ops a user may make on a ``.grad``)."""
+        base = shard.storage_offset()
+        return [shard.as_strided((hi - lo,), (1,), base + lo) for lo, hi in self._ranges]
 
     def _compute_owned_ranges(self) -> list[tuple[int, int]]:
         ranges = []

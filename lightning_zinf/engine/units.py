@@ -31,6 +31,7 @@ from lightning_zinf.config import PrefetchConfig
 from lightning_zinf.engine.agreement import RankAgreement
 from lightning_zinf.engine.buffers import BufferPool
 from lightning_zinf.engine.copies import DeviceCopies
+from lightning_zinf.engine.exposure import GatherExposure
 from lightning_zinf.engine.flat import FlatGroup
 from lightning_zinf.engine.ledger import MemoryLedger
 from lightning_zinf.engine.ranges import phase, phased
@@ -184,6 +185,8 @@ class UnitStates:
         self._group_index = {id(g): i for i, g in enumerate(self._groups)}
         self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
         self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
+        # Set by the engine: times the waits for gathers in one training forward.
+        self.exposure: Optional[GatherExposure] = None
         self._ahead_numel = 0  # their elements (read at every acquire: not a sum over them)
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
@@ -202,12 +205,15 @@ class UnitStates:
         Raises:
             RuntimeError: the ranks are about to gather different units (:class:`RankAgreement`).
         """
+        began = self.exposure.wait_begins() if self.exposure is not None else None
         before, exact = self._open(unit, exact or read, read)
         # Exact gathers come from the shards: a secondary partition may hold qwZ-quantized values.
         with self._copies_done_on_error():
             unit.handles = [self.copies.start_gather(g, unit.quantized, from_secondary=not exact, read=read)
                             for g in unit.groups]
         self._opened(unit, before)
+        if began is not None:  # issuing takes the compute's time too (the host's, on the CPU)
+            self.exposure.wait_ends(unit.name, began)
 
     @contextmanager
     def _copies_done_on_error(self) -> Iterator[None]:
@@ -397,9 +403,12 @@ class UnitStates:
         shards back to the staging pool."""
         if unit.state != INFLIGHT:
             return
+        began = self.exposure.wait_begins() if self.exposure is not None else None
         for handle in unit.handles:
             self.copies.waited(handle)
             handle.wait()
+        if began is not None:
+            self.exposure.wait_ends(unit.name, began)
         for group in unit.groups:
             group.finish_gather()
             # Not from a gather for reading in another dtype: the secondary partition feeds compute.
