@@ -26,7 +26,7 @@ def test_unknown_prefetch_field_suggests_the_right_one() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, field", [({"bucket_size": -1}, "bucket_size"), ({"persistence_threshold": 1.5}, "persistence_threshold"),
-                      ({"enabled": "yes"}, "enabled")]
+                      ({"persistence_limit": -1}, "persistence_limit"), ({"enabled": "yes"}, "enabled")]
 )
 def test_invalid_prefetch_value_names_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=rf"PrefetchConfig\.{field}=.*allowed values are"):

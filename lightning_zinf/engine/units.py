@@ -159,6 +159,8 @@ class UnitStates:
             forward hooks a pass that kept every unit took out).
         copies: The device copies of host-tier shards: every gather goes through it, and the
             schedule copies shards ahead with it.
+        exposure: The engine's :class:`~lightning_zinf.engine.exposure.GatherExposure` until it has
+            measured (then ``None``): issuing and waiting for gathers ask it for the time.
     """
 
     def __init__(self, units: list[Unit], *, comm: Collectives, ledger: MemoryLedger, pool: BufferPool,
@@ -185,8 +187,7 @@ class UnitStates:
         self._group_index = {id(g): i for i, g in enumerate(self._groups)}
         self._live: dict[int, Unit] = {}  # units gathered or in flight, by index
         self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
-        # Set by the engine: times the waits for gathers in one training forward.
-        self.exposure: Optional[GatherExposure] = None
+        self.exposure: Optional[GatherExposure] = None  # set by the engine
         self._ahead_numel = 0  # their elements (read at every acquire: not a sum over them)
         self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
