@@ -419,7 +419,7 @@ class ZeroEngine:
         # PEFT's disable_adapter() freezes the adapters for a while in a generation phase; a pass
         # without backward leaves the flags to the next training pass.
         training = not self.generation.active and torch.is_grad_enabled()
-        self.exposure.pass_ends()  # before settling: a measured forward ends at its last gather
+        self.exposure.forward_end()  # before settling: a forward with no backward ends at its last gather
         self.schedule.restore()
         self.state_dict_hooks.reset()
         self.access.resume_keeping()  # after a state-dict traversal that raised

@@ -6,16 +6,15 @@ than that compute. Where it takes more, what the user sees is a step slower than
 reason: units too small for their latency, a micro-batch too small for the bytes, a link slower
 than the model needs. :class:`GatherExposure` measures, on one training pass (:data:`MEASURED`,
 after the trace is recorded and agreed, so that the pass prefetches as every later one does), how
-long the compute spent on gathers in the forward (issuing them, and waiting for them), unit by unit,
-against the rest of the forward,
-and warns on rank 0 when the waits are the larger part, naming the units that waited longest and
-what cuts the bytes or the latency.
+long the compute spent on gathers in the forward (issuing them, and waiting for them), unit by
+unit, against the rest of the forward, and warns on rank 0 when the gathers take the larger part,
+naming the units that cost most and what cuts the bytes or the latency.
 
-The clock is the compute's: on the CPU the host's (the host computes, and blocks in a gather's
-wait, and issuing a gather on gloo takes its time too); on an accelerator events on the compute
-stream, recorded before and after each issue and wait (the stream stalls between them while the
-collective runs) and at the forward's start and end, read
-once at the end of the measured forward (one wait for the device, once per run).
+The clock is the compute's: on the CPU the host's (the host computes, blocks in a gather's wait,
+and issuing a gather on gloo takes its time too); on an accelerator events on the compute stream,
+recorded before and after each issue and wait (the stream stalls between them while the
+collective runs) and at the forward's start and end, read once at the end of the measured forward
+(one wait for the device, once per run).
 """
 
 from __future__ import annotations
@@ -83,6 +82,7 @@ class GatherExposure:
         self._prefetch = prefetch
         self._training_passes = 0
         self._start: Any = None  # the measured forward's start while it runs
+        self._measured = 0  # which training pass it is (1-based)
         self._waits: list[tuple[str, Any, Any]] = []
         self.report: Optional[tuple[float, float, dict[str, float]]] = None
 
@@ -96,14 +96,6 @@ class GatherExposure:
         """Nothing more will be measured (reported, or given up after :data:`_LAST_TRY` passes)."""
         return self.report is not None or self._training_passes >= _LAST_TRY
 
-    def pass_ends(self) -> None:
-        """The next pass is about to begin, before the engine settles the one that ends: a measured
-        forward that had no backward yet ends here (a reference model's forward under
-        ``no_grad`` between a policy's forward and its backward; a forward never run backward). One
-        that gathered nothing so far (a generation phase's pass begun first in the training step)
-        is measured again at the next training pass."""
-        self.forward_end()
-
     def pass_begins(self, training: bool) -> None:
         """A pass began, the previous one settled: a training pass from the :data:`MEASURED`-th on is
         measured, while nothing is reported."""
@@ -112,6 +104,7 @@ class GatherExposure:
         self._training_passes += 1
         if self._training_passes >= MEASURED:
             self._start = self._clock.now()
+            self._measured = self._training_passes
 
     def wait_begins(self) -> Any:
         """Before issuing a unit's gather or waiting for it: a point on the clock for
@@ -125,9 +118,13 @@ class GatherExposure:
             self._waits.append((name, began, self._clock.now()))
 
     def forward_end(self) -> None:
-        """The measured forward ended (its backward starts, or the next training pass begins): read
-        the clock, and warn if the gathers cost more than the compute. The forward runs from its
-        pass's start to the first of its backward's hooks (the loss included)."""
+        """The measured forward ended: read the clock, and warn if the gathers cost more than the
+        compute. Called when its backward starts (the forward runs from its pass's start to the
+        first of its backward's hooks, the loss included) and, before settling, when the next pass
+        begins: a forward with no backward yet ends there (a reference model's forward under
+        ``no_grad`` between a policy's forward and its backward; a forward never run backward).
+        One that gathered nothing (a generation phase's pass begun first in the training step) is
+        measured again at the next training pass."""
         if not self.measuring:
             return
         end, start = self._clock.now(), self._start
@@ -150,10 +147,10 @@ class GatherExposure:
         waited, computed, waits = self.report
         longest = sorted(waits.items(), key=lambda item: -item[1])[:3]
         named = ", ".join(f"'{name or '<root>'}' {seconds * 1e3:.1f} ms" for name, seconds in longest)
-        ahead = ("" if self._prefetch else
-                 " Prefetch is off (PrefetchConfig(enabled=False)): turned on, each gather overlaps the compute before it.")
+        ahead = ("" if self._prefetch else " Prefetch is off (PrefetchConfig(enabled=False)): turned on, each "
+                 "gather overlaps the compute before it.")
         return (
-            f"lightning_zinf: in training forward {MEASURED}, the compute spent {waited * 1e3:.1f} ms on parameter "
+            f"lightning_zinf: in training forward {self._measured}, the compute spent {waited * 1e3:.1f} ms on parameter "
             f"all-gathers (issuing them and waiting for them) against {computed * 1e3:.1f} ms of computing "
             f"({len(waits)} units gathered; the longest: "
             f"{named}): the gathers cost more than the compute they overlap, so the step runs at the link's speed, "

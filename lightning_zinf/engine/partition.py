@@ -23,8 +23,8 @@ from lightning_zinf.engine.construction import ConstructionRecorder, Replayer
 from lightning_zinf.heap import setup_phase
 from lightning_zinf.tiling import LinearTile
 
-__all__ = ["UnitSpec", "plan_units", "persistent_units", "meta_parameters", "materialize", "parameter_slots", "parent_modules",
-           "resolve_block_classes", "matches_classes"]
+__all__ = ["UnitSpec", "plan_units", "persistent_units", "meta_parameters", "materialize", "parameter_slots",
+           "parent_modules", "resolve_block_classes", "matches_classes"]
 
 
 @dataclass

@@ -263,11 +263,6 @@ class Schedule:
         engine's ``auto_pass``)."""
         return self._begin_pass is not None
 
-    @property
-    def bypassed(self) -> bool:
-        """Whether the forward hooks are taken out (:meth:`bypass`)."""
-        return bool(self._bypassed)
-
     def reset(self) -> None:
         """At a pass boundary: forget forward calls and a backward-end callback that died with a
         forward or backward that raised."""
