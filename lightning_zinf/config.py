@@ -45,6 +45,11 @@ class PrefetchConfig:
             the next unit is always gathered ahead, even when it alone is larger.
             DeepSpeed's ``stage3_prefetch_bucket_size`` (whose default is 5e7; 1e7 cost no speed and
             saved ≈190 MiB per rank on the 91M GPT benchmark, see examples/benchmarks/RESULTS.md).
+            It also bounds reuse: a unit the trace uses again after a forward use with at most
+            this many elements gathered in between (the last units of a forward, first in its
+            backward; a module called twice) stays gathered, counted as gathered ahead, instead of
+            being released and gathered again (DeepSpeed's ``stage3_max_reuse_distance``, there
+            unbounded by the bucket).
         unit_size: Without ``block_classes``: the most parameter elements of a unit when the engine
             groups modules into units itself (:mod:`lightning_zinf.engine.grouping`: the largest
             subtrees of at most this size, consecutive sibling ones packed together, each a unit).
@@ -77,8 +82,8 @@ class PrefetchConfig:
             engine: once per call) while the units kept fit the budget; the rest are gathered per
             forward as usual. When the whole model fits, the passes after the units are kept run
             without the engine's forward hooks (:meth:`~lightning_zinf.ZeroEngine.begin_pass`).
-            ``0`` (default): every unit is released after each forward (memory stays the ZeRO-3
-            bound).
+            ``0`` (default): every unit is released after each forward but those used again
+            within ``bucket_size`` (memory stays the ZeRO-3 bound).
 
     Raises:
         ValueError: a negative ``bucket_size``, ``unit_size``, ``persistence_threshold``,

@@ -213,6 +213,7 @@ def _auto_choice(module: nn.Module, options: ZeroOptions, device: torch.device, 
                            persistence_threshold=options.prefetch.persistence_threshold,
                            persistence_limit=options.prefetch.persistence_limit,
                            bucket_size=options.prefetch.bucket_size, unit_size=_unit_size(options),
+                           prefetch_enabled=options.prefetch.enabled,
                            placement=Placement(param=options.offload.param, optimizer=options.offload.optimizer),
                            compute=compute, timeout=timeout)
     rank_zero_info(f"lightning_zinf: {choice.describe()}")

@@ -39,6 +39,10 @@ from tests.recording_streams import RecordingStreams
 META, CPU = torch.device("meta"), torch.device("cpu")
 LAYERS, WIDTH = 6, 16
 UNIT_NUMEL = WIDTH * WIDTH + WIDTH  # a Linear's weight and bias: one unit, one flat group
+# With one unit gathered ahead (the bucket), the last unit is used next by its backward and the one
+# before it after only the last: both stay gathered from their forward to their backward
+# (Schedule._acquire's reuse), so neither is copied again.
+KEPT = {LAYERS - 2, LAYERS - 1}
 
 
 class CopyObserver(TorchDispatchMode):
@@ -169,10 +173,12 @@ def test_the_link_works_units_ahead_of_compute(compute_dtype: torch.dtype) -> No
     """With one unit gathered ahead (the bucket) and two more units' shards within
     ``copy_ahead``, when the compute of unit k waits for its gather the shards of units k+1..k+3
     are already queued on the copy stream, forward and backward (each unit is copied again for
-    its backward, after its release), and the last unit's copy for backward before its forward
-    runs; without copying ahead only unit k+1's is (the old code's distance: the link worked one
-    unit ahead). Every copy is queued once per use, and no copy waits for compute."""
+    its backward, after its release, except the last two: their backward comes within one bucket
+    of their forward, so they stay gathered); without copying ahead only unit k+1's is (the old
+    code's distance: the link worked one unit ahead). Every copy is queued once per use of a
+    released unit, and no copy waits for compute."""
     distance = 3
+    kept = KEPT
     for copy_ahead, reach in ((_staged_bytes(compute_dtype, 2), distance), (0, 1)):
         run = OffloadedLayers(copy_ahead, compute_dtype)
         for _ in range(3):  # the first pass records the trace; the next replay it
@@ -184,37 +190,41 @@ def test_the_link_works_units_ahead_of_compute(compute_dtype: torch.dtype) -> No
             if kind == "forward":
                 ahead = range(unit + 1, min(unit + reach, LAYERS - 1) + 1)
                 assert all(counts[j] >= 1 for j in ahead), (copy_ahead, kind, unit, counts)
-                if unit == LAYERS - 1:
-                    # Its copy for backward, where it is used next, is queued before its forward
-                    # runs (without copying ahead: when backward asks for it).
-                    assert counts[unit] == (2 if copy_ahead else 1), (copy_ahead, counts)
+                if unit in kept:  # no second copy: it stays gathered for its backward
+                    assert counts[unit] == 1, (copy_ahead, counts)
                 # Not further: the budget holds.
                 assert all(counts[j] == 0 for j in range(unit + reach + 1, LAYERS)), (copy_ahead, kind, unit, counts)
             else:
                 ahead = range(max(unit - reach, 0), unit)
-                # Every unit is released after its forward, so copied again for its backward.
-                assert all(counts[j] == 2 for j in ahead), (copy_ahead, kind, unit, counts)
+                # Every other unit is released after its forward, so copied again for its backward.
+                assert all(counts[j] == (1 if j in kept else 2) for j in ahead), (copy_ahead, kind, unit, counts)
         copied = [source for source, _, _ in run.observer.copies]
-        assert sorted(copied) == sorted([*range(LAYERS)] * 2), copied
+        assert sorted(copied) == sorted(
+            [*range(LAYERS), *(set(range(LAYERS)) - kept)]), copied
         assert all(clock.get("compute", 0) == 0 for _, clock in run.streams.blocks)
 
 
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32], ids=["bf16-mixed", "fp32"])
 def test_compute_reads_a_copy_only_after_waiting_for_it_and_records_it(compute_dtype: torch.dtype) -> None:
-    """The n-th use of unit k in a pass reads the n-th copy of its shard (one copy per use): that
+    """The n-th use of unit k in a pass that gathers it reads the n-th copy of its shard (one copy
+    per gather; from the first pass that replays the trace, the units of :data:`KEPT` are
+    gathered once): that
     copy was queued before the use, the compute is ordered after the copy-stream block that made it
     (it waited for the copy's event), and the copy was recorded for the compute stream before the
     compute (its memory is not reused before compute is done with it). A copy queued ahead of a
     later use is neither waited for by compute nor recorded for it yet: until its gather is
     waited for, only the copy streams use it."""
     run = OffloadedLayers(_staged_bytes(compute_dtype, 2), compute_dtype, keep_copies=True)
-    for _ in range(3):
+    for replaying in (False, True, True):  # the first pass records the trace
         run.step()
         uses = [0] * LAYERS
         for kind, unit, clock, copies, recorded in run.work:
-            uses[unit] += 1
             queued = run.observer.copies[:copies]
             mine = [(block, storage) for source, block, storage in queued if source == unit]
+            if kind == "backward" and unit in KEPT and replaying:
+                assert len(mine) == uses[unit] == 1, (kind, unit)  # reads its forward's gather
+                continue
+            uses[unit] += 1
             assert len(mine) >= uses[unit], (kind, unit)
             (stream, block), storage = mine[uses[unit] - 1]
             assert clock.get(stream, 0) >= block, (kind, unit, clock, stream, block)
@@ -252,12 +262,13 @@ def test_under_activation_checkpointing_every_copy_made_ahead_is_read() -> None:
     in backward, then held through its backward. Its shard is copied once per gather, and every
     copy made ahead is read by a gather (none left at the end of backward): a recomputed unit
     counts as held from its acquisition on, so no use of it while held gets a copy (a copy no
-    gather takes would hold copy_ahead_bytes until the pass ends)."""
+    gather takes would hold copy_ahead_bytes until the pass ends). The units of :data:`KEPT` stay
+    gathered from their forward to their recomputation once the trace is replayed: copied once."""
     run = OffloadedLayers(_staged_bytes(torch.bfloat16, 2), torch.bfloat16)
-    for _ in range(3):
+    for kept in (set(), KEPT, KEPT):  # the first pass records the trace
         run.step(checkpointed=True)
         copied = [source for source, _, _ in run.observer.copies]
-        assert sorted(copied) == sorted([*range(LAYERS)] * 2), copied
+        assert sorted(copied) == sorted([*range(LAYERS), *(set(range(LAYERS)) - kept)]), copied
         assert run.states.copies.ahead_bytes == 0
 
 

@@ -11,6 +11,7 @@ import transformers
 
 from lightning_zinf import PrefetchConfig, ZeroEngine
 from tests.harness import run_distributed
+from tests.test_reuse import _received
 
 PROMPT = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(11))
 
@@ -51,6 +52,42 @@ def test_generate_within_the_budget_gathers_each_unit_once() -> None:
         assert got["released"] == 0 or got["released"] <= got["persistent"]
     assert 0 < kept[0]["gathered"] <= kept[0]["one_gather_of_all"]
     assert plain[0]["gathered"] >= 8 * kept[0]["gathered"]
+
+
+def _generate_in_one_pass(rank: int, world: int, bucket_size: int) -> dict:
+    """Three ``generate()`` calls, each one pass as the strategy's predict loop runs them, inside one
+    ``keep_gathered`` block of half the model's bytes; the bytes a rank receives by the third."""
+    counter = {"bytes": 0}
+    _received(counter)
+    model = _gpt2()
+    engine = ZeroEngine(model, block_classes=["GPT2Block"], auto_pass=False,
+                        prefetch=PrefetchConfig(persistence_threshold=0, bucket_size=bucket_size))
+    whole = sum(u.numel for u in engine.units) * 4
+    received = []
+    with torch.no_grad(), engine.keep_gathered(whole // 2):
+        for _ in range(3):
+            counter["bytes"] = 0
+            engine.begin_pass("predict")
+            out = model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+            received.append(counter["bytes"])
+        kept = sum(u.numel for u in engine.units if u.kept) * 4
+    return {"tokens": out, "received": received, "rest": (whole - kept) * (world - 1) // world}
+
+
+def test_generate_at_half_the_budget_gathers_the_rest_once_when_it_fits_the_bucket() -> None:
+    """Half the model kept by ``keep_gathered``: the other half (under the prefetch bucket) is
+    used again, from one token's forward to the next, with no more than a bucket gathered in
+    between, so once the trace is replayed each call gathers it once, not once per token as with
+    ``bucket_size=0``; the tokens are the unpartitioned model's."""
+    want = _reference(8)
+    fits = run_distributed(_generate_in_one_pass, 2, PrefetchConfig.bucket_size)
+    shallow = run_distributed(_generate_in_one_pass, 2, 0)
+    for got in fits + shallow:
+        assert torch.equal(got["tokens"], want)
+    for got in fits:
+        assert got["rest"] > 0 and got["received"][1:] == [got["rest"]] * 2, got
+    for got in shallow:  # 8 forwards: the prompt's, then 7 decode steps
+        assert got["received"][1:] == [8 * got["rest"]] * 2, got
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 30], ids=["gathers-every-step", "whole-model-kept"])
@@ -172,7 +209,9 @@ def test_a_predict_loop_gathers_the_kept_model_once_and_releases_it_at_its_end()
     first step gathers every unit once and the next two gather nothing (the loop keeps the units
     from step to step, as DeepSpeed's hybrid engine does between generate() calls), the tokens are
     the unpartitioned model's, and nothing stays gathered after the loop. Without a budget every
-    step gathers again."""
+    step gathers every unit again (within a step, this model, smaller than the prefetch bucket,
+    stays gathered from token to token once the trace is replayed: one gather of all from the
+    second step on, against one per token in the first, which records it)."""
     kept = run_distributed(_predict_loop, 2, 1 << 30, "32-true", False, init_pg=False, timeout=180)
     plain = run_distributed(_predict_loop, 2, 0, "32-true", False, init_pg=False, timeout=180)
     want = _reference_loop("32-true")
@@ -181,7 +220,8 @@ def test_a_predict_loop_gathers_the_kept_model_once_and_releases_it_at_its_end()
         assert got["left"] == 0
     steps = kept[0]["per_step"]
     assert 0 < steps[0] <= kept[0]["one_gather_of_all"] and steps[1:] == [0, 0], kept[0]
-    assert all(s >= 4 * steps[0] for s in plain[0]["per_step"]), plain[0]
+    first, *later = plain[0]["per_step"]
+    assert first >= 4 * steps[0] and later == [plain[0]["one_gather_of_all"]] * 2, plain[0]
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])

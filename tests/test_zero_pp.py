@@ -41,7 +41,9 @@ def test_topology_numbers_ranks_node_by_node() -> None:
 def _engine(zero_pp: dict) -> tuple[torch.nn.Module, ZeroEngine, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = models.GPT()
-    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+    # One unit gathered ahead (bucket_size=1): backward gathers every unit but the last again (the
+    # route hpZ changes); with the default bucket this small model stays gathered into backward.
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0, bucket_size=1),
                         zero_pp=ZeroPPConfig(ranks_per_node=2, **zero_pp))
     return model, engine, engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
 
@@ -104,11 +106,12 @@ def test_hpz_is_bit_exact_and_keeps_backward_gathers_inside_the_node(tmp_path: P
             # secondary partitions, half the unit, instead of 3 of 4 shards).
             # Gradients (all trainable, fp32) are reduce-scattered once per micro-batch, crossing
             # nodes with as many bytes as one gather of everything: hpZ sends (1 + ACCUMULATE) x that
-            # per step; plain ZeRO-3 gathers each unit at least 2 x ACCUMULATE + 1 times (forward
-            # and backward of each micro-batch, the evaluation).
+            # per step; plain ZeRO-3 gathers each unit ACCUMULATE + 1 times (forward of each
+            # micro-batch, the evaluation), reduce-scatters ACCUMULATE times, and gathers across
+            # nodes again for each backward (all units but the last, kept gathered into it).
             assert h["gathered"] < p["gathered"]
             assert h["inter"] == (1 + ACCUMULATE) * b["once"]
-            assert p["inter"] >= (3 * ACCUMULATE + 1) * b["once"]
+            assert p["inter"] > (2 * ACCUMULATE + 1) * b["once"]
             assert h["intra"] > p["intra"]
 
 
@@ -279,7 +282,7 @@ def _bf16_run(rank: int, world: int, zero_pp: dict) -> list[float]:
     torch.manual_seed(0)
     model = models.GPT().to(torch.bfloat16)
     model.blocks[0].requires_grad_(False)  # a frozen part, for frozen_bits
-    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0),
+    engine = ZeroEngine(model, block_classes=["Block"], prefetch=PrefetchConfig(persistence_threshold=0, bucket_size=1),
                         zero_pp=ZeroPPConfig(ranks_per_node=2, **zero_pp))
     opt = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
     losses = []

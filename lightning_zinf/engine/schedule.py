@@ -104,6 +104,10 @@ class Schedule:
         self.comm = comm
         self.pool = pool
         self.bucket_size = prefetch.bucket_size
+        tracer.sizes = [0 if unit.persistent else unit.numel for unit in units]
+        # A unit kept gathered between passes (keep_gathered) is gathered by no pass: it takes no
+        # room in the prefetch bucket that reuse is weighed against.
+        states.kept_changed = lambda unit: tracer.resize(unit.index, 0 if unit.kept or unit.persistent else unit.numel)
         self.mixed_precision = mixed_precision
         self.param_offload = param_offload
         self.read_ahead = read_ahead
@@ -279,13 +283,25 @@ class Schedule:
         self._watched.clear()
 
     # --- when to gather ---------------------------------------------------------------------------
-    def _acquire(self, unit: Unit) -> None:
-        """Have ``unit`` gathered for use now (forward, or its re-gather in backward): tell the
+    def _acquire(self, unit: Unit, forward: bool = False) -> None:
+        """Have ``unit`` gathered for use now (``forward``, or its re-gather in backward): tell the
         trace, start its gather if it is released, prefetch the next units of the trace and read
-        the NVMe shards of the next ones ahead, then wait for it."""
+        the NVMe shards of the next ones ahead, then wait for it.
+
+        A forward use after which the trace uses the unit again soon marks it :attr:`Unit.reuse`:
+        after this use it stays gathered, counted as gathered ahead, instead of being released and
+        gathered again: when it is the next unit used (the last unit of a forward, first in its
+        backward; a module called twice in a row), or when prefetch would gather it again before
+        that next use anyway (:meth:`Tracer.reuse_cost
+        <lightning_zinf.engine.trace.Tracer.reuse_cost>` within ``bucket_size``), so the memory
+        bound stays the one prefetch keeps. DeepSpeed's ``stage3_max_reuse_distance``, bounded
+        here by the prefetch bucket."""
         upcoming = self.tracer.request(unit.index)
         if unit.run:  # its next members' requests: it stays gathered for them (_post_forward)
             upcoming = upcoming.after_run(unit.index)
+        if forward and not unit.persistent:
+            cost = self.tracer.reuse_cost()
+            unit.reuse = cost is not None and cost <= self.bucket_size
         self.states.claim(unit)
         if unit.state == RELEASED:
             self.states.start_gather(unit)
@@ -313,7 +329,7 @@ class Schedule:
         budget = self.bucket_size - self.states.ahead_numel()
         for index in upcoming:
             unit = self.units[index]
-            if self.copy_ahead and unit is current and not (unit.persistent or unit.kept or unit.held):
+            if self.copy_ahead and unit is current and not (unit.persistent or unit.kept or unit.held or unit.reuse):
                 break
             if unit.state != RELEASED or self.states.is_ahead(unit):
                 continue
@@ -347,7 +363,7 @@ class Schedule:
             unit = self.units[index]
             if self.states.step_pending(unit):
                 break  # an offloaded step in the background has yet to rewrite its shards
-            again = unit is current and not (unit.persistent or unit.kept or unit.held)
+            again = unit is current and not (unit.persistent or unit.kept or unit.held or unit.reuse)
             if (unit.state != RELEASED and not again) or copies.copied(unit.groups):
                 continue
             nbytes = copies.nbytes_to_copy(unit.groups)
@@ -405,7 +421,7 @@ class Schedule:
                 # under grad_op: held until that backward has run (set before acquiring it, so that
                 # prefetch and copies ahead see that its next use in the trace needs no new gather).
                 unit.held = True
-            self._acquire(unit)
+            self._acquire(unit, forward=True)
         policy = self.mixed_precision
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             cast = functools.partial(_cast_floating, dtype=policy.param_dtype)
@@ -466,8 +482,13 @@ class Schedule:
         for unit in units:
             # A run of siblings grouped into one unit (grouping.py) whose next member runs next:
             # released after that one instead of gathered again for it.
-            if not (unit.run and self.tracer.requested_next(unit.index)):
-                self.states.maybe_release(unit)
+            if unit.run and self.tracer.requested_next(unit.index):
+                continue
+            if unit.reuse and unit.forward_depth == 0:
+                unit.reuse = False  # used again soon (_acquire): kept as if gathered ahead
+                self.states.keep_ahead(unit)
+                continue
+            self.states.maybe_release(unit)
         return output
 
     # --- backward ---------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Hashable, Iterator, Optional, Sequence
 
 from lightning_zinf.comm import Collectives
 
-__all__ = ["Tracer", "Upcoming"]
+__all__ = ["Tracer", "Upcoming", "reuse_costs"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class _Trace:
     order: list[int] = field(default_factory=list)
     recording: list[int] = field(default_factory=list)
     validated: bool = False
+    costs: Optional[list[Optional[int]]] = None  # per position of ``order``: Tracer.reuse_cost
 
 
 class Upcoming(Sequence[int]):
@@ -106,6 +107,11 @@ class Tracer:
         # recording anew, since validating a new recording is a collective that only the ranks
         # still running passes would reach.
         self.rerecord = True
+        #: Elements each unit's gather brings in, by unit index (0 for persistent units and units
+        #: kept gathered: :meth:`resize`): what :meth:`reuse_cost` counts. Set by the engine once
+        #: its units exist.
+        self.sizes: list[int] = []
+        self._resized = False
 
     def pending(self) -> Optional[int]:
         """A digest of the recording the pass in progress made, which the next pass start
@@ -134,12 +140,23 @@ class Tracer:
         if trace is not None and trace.state == _REPLAY:
             trace.state, trace.recording = _RECORD, []
 
+    def resize(self, unit: int, size: int) -> None:
+        """``unit``'s gathers now bring in ``size`` elements (0: kept gathered between passes by a
+        ``keep_gathered`` budget); the traces' reuse costs follow from the next pass on."""
+        if self.sizes[unit] != size:
+            self.sizes[unit] = size
+            self._resized = True
+
     def begin_pass(self, kind: Hashable, finished: bool = False) -> None:
         """Start a pass of ``kind``; finishes the previous pass (validating a fresh recording: a
         collective) unless the caller did already (``finished``, :meth:`finish`).
 
         Every rank must call this at the same points (it may run a collective).
         """
+        if self._resized:  # (not within a pass: a cost computed per kept unit would cost O(L log L) each)
+            self._resized = False
+            for trace in self._traces.values():
+                trace.costs = None
         if not finished:
             self._finish()
         trace = self._traces.setdefault(kind, _Trace())
@@ -170,7 +187,7 @@ class Tracer:
                 "kind of pass, whose collectives are agreed one by one (ranks that run different modules serve each "
                 "other: lightning_zinf.engine.negotiation)."
             )
-        trace.order, trace.recording = trace.recording, []
+        trace.order, trace.recording, trace.costs = trace.recording, [], None
         trace.state = _REPLAY if agreed else _OFF  # replayed without prefetch when not enabled
 
     def request(self, unit: int) -> Upcoming:
@@ -205,6 +222,22 @@ class Tracer:
         return (trace is not None and not self._diverged and trace.state == _REPLAY
                 and self._cursor < len(trace.order) and trace.order[self._cursor] == unit)
 
+    def reuse_cost(self) -> Optional[int]:
+        """What keeping the unit of the last request gathered until its next request in this pass
+        holds of the prefetch bucket, in elements: 0 when the next request that gathers is that
+        one (it is used next); else its own elements plus those of the distinct units gathered in
+        between, but the first of them (in use when the unit would be gathered ahead again).
+        Keeping it costs no more memory than prefetch does where this is at most the bucket: by
+        the time that first unit is used, prefetch would have gathered it again. ``None``: not
+        requested again in this pass, or the pass does not follow an agreed trace with prefetch
+        on. O(1): a trace's costs are computed once, when first asked for."""
+        trace = self._current
+        if trace is None or self._diverged or trace.state != _REPLAY or not self.enabled or self._cursor == 0:
+            return None
+        if trace.costs is None:
+            trace.costs = reuse_costs(trace.order, self.sizes)
+        return trace.costs[self._cursor - 1]
+
     def unit_order(self) -> list[int]:
         """The units of the pass in progress (or last begun and not finished), in the order it
         first gathered or, by its agreed trace, gathers them: the order the next pass of its kind
@@ -225,3 +258,63 @@ class Tracer:
     def departed(self) -> bool:
         """The pass left the agreed trace it was replaying (:attr:`expected` says where)."""
         return self._diverged
+
+
+def reuse_costs(order: list[int], sizes: Sequence[int]) -> list[Optional[int]]:
+    """:meth:`Tracer.reuse_cost` for each position of ``order`` (unit indices), with ``sizes`` the
+    elements each unit's gather brings in, by index (0: persistent)."""
+    gaps = _gaps(order, sizes)
+    costs: list[Optional[int]] = [None] * len(order)
+    following: Optional[int] = None  # the first position after this one whose unit gathers
+    for position in range(len(order) - 1, -1, -1):
+        gap, unit = gaps[position], order[position]
+        if gap is not None and sizes[unit]:  # (a persistent unit stays gathered anyway)
+            first = order[following]  # type: ignore[index]  (the next request of ``unit`` is one)
+            costs[position] = 0 if first == unit else gap - sizes[first] + sizes[unit]
+        if sizes[unit]:
+            following = position
+    return costs
+
+
+def _gaps(order: list[int], sizes: Sequence[int]) -> list[Optional[int]]:
+    """For each position of ``order``: the sum of ``sizes`` over the distinct units requested
+    strictly between it and the next request of the same unit (what prefetch gathers in between),
+    ``None`` where there is none. O(L log L) in the trace's length L: distinct sums over ranges,
+    offline, with a Fenwick tree that holds each unit's size at its latest request so far."""
+    length = len(order)
+    following: dict[int, int] = {}
+    ends: list[list[int]] = [[] for _ in range(length)]  # by the range's last position, its first
+    gaps: list[Optional[int]] = [None] * length
+    for position in range(length - 1, -1, -1):
+        after = following.get(order[position])
+        if after == position + 1:
+            gaps[position] = 0
+        elif after is not None:
+            ends[after - 1].append(position)
+        following[order[position]] = position
+    tree = [0] * (length + 1)
+
+    def add(position: int, value: int) -> None:
+        position += 1
+        while position <= length:
+            tree[position] += value
+            position += position & -position
+
+    def total(position: int) -> int:  # over positions 0..position-1
+        result = 0
+        while position > 0:
+            result += tree[position]
+            position -= position & -position
+        return result
+
+    latest: dict[int, int] = {}
+    for position, unit in enumerate(order):
+        if unit in latest:
+            add(latest[unit], -sizes[unit])
+        add(position, sizes[unit])
+        latest[unit] = position
+        if ends[position]:
+            through = total(position + 1)
+            for start in ends[position]:
+                gaps[start] = through - total(start + 1)
+    return gaps

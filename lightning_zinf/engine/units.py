@@ -95,6 +95,9 @@ class Unit:
             then reduce-scattered).
         pending_backward: Forward uses whose input-side post-backward node has not run yet.
         kept: Stays gathered between forward passes (``keep_gathered``).
+        reuse: The forward call in progress uses it again soon after, by the trace: kept gathered
+            after the call, as if gathered ahead (:meth:`Schedule._acquire
+            <lightning_zinf.engine.schedule.Schedule._acquire>`, :meth:`UnitStates.keep_ahead`).
         run: A run of sibling modules that each gather it (:mod:`~lightning_zinf.engine.grouping`):
             kept gathered from one member's forward to the next when the trace says so.
     """
@@ -119,6 +122,7 @@ class Unit:
         self.reduced_groups = 0
         self.pending_backward = 0
         self.kept = False
+        self.reuse = False
 
     def count_kinds(self) -> None:
         """Recount :attr:`trainable_groups` and :attr:`has_frozen` from the groups' flags (at
@@ -157,6 +161,8 @@ class UnitStates:
             the budget.
         before_release_kept: Called before kept units are released (the engine puts back the
             forward hooks a pass that kept every unit took out).
+        kept_changed: Called with a unit that a ``keep_gathered`` budget has just kept, or no
+            longer keeps (the schedule's trace then counts it as gathering nothing).
         copies: The device copies of host-tier shards: every gather goes through it, and the
             schedule copies shards ahead with it.
         exposure: The engine's :class:`~lightning_zinf.engine.exposure.GatherExposure` until it has
@@ -182,6 +188,7 @@ class UnitStates:
         # Called before kept units are released (the schedule puts back the forward hooks a pass
         # that kept every unit took out).
         self.before_release_kept: Callable[[], None] = lambda: None
+        self.kept_changed: Callable[[Unit], None] = lambda unit: None
         agreement.serve_with(_weakly(self.serve))
         self._groups = [g for u in units for g in u.groups]
         self._group_index = {id(g): i for i, g in enumerate(self._groups)}
@@ -466,6 +473,18 @@ class UnitStates:
         self._ahead[unit.index] = unit
         self.gathered_ahead += 1
 
+    def keep_ahead(self, unit: Unit) -> None:
+        """Keep ``unit`` gathered after a forward use that the trace says it is used again soon
+        after (:attr:`Unit.reuse`): it counts as gathered ahead (prefetch gathers that much less
+        ahead) until :meth:`claim` or the next :meth:`settle`. A unit something else holds is left
+        to that."""
+        if unit.state != GATHERED or unit.persistent or unit.kept or unit.held:
+            self.maybe_release(unit)
+            return
+        if unit.index not in self._ahead:
+            self._ahead_numel += unit.numel
+        self._ahead[unit.index] = unit
+
     def claim(self, unit: Unit) -> None:
         """``unit`` is being used: if it was prefetched, it no longer counts as ahead."""
         if self._ahead.pop(unit.index, None) is not None:
@@ -505,6 +524,7 @@ class UnitStates:
             if (self.keep_budget and not self.keeping_suspended
                     and self.kept_bytes() + unit.gathered_nbytes <= self.keep_budget):
                 unit.kept = True  # for the next forward pass of this keep_gathered block
+                self.kept_changed(unit)
                 return
             with phase("zinf.release"):
                 for group in unit.groups:
@@ -530,7 +550,9 @@ class UnitStates:
         budget, self.keep_budget = self.keep_budget, 0  # released, not kept again at once
         try:
             for unit in self.units:
-                unit.kept = False
+                if unit.kept:
+                    unit.kept = False
+                    self.kept_changed(unit)
                 self.maybe_release(unit)
         finally:
             self.keep_budget = budget
@@ -564,6 +586,9 @@ class UnitStates:
         # calls cost O(1) each, not O(units).
         backward = in_backward()
         for unit in self.units if boundary else list(self._live.values()):
+            # A unit read inside its own forward (gathered() regathers it exactly, for reading) is
+            # released after that forward, not kept for its next use with the read's buffers.
+            unit.reuse = False
             if boundary:
                 unit.forward_depth, unit.held, unit.reduced_groups, unit.pending_backward = 0, False, 0, 0
                 for group in unit.groups:

@@ -319,7 +319,7 @@ def plan_memory(inventory: Inventory, budget: int, *, accelerator: bool, offload
             peak = prediction.total(accelerator)
             step = step_time(inventory, placement, prediction, bandwidths, accelerator=accelerator,
                              profile=profile, kept=kept or 0, offloaded=offloaded, sharding=sharding,
-                             replicas=replicas)
+                             replicas=replicas, bucket_size=bucket if prefetch.enabled else None)
             seconds = step.total if timed else bandwidths.seconds(prediction.disk_bytes, prediction.link_bytes)
             if bucket == prefetch.bucket_size and (kept, offloaded) == choices[0]:
                 considered.append((placement, peak + activations, seconds))

@@ -59,6 +59,7 @@ from lightning_zinf.comm.topology import NodeGroups, RankSetGroups, Topology
 from lightning_zinf.config import PrefetchConfig, ZeroPPConfig
 from lightning_zinf.planning.bandwidth import timed_all_gather
 from lightning_zinf.planning.inventory import Inventory
+from lightning_zinf.planning.timing import unit_gathers
 
 if TYPE_CHECKING:
     from lightning_zinf.config import MixedPrecisionConfig
@@ -133,7 +134,8 @@ class ShardingChoice:
 
 
 def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate: str,
-               block: int = 256, ring: bool = False) -> tuple[float, float]:
+               block: int = 256, ring: bool = False,
+               bucket_size: Optional[int] = PrefetchConfig.bucket_size) -> tuple[float, float]:
     """Bytes one training step's collectives move under ``candidate``: ``(sent by one rank to
     its node's ranks, sent by one node across its link)``.
 
@@ -146,11 +148,14 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         ring: Gathers and reduce-scatters over every rank go round a ring (NCCL), which crosses a
             node's link once with ``(W - 1) / W`` of the buffer, instead of each rank sending each
             peer its part (gloo's in-place forms, and what the engine's counts say).
+        bucket_size: The engine's prefetch bucket (units used again within it stay gathered;
+            ``None``: prefetch off, nothing kept for reuse).
 
     Returns:
         ``(intra, inter)`` in bytes. A gather of a group of ``B`` bytes sends each peer this
-        rank's ``B / shards``; a persistent unit is gathered once a step, others twice (forward and
-        backward); a reduce-scatter sends each peer its slice; a ring all-reduce of ``R`` ranks
+        rank's ``B / shards``; a persistent unit is gathered once a step, others as often as
+        :func:`~lightning_zinf.planning.timing.unit_gathers` says (forward and backward, but
+        units used again within ``bucket_size``); a reduce-scatter sends each peer its slice; a ring all-reduce of ``R`` ranks
         sends ``2 (R - 1) / R`` of the buffer; qwZ and qgZ codes carry an fp32 scale per block.
 
     Raises:
@@ -160,8 +165,9 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
     # What one node sends across its link per byte of a collective over every rank.
     across = (world - 1) / world if ring else d * (world - d) / world
     intra = inter = 0.0
+    per_unit = unit_gathers(inventory, "full", bucket_size)
     for g in inventory.groups:
-        gathers = 1 if g.persistent else 2
+        gathers = 1 if g.persistent else per_unit[g.unit]
         params = g.numel * g.compute_bytes
         grads = g.numel * inventory.reduce_bytes if g.trainable else 0
         if candidate == "full":
@@ -187,7 +193,8 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
 def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links: Links, *,
                     state_bytes: dict[str, int], free_bytes: Optional[int], compute: Optional[float] = None,
                     quantization: float = 0.0, accelerator: bool = False, ring: bool = False,
-                    host_bytes: Optional[dict[str, int]] = None, free_host: Optional[int] = None) -> ShardingChoice:
+                    host_bytes: Optional[dict[str, int]] = None, free_host: Optional[int] = None,
+                    bucket_size: Optional[int] = PrefetchConfig.bucket_size) -> ShardingChoice:
     """The sharding mode and ZeRO++ switches for ``links`` (module docstring).
 
     Args:
@@ -209,6 +216,7 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
         host_bytes: On an accelerator, predicted bytes of this rank's state in host memory per
             candidate (offloaded tiers), checked as ``state_bytes`` against ``free_host``.
         free_host: Host memory free for it on every rank.
+        bucket_size: As :func:`step_bytes`'s.
 
     Returns:
         The :class:`ShardingChoice`.
@@ -218,7 +226,7 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
     work = compute or 0.0
     steps, fits = {}, {}
     for candidate in CANDIDATES:
-        intra, inter = step_bytes(inventory, world, ranks_per_node, candidate, ring=ring)
+        intra, inter = step_bytes(inventory, world, ranks_per_node, candidate, ring=ring, bucket_size=bucket_size)
         seconds = intra / (links.intra or float("inf")) + inter / links.inter
         if accelerator:
             seconds = max(0.0, seconds - work)
@@ -361,7 +369,8 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
                   block_classes: tuple, mixed_precision: "MixedPrecisionConfig", persistence_threshold: int,
                   bucket_size: int, placement: "Placement", compute: Optional[float] = None,
                   timeout: Optional[timedelta] = None, unit_size: int = 0,
-                  persistence_limit: int = PrefetchConfig.persistence_limit) -> ShardingChoice:
+                  persistence_limit: int = PrefetchConfig.persistence_limit,
+                  prefetch_enabled: bool = True) -> ShardingChoice:
     """``sharding="auto"`` for ``module`` on this world. Collective: every rank measures the links
     and the quantization together, and all decide from the slowest rank's rates and rank 0's free
     memory (the least any rank has), so that they choose alike. A probe that fails on some rank
@@ -377,6 +386,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
         persistence_threshold: As the engine's ``PrefetchConfig``.
         persistence_limit: As the engine's ``PrefetchConfig``.
         bucket_size: As the engine's ``PrefetchConfig``.
+        prefetch_enabled: As the engine's ``PrefetchConfig.enabled`` (off: no unit kept for reuse).
         placement: The offload tiers, for each candidate's predicted state.
         compute: Seconds of a step's forward and backward, from the example input (``None``: not known).
         timeout: The probe groups' (the strategy's).
@@ -420,7 +430,7 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
 
     states = {"full": state(world), "hybrid": state(ranks_per_node), "zero_pp": state(world, secondary=True)}
     ring = dist.get_backend() == "nccl"
-    return choose_sharding(inventory, world, ranks_per_node, links,
+    return choose_sharding(inventory, world, ranks_per_node, links, bucket_size=bucket_size if prefetch_enabled else None,
                            state_bytes={k: v[0] for k, v in states.items()}, free_bytes=free, compute=compute,
                            quantization=quantization, accelerator=accelerator, ring=ring,
                            host_bytes={k: v[1] for k, v in states.items()} if accelerator else None,

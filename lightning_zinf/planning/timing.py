@@ -9,8 +9,8 @@ Each term is a count of this run's work over a rate measured on this machine at 
   run for real;
 - collectives: the bytes ZeRO-3 moves per step (Rajbhandari et al., SC'20, §7.2: every unit gathered
   for the forward and again for backward, the persistent ones once after the step, and every
-  gradient reduce-scattered; tied and frozen units as :func:`collective_bytes` says), at the
-  all-gather bandwidth of a probe among the run's ranks;
+  gradient reduce-scattered; units used again within the prefetch bucket, tied and frozen units
+  as :func:`unit_gathers` says), at the all-gather bandwidth of a probe among the run's ranks;
 - optimizer step: the trainable elements of this rank's shard at the seconds per element of
   torch's AdamW on the tier that steps them (host or device; under ``OffloadConfig.device_bytes``
   the first groups on the device, the rest on the host);
@@ -31,15 +31,18 @@ measured on a GPU.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_zinf.config import PrefetchConfig
+from lightning_zinf.engine.trace import reuse_costs
 from lightning_zinf.planning.bandwidth import Bandwidths
 from lightning_zinf.planning.cost import Placement, Prediction, stepped_on_device
 from lightning_zinf.planning.inventory import Inventory
 from lightning_zinf.planning.profile import ForwardProfile
 
-__all__ = ["StepTime", "collective_bytes", "step_time"]
+__all__ = ["StepTime", "collective_bytes", "step_time", "unit_gathers"]
 
 #: Share of the disk's seconds that shows on a CPU device however long the forward: 0.55-0.8 of it
 #: showed in examples/benchmarks/budget.py's runs on 2 cores (RESULTS.md, issue 40, session 24).
@@ -126,39 +129,74 @@ class StepTime:
                 f"recompute {self.recompute:.3f} s, {terms}")
 
 
-def collective_bytes(inventory: Inventory, sharding: str = "full", replicas: int = 1) -> int:
+def unit_gathers(inventory: Inventory, sharding: str = "full",
+                 bucket_size: Optional[int] = PrefetchConfig.bucket_size) -> Counter:
+    """How many times a training step gathers each non-persistent unit, by unit index, as the
+    engine's schedule runs it on the trace of one forward and backward, modelled from the
+    inventory: the forward uses the units in the plan's order and a tied one (an embedding that
+    is also the output layer) once more at its end; backward uses the units it reaches (every unit
+    from the first trainable one on, and tied ones) in the reverse order, the tied ones first, and
+    holds each until its gradients are reduced. After a forward use a unit is released, unless
+    the trace uses it again soon, which :meth:`Tracer.reuse_cost
+    <lightning_zinf.engine.trace.Tracer.reuse_cost>` gives for this trace (the engine's reuse
+    within ``bucket_size``; ``None``: prefetch is off, which keeps nothing for reuse), or, under
+    ``sharding="grad_op"``, unless its output needs a gradient (a trainable unit, or any after the
+    first trainable one): then it is held until its backward.
+    """
+    groups = [g for g in inventory.groups if not g.persistent]
+    sizes: dict[int, int] = {}
+    trainable: set[int] = set()
+    tied: list[int] = []
+    for g in groups:
+        sizes[g.unit] = sizes.get(g.unit, 0) + g.numel
+        if g.trainable:
+            trainable.add(g.unit)
+        if g.tied and g.unit not in tied:
+            tied.append(g.unit)
+    first = min((g.unit for g in inventory.groups if g.trainable), default=None)
+    units = sorted(sizes)
+    reached = [u for u in units if first is not None and (u in tied or u >= first)]
+    forward = units + tied
+    order = forward + [u for u in tied if u in reached] + [u for u in reversed(reached) if u not in tied]
+    costs = reuse_costs(order, [sizes.get(u, 0) for u in range(max(units, default=-1) + 1)])
+    gathers: Counter = Counter()
+    gathered: set[int] = set()
+    graph = False  # some trainable unit was used before: every later output needs a gradient
+    for position, unit in enumerate(order):
+        if unit not in gathered:
+            gathers[unit] += 1
+            gathered.add(unit)
+        if position >= len(forward):
+            continue  # held to the end of backward
+        graph = graph or unit in trainable
+        cost = costs[position]
+        if not ((cost is not None and bucket_size is not None and cost <= bucket_size) or (sharding == "grad_op" and graph and unit in reached)):
+            gathered.discard(unit)
+    return gathers
+
+
+def collective_bytes(inventory: Inventory, sharding: str = "full", replicas: int = 1,
+                     bucket_size: Optional[int] = PrefetchConfig.bucket_size) -> int:
     """Bytes a step gathers and reduce-scatters, whole (all ranks' parts), as the engine schedules
-    them: each unit gathered in the compute dtype for the forward and again for backward, a tied
-    one (an embedding that is also the output layer) once more for its second use in the forward,
-    and one that backward does not reach (frozen, before every trainable unit in the plan's order,
-    the forward's for most models) not again; a persistent unit once, after the step, if the step
-    changes it; and each trainable group's gradient reduce-scattered in ``reduce_dtype``. Under
-    ``sharding="grad_op"`` a unit is gathered once a step, held from its first use to its backward
-    (a frozen tied one first used before every trainable unit twice: that use is not held).
-    Under ``sharding="hybrid"`` ``inventory`` is one shard group's (``G`` ranks), whose gathers and
-    reduce-scatters move ``(G - 1) / G`` of these bytes per rank, and each rank's gradient shard is
-    also all-reduced across the ``replicas`` groups (``R``; a ring: ``2 (R - 1) / R`` of the shard
-    per rank); the sum per rank is given as the bytes of an all-gather over all ``G R`` ranks that
-    moves as much per rank, since the collective rate is measured on one (both legs at that
-    rate: the group's, within a node, is counted as slow as the link between nodes). 0 with one rank."""
+    them: each unit gathered in the compute dtype as often as :func:`unit_gathers` says (for the
+    forward and again for backward, but units used again within ``bucket_size`` kept, tied and
+    frozen units and ``sharding="grad_op"``'s holds counted there); a persistent unit once, after
+    the step, if the step changes it; and each trainable group's gradient reduce-scattered in
+    ``reduce_dtype``. Under ``sharding="hybrid"`` ``inventory`` is one shard group's (``G``
+    ranks), whose gathers and reduce-scatters move ``(G - 1) / G`` of these bytes per rank, and
+    each rank's gradient shard is also all-reduced across the ``replicas`` groups (``R``; a ring:
+    ``2 (R - 1) / R`` of the shard per rank); the sum per rank is given as the bytes of an
+    all-gather over all ``G R`` ranks that moves as much per rank, since the collective rate is
+    measured on one (both legs at that rate: the group's, within a node, is counted as slow as
+    the link between nodes). 0 with one rank."""
     if inventory.world * (replicas if sharding == "hybrid" else 1) == 1:
         return 0
     stepped = {g.unit for g in inventory.groups if g.trainable}
-    first = min(stepped, default=None)
+    per_unit = unit_gathers(inventory, sharding, bucket_size)
     total = all_reduced = 0  # all_reduced: a rank's gradient shards' bytes
     for g in inventory.groups:
         full = g.shard_numel * inventory.world
-        if g.persistent:
-            gathers = 1 if g.unit in stepped else 0
-        else:
-            reached = first is not None and (g.tied or g.unit >= first)
-            if sharding == "grad_op":
-                # Held from its first use to its backward; but a use whose output needs no gradient
-                # (a frozen unit before every trainable one: a LoRA model's tied embedding) is not
-                # held, so a tied one is gathered again for its second use.
-                gathers = 2 if g.tied and g.unit not in stepped and (first is None or g.unit < first) else 1
-            else:
-                gathers = (2 if g.tied else 1) + reached
+        gathers = (1 if g.unit in stepped else 0) if g.persistent else per_unit[g.unit]
         total += gathers * full * g.compute_bytes
         if g.trainable:
             total += full * inventory.reduce_bytes
@@ -172,7 +210,8 @@ def collective_bytes(inventory: Inventory, sharding: str = "full", replicas: int
 
 def step_time(inventory: Inventory, placement: Placement, prediction: Prediction, rates: Bandwidths, *,
               accelerator: bool, profile: Optional[ForwardProfile] = None, kept: int = 0,
-              offloaded: int = 0, sharding: str = "full", replicas: int = 1) -> StepTime:
+              offloaded: int = 0, sharding: str = "full", replicas: int = 1,
+              bucket_size: Optional[int] = PrefetchConfig.bucket_size) -> StepTime:
     """The predicted step of ``placement`` (whose cost is ``prediction``) with the first ``kept``
     blocks of ``profile`` keeping their activations, the next ``offloaded`` keeping theirs in host
     memory and the others checkpointed.
@@ -189,6 +228,7 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
         offloaded: Blocks after those whose activations are offloaded (an accelerator's).
         sharding: ``"full"``, ``"grad_op"`` or ``"hybrid"`` (:func:`collective_bytes`).
         replicas: Under ``"hybrid"``, the shard groups (:func:`collective_bytes`).
+        bucket_size: The prefetch bucket the engine runs with, ``None`` with prefetch off (:func:`unit_gathers`).
     """
     forward = backward = recompute = None
     if profile is not None and profile.seconds_per_flop is not None:
@@ -199,7 +239,7 @@ def step_time(inventory: Inventory, placement: Placement, prediction: Prediction
     if inventory.world * (replicas if sharding == "hybrid" else 1) == 1:
         collectives = 0.0
     elif rates.collective:
-        collectives = collective_bytes(inventory, sharding, replicas) / rates.collective
+        collectives = collective_bytes(inventory, sharding, replicas, bucket_size) / rates.collective
     # Elements stepped on the device (every one without optimizer offload, the first groups' under
     # OffloadConfig.device_bytes) at the device's rate, the others at the host's.
     on_device = stepped_on_device(inventory, placement)
