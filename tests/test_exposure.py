@@ -72,7 +72,8 @@ def test_gathers_longer_than_the_compute_warn_on_rank_0_naming_the_units(referen
         assert result["forward"] / 2 <= waited + computed <= result["outer"], (waited, computed, result)
         assert len(result["warnings"]) == (1 if rank == 0 else 0), result["warnings"]
     message = results[0]["warnings"][0]
-    assert f"training forward {MEASURED}," in message and "ms on parameter all-gathers" in message and "qwz=True" in message and "grad_op" in message
+    assert f"training forward {MEASURED}," in message and "ms on parameter all-gathers" in message
+    assert "qwz=True" in message and "grad_op" in message
     assert any(f"'{name}'" in message for name in results[0]["names"])
 
 

@@ -100,16 +100,36 @@ def _train(rank: int, world: int, bucket_units: int, enabled: bool) -> dict:
     return {"rows": rows, "losses": losses, "final": final}
 
 
+def _ddp(rank: int, world: int) -> list[float]:
+    """The same training under torch's DistributedDataParallel: the reference."""
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Chain())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(4):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step * world + rank))
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("bucket_units", [1, 2])
 def test_units_used_again_within_a_bucket_stay_gathered(bucket_units: int) -> None:
     """Once the trace is replayed, the forward gathers each unit once (the first layer's second
     call reuses its gather) and the backward gathers all but the last ``bucket_units + 1`` units
     again; at most ``bucket_units + 1`` layers hold values at any module's forward or backward
     (the unit in use and a bucket ahead, as without reuse); nothing stays gathered after an
-    evaluation forward; losses and weights equal, bit for bit, the engine's without prefetch."""
+    evaluation forward; losses and weights equal, bit for bit, the engine's without prefetch, and
+    the losses DDP's."""
     world = 2
     reused = run_distributed(_train, world, bucket_units, True)
     on_demand = run_distributed(_train, world, bucket_units, False)
+    ddp = run_distributed(_ddp, world)
+    for got, want in zip(reused, ddp):
+        assert got["losses"] == want
     per_unit = UNIT * 4 // world  # fp32 bytes a rank receives for one unit's gather
     kept = bucket_units + 1
     for got, want in zip(reused, on_demand):

@@ -106,12 +106,12 @@ def test_hpz_is_bit_exact_and_keeps_backward_gathers_inside_the_node(tmp_path: P
             # secondary partitions, half the unit, instead of 3 of 4 shards).
             # Gradients (all trainable, fp32) are reduce-scattered once per micro-batch, crossing
             # nodes with as many bytes as one gather of everything: hpZ sends (1 + ACCUMULATE) x that
-            # per step; plain ZeRO-3 gathers each unit ACCUMULATE + 1 times (forward of each
-            # micro-batch, the evaluation), reduce-scatters ACCUMULATE times, and gathers across
-            # nodes again for each backward (all units but the last, kept gathered into it).
+            # per step; plain ZeRO-3 gathers each unit at least 2 x ACCUMULATE + 1 times (forward
+            # and backward of each micro-batch, the evaluation; the last unit, kept gathered into
+            # its backward, is outweighed by the tied embedding's second gather in each forward).
             assert h["gathered"] < p["gathered"]
             assert h["inter"] == (1 + ACCUMULATE) * b["once"]
-            assert p["inter"] > (2 * ACCUMULATE + 1) * b["once"]
+            assert p["inter"] >= (3 * ACCUMULATE + 1) * b["once"]
             assert h["intra"] > p["intra"]
 
 

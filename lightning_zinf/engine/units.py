@@ -468,9 +468,7 @@ class UnitStates:
         """Start gathering a released ``unit`` ahead of its use; it stays gathered until
         :meth:`claim` or the next :meth:`settle`."""
         self.start_gather(unit)
-        if unit.index not in self._ahead:
-            self._ahead_numel += unit.numel
-        self._ahead[unit.index] = unit
+        self._count_ahead(unit)
         self.gathered_ahead += 1
 
     def keep_ahead(self, unit: Unit) -> None:
@@ -481,6 +479,9 @@ class UnitStates:
         if unit.state != GATHERED or unit.persistent or unit.kept or unit.held:
             self.maybe_release(unit)
             return
+        self._count_ahead(unit)
+
+    def _count_ahead(self, unit: Unit) -> None:
         if unit.index not in self._ahead:
             self._ahead_numel += unit.numel
         self._ahead[unit.index] = unit

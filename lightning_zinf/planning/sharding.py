@@ -155,8 +155,9 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         ``(intra, inter)`` in bytes. A gather of a group of ``B`` bytes sends each peer this
         rank's ``B / shards``; a persistent unit is gathered once a step, others as often as
         :func:`~lightning_zinf.planning.timing.unit_gathers` says (forward and backward, but
-        units used again within ``bucket_size``); a reduce-scatter sends each peer its slice; a ring all-reduce of ``R`` ranks
-        sends ``2 (R - 1) / R`` of the buffer; qwZ and qgZ codes carry an fp32 scale per block.
+        units used again within ``bucket_size``); a reduce-scatter sends each peer its slice; a
+        ring all-reduce of ``R`` ranks sends ``2 (R - 1) / R`` of the buffer; qwZ and qgZ codes
+        carry an fp32 scale per block.
 
     Raises:
         ValueError: an unknown ``candidate``.
@@ -430,7 +431,8 @@ def auto_sharding(module: torch.nn.Module, *, world: int, ranks_per_node: int, d
 
     states = {"full": state(world), "hybrid": state(ranks_per_node), "zero_pp": state(world, secondary=True)}
     ring = dist.get_backend() == "nccl"
-    return choose_sharding(inventory, world, ranks_per_node, links, bucket_size=bucket_size if prefetch_enabled else None,
+    return choose_sharding(inventory, world, ranks_per_node, links,
+                           bucket_size=bucket_size if prefetch_enabled else None,
                            state_bytes={k: v[0] for k, v in states.items()}, free_bytes=free, compute=compute,
                            quantization=quantization, accelerator=accelerator, ring=ring,
                            host_bytes={k: v[1] for k, v in states.items()} if accelerator else None,

@@ -143,11 +143,10 @@ def unit_gathers(inventory: Inventory, sharding: str = "full",
     ``sharding="grad_op"``, unless its output needs a gradient (a trainable unit, or any after the
     first trainable one): then it is held until its backward.
     """
-    groups = [g for g in inventory.groups if not g.persistent]
     sizes: dict[int, int] = {}
     trainable: set[int] = set()
     tied: list[int] = []
-    for g in groups:
+    for g in (g for g in inventory.groups if not g.persistent):
         sizes[g.unit] = sizes.get(g.unit, 0) + g.numel
         if g.trainable:
             trainable.add(g.unit)
@@ -170,7 +169,8 @@ def unit_gathers(inventory: Inventory, sharding: str = "full",
             continue  # held to the end of backward
         graph = graph or unit in trainable
         cost = costs[position]
-        if not ((cost is not None and bucket_size is not None and cost <= bucket_size) or (sharding == "grad_op" and graph and unit in reached)):
+        reused = cost is not None and bucket_size is not None and cost <= bucket_size
+        if not (reused or (sharding == "grad_op" and graph and unit in reached)):
             gathered.discard(unit)
     return gathers
 
