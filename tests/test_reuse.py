@@ -104,7 +104,11 @@ def _ddp(rank: int, world: int) -> list[float]:
     """The same training under torch's DistributedDataParallel: the reference."""
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(Chain())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return _losses(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, world)
+
+
+def _losses(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
+    """Four SGD steps on each rank's own batches; the losses."""
     losses = []
     for step in range(4):
         x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step * world + rank))
@@ -162,15 +166,7 @@ def _read_inside_forward(rank: int, world: int, read: bool) -> dict:
     if read:
         # Before the engine's post-hook: after the layer computed, before the engine lets go of it.
         model.layers[-1].register_forward_hook(read_weights, prepend=True)
-    losses = []
-    for step in range(4):
-        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(step * world + rank))
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "sums": sums}
+    return {"losses": _losses(model, opt, rank, world), "sums": sums}
 
 
 def test_a_read_inside_the_forward_of_a_kept_unit_leaves_training_unchanged() -> None:
