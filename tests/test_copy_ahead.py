@@ -113,7 +113,7 @@ class OffloadedLayers:
         self.schedule = Schedule(self.layers, self.units, {layer: [u] for layer, u in zip(self.layers, self.units)},
                                  states=self.states, tracer=tracer, comm=comm, pool=pool, prefetch=prefetch,
                                  mixed_precision=MixedPrecisionConfig(), param_offload=None, read_ahead=0,
-                                 begin_pass=None, meet=self.agreement.waypoint, copy_ahead=copy_ahead)
+                                 begin_pass=None, meet=self.agreement.waypoint_with, copy_ahead=copy_ahead)
         self.observer = CopyObserver(self.streams, self.sources, keep=keep_copies)
         # (pass, unit, compute clock, copies queued, record_stream calls so far)
         self.work: list[tuple[str, int, dict[str, int], int, int]] = []

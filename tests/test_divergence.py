@@ -396,15 +396,16 @@ class LateBranches(Branches):
 
 def _rounds_per_collective(rank: int, world: int) -> dict:
     """Train ``LateBranches``: steps 0-3 agree (the trace is recorded, checked once, then
-    followed), step 4 diverges. Counts the control plane's rounds (all-gathers) and all-reduces
-    per step."""
+    followed), step 4 diverges. Counts the control plane's rounds (all-gathers) and all its
+    exchanges (rounds, flags and checks alike: each is one small collective that every rank
+    waits in) per step."""
     torch.manual_seed(0)
     model = LateBranches()
     engine = ZeroEngine(model, prefetch=NO_PERSIST)
     optimizer = engine.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     comm = engine.comm
-    counts = {"rounds": 0, "all_reduces": 0}
-    gather_ints, all_equal_each, any_rank = comm.all_gather_ints, comm.all_equal_each, comm.any_rank
+    counts = {"rounds": 0, "exchanges": 0}
+    gather_ints, exchange, any_rank = comm.all_gather_ints, comm.exchange, comm.any_rank
 
     def counted(name: str, fn: Callable) -> Callable:
         def call(*args):
@@ -412,8 +413,9 @@ def _rounds_per_collective(rank: int, world: int) -> dict:
             return fn(*args)
         return call
 
-    comm.all_gather_ints = counted("rounds", gather_ints)
-    comm.all_equal_each, comm.any_rank = counted("all_reduces", all_equal_each), counted("all_reduces", any_rank)
+    # (An instance attribute: the rounds, flags and checks all call it through self.)
+    comm.all_gather_ints, comm.exchange = counted("rounds", gather_ints), counted("exchanges", exchange)
+    comm.any_rank = counted("exchanges", any_rank)
     steps = []
     for step in range(6):
         before = dict(counts, collectives=engine.collectives_issued)
@@ -427,18 +429,77 @@ def _rounds_per_collective(rank: int, world: int) -> dict:
 
 
 def test_a_step_on_the_trace_checks_nothing_per_collective_and_one_that_diverges_one_round_each() -> None:
-    """The cost, counted: a step that follows the agreed trace makes no round at all and a few
-    small all-reduces (its meeting points: the pass start, the end of backward, the optimizer
-    step), however many collectives it issues; the step that diverges makes at most one round per
-    collective plus one per meeting point."""
+    """The cost, counted: a step that follows the agreed trace makes no round at all and one
+    exchange at each of its meeting points (the pass start, the end of backward, the optimizer
+    step), which carries the checks made there too (the collectives issued, the trace, the mode,
+    the gradients received), however many collectives it issues; the step that diverges makes at
+    most one round per collective plus one per meeting point."""
     steps = run_distributed(_rounds_per_collective, WORLD, timeout=120)[0]["steps"]
     on_trace = steps[3]  # step 0 records the trace, step 1 checks it once (writing the script)
     # Two gathers (each unit stays gathered from its forward into its backward: the model is
     # within the prefetch bucket) and two reduce-scatters.
     assert on_trace["rounds"] == 0 and on_trace["collectives"] == 4, steps
-    assert on_trace["all_reduces"] <= 6, steps
+    assert on_trace["exchanges"] == 3, steps
     diverged = steps[4]
     assert 0 < diverged["rounds"] <= diverged["collectives"] + 3, steps
+
+
+def _moe_in_one_unit(rank: int, world: int) -> dict:
+    """``MoE`` as one unit (its class a block): every rank gathers
+    and reduce-scatters the same, so its passes replay the trace, while an expert that no token
+    chose gets no gradient on that rank only. Records per step the experts this rank ran and how
+    often the engine agreed on the received gradients by an all-reduce of their flags."""
+    torch.manual_seed(0)
+    model = MoE()
+    engine = ZeroEngine(model, block_classes=[MoE], prefetch=NO_PERSIST)
+    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    calls, any_rank = [0], engine.comm.any_rank
+
+    def counted(flags: list) -> list:
+        calls[0] += 1
+        return any_rank(flags)
+
+    engine.comm.any_rank = counted
+    ran: list[int] = []
+    for e, expert in enumerate(model.experts):
+        expert.register_forward_hook(lambda *_, e=e: ran.append(e))
+    losses, experts, flag_reduces = [], [], []
+    for step in range(STEPS):
+        ran.clear()
+        calls[0] = 0
+        _set(model, rank, step)
+        x, y = _batch(rank, step)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        experts.append(sorted(ran))
+        flag_reduces.append(calls[0])
+    with engine.gathered():
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "negotiated": engine.agreement.negotiation.departed_passes,
+            "units": len(engine.units), "experts": experts, "flag_reduces": flag_reduces}
+
+
+def test_experts_unused_on_one_rank_inside_a_replayed_unit_get_the_other_ranks_gradient() -> None:
+    """The end of backward agrees on which parameters received a gradient within its meeting's
+    exchange when every rank's flags are the same, and by an all-reduce of the flags when they
+    differ: an expert that only some ranks ran, inside a unit every rank gathers (so the pass
+    stays on its trace), is stepped with the mean gradient on every rank, as under DDP."""
+    ranks = run_distributed(_moe_in_one_unit, WORLD, timeout=120)
+    want = _ddp_reference(MoE, STEPS)
+    for rank, got in enumerate(ranks):
+        assert got["units"] == 1 and got["negotiated"] == 0, got
+        assert got["losses"] == pytest.approx(want["losses"][rank], rel=1e-5), rank
+        for name, value in want["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+    # From step 2 on the passes follow their script (step 0 records the trace, step 1 writes the
+    # script): the flags travel alone exactly in the steps whose ranks ran different experts.
+    differ = [a != b for a, b in zip(ranks[0]["experts"], ranks[1]["experts"])]
+    assert any(differ[2:]) and not all(differ[2:]), ranks[0]["experts"]  # both cases occur
+    for got in ranks:
+        assert got["flag_reduces"][2:] == [int(d) for d in differ[2:]], (got["flag_reduces"], differ)
 
 
 def _predict_uneven(rank: int, world: int, strategy: str, budget: int = 0, samples: int = 5) -> list:
@@ -482,3 +543,40 @@ def test_a_predict_loop_whose_batches_do_not_split_evenly_runs_as_under_ddp(budg
     for mine, theirs in zip(zinf, ddp):
         for a, b in zip(mine, theirs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _tracer_after(setup: list[tuple[str, list[int]]]):
+    """A one-rank tracer that ran ``setup``'s passes: (kind, units requested), the last one left in
+    progress (its recording not yet validated)."""
+    from lightning_zinf.comm import Collectives
+    from lightning_zinf.engine.trace import Tracer
+
+    tracer = Tracer(Collectives())
+    for kind, units in setup:
+        tracer.begin_pass(kind)
+        for unit in units:
+            tracer.request(unit)
+    return tracer
+
+
+@pytest.mark.parametrize("setup", [
+    [],  # nothing recorded yet
+    [("train", [0, 1])],  # train's first pass, recording
+    [("eval", [1])],  # another kind recording
+    [("train", [0, 1]), ("eval", [1])],  # train replays, eval recording
+    [("train", [0, 1]), ("train", [0, 1])],  # train replaying
+    [("train", [0, 1]), ("train", [0, 1]), ("train", [1, 0])],  # train left its trace
+    [("train", [])],  # a pass that gathered nothing
+], ids=["new", "recording", "other-recording", "replays-other-recording", "replaying", "departed", "empty"])
+@pytest.mark.parametrize("agreed", [True, False])
+def test_a_pass_start_predicts_whether_its_pass_replays_before_the_ranks_validate_the_recording(
+        setup: list[tuple[str, list[int]]], agreed: bool) -> None:
+    """What a rank sends at a pass start before knowing whether the ranks validate the previous
+    pass's recording (``Tracer.certifies``) is what the tracer then says once it knows: the start
+    of a pass checks both answers in one exchange and keeps the one that holds."""
+    for kind in ("train", "eval"):
+        predicted = _tracer_after(setup).certifies(kind, agreed)
+        tracer = _tracer_after(setup)
+        tracer.finish(agreed if tracer.pending() is not None else False)
+        tracer.begin_pass(kind, finished=True)
+        assert predicted == tracer.certified, (kind, agreed)

@@ -44,9 +44,11 @@ def _actor(seed: int = 0) -> Any:
 
 class _Observer:
     """Records every collective this process runs, as ``(method, ranks of its group, group)``, by
-    wrapping ``ProcessGroup``'s methods (what ``torch.distributed``'s functions call)."""
+    wrapping ``ProcessGroup``'s methods (what ``torch.distributed``'s functions call). ``control``:
+    the engine's control group, whose exchanges (the ranks' checks) are counted apart from gathers."""
 
-    def __init__(self) -> None:
+    def __init__(self, control: Any) -> None:
+        self.control = control
         self.calls: list[tuple[str, tuple[int, ...], Any]] = []
 
     @contextlib.contextmanager
@@ -72,13 +74,17 @@ class _Observer:
         return len(self.calls)
 
     def gathers(self, start: int = 0, stop: int | None = None) -> list[tuple[int, ...]]:
-        return [ranks for name, ranks, _ in self.calls[start:stop] if name in _GATHERS]
+        return [ranks for name, ranks, group in self.calls[start:stop] if name in _GATHERS and group is not self.control]
 
     def cross_node_gathers(self, start: int = 0, stop: int | None = None) -> int:
         return sum(len({r // RANKS_PER_NODE for r in ranks}) > 1 for ranks in self.gathers(start, stop))
 
     def all_reduces_on(self, group: Any, start: int = 0, stop: int | None = None) -> int:
         return sum(name == "allreduce" and g is group for name, _, g in self.calls[start:stop])
+
+    def exchanges(self, start: int = 0, stop: int | None = None) -> int:
+        """Collectives on the control group (whatever the method)."""
+        return sum(g is self.control for _, _, g in self.calls[start:stop])
 
 
 def _engine(model: Any, bucket_size: int = 10_000_000, **zero_pp: Any) -> Any:
@@ -112,8 +118,8 @@ def _per_forward(rank: int, world: int, budget_share: float) -> dict:
     engine = _engine(model, hpz=True)
     optimizer = engine.shard_optimizer(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
     budget = int(budget_share * _whole(engine))
-    observer = _Observer()
-    control, world_group = engine.comm.control_group, dist.group.WORLD
+    observer = _Observer(engine.comm.control_group)
+    world_group = dist.group.WORLD
     starts: list[int] = []
     model.base_model.model.register_forward_pre_hook(lambda *_: starts.append(observer.mark()))
     phases = []
@@ -131,7 +137,7 @@ def _per_forward(rank: int, world: int, budget_share: float) -> dict:
             phases.append({
                 "cross_node": [observer.cross_node_gathers(a, b) for a, b in zip(bounds, bounds[1:])],
                 "gathers": [len(observer.gathers(a, b)) for a, b in zip(bounds, bounds[1:])],
-                "control": [observer.all_reduces_on(control, a, b) for a, b in zip(bounds, bounds[1:])],
+                "control": [observer.exchanges(a, b) for a, b in zip(bounds, bounds[1:])],
                 "synced_flag": observer.all_reduces_on(world_group, starts[0], end),
                 "inter_node_bytes": [b - a for a, b in zip([0] + inter, inter)],
             })
@@ -145,7 +151,7 @@ def test_decode_steps_cross_no_node_and_check_nothing_per_gather(budget_share: f
     phase again: each phase's first forward (prefill) gathers across nodes (the adapters changed in
     the step; the frozen base already has its secondary partitions in the second phase), and every
     decode step after it makes no gather whose group spans nodes (the observer agrees with the
-    engine's own inter-node byte count) and no control-plane all-reduce (no agreement check per
+    engine's own inter-node byte count) and no control-plane exchange (no agreement check per
     gather or per pass). Ranks ask for different lengths, so ``synced_gpus`` (on below the whole
     model: ``transformers`` reads the engine's marker on the model ``PeftModel.generate`` calls)
     keeps every rank stepping; its flag all-reduce on the world group is counted apart."""
@@ -169,7 +175,7 @@ def test_decode_steps_cross_no_node_and_check_nothing_per_gather(budget_share: f
             assert number == 0 or phase["control"][0] == 0, (rank, number, phase)
             assert phase["synced_flag"] >= forwards, (rank, number, phase)
     print("synced_gpus flag all-reduces per phase (rank 0):", [p["synced_flag"] for p in ranks[0]["phases"]],
-          "control all-reduces per forward:", [p["control"] for p in ranks[0]["phases"]])
+          "control exchanges per forward:", [p["control"] for p in ranks[0]["phases"]])
 
 
 # --- 2: qwZ quantizes each shard at most once per phase -----------------------------------------------
@@ -557,7 +563,7 @@ def _fabric_rollouts(rank: int, world: int) -> dict:
     actor = _actor()
     actor, optimizer = fabric.setup(actor, torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=1e-2))
     engine = fabric.strategy.engine_of(actor)
-    observer, control = _Observer(), engine.comm.control_group
+    observer = _Observer(engine.comm.control_group)
     per_phase = []
     with observer.watching():
         for step in range(2):
@@ -568,7 +574,7 @@ def _fabric_rollouts(rank: int, world: int) -> dict:
                 end = observer.mark()
             hook.remove()
             bounds = marks + [end]
-            per_phase.append([observer.all_reduces_on(control, a, b) for a, b in zip(bounds, bounds[1:])])
+            per_phase.append([observer.exchanges(a, b) for a, b in zip(bounds, bounds[1:])])
             loss = actor(input_ids=out, labels=out).loss
             fabric.backward(loss)
             optimizer.step()

@@ -46,7 +46,8 @@ def _received(counter: dict) -> None:
     """Count the bytes each rank receives through ``torch.distributed``'s gathers (broadcast
     into a slice on gloo, all-gather elsewhere) into ``counter["bytes"]``: the calls are wrapped
     where the engine hands them to torch (``dist.broadcast``, and the all-gather function
-    ``collectives`` bound at import)."""
+    ``collectives`` bound at import). The control plane's rows (int64, the ranks' checks) are not
+    parameters' bytes."""
     broadcast, gather = dist.broadcast, collectives._all_gather_tensor
 
     def counted_broadcast(tensor, *args, group_src=None, **kwargs):
@@ -55,7 +56,8 @@ def _received(counter: dict) -> None:
         return broadcast(tensor, *args, group_src=group_src, **kwargs)
 
     def counted_gather(out, shard, *args, **kwargs):
-        counter["bytes"] += (out.numel() - shard.numel()) * out.element_size()
+        if out.dtype != torch.int64:
+            counter["bytes"] += (out.numel() - shard.numel()) * out.element_size()
         return gather(out, shard, *args, **kwargs)
 
     dist.broadcast, collectives._all_gather_tensor = counted_broadcast, counted_gather

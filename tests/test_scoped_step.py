@@ -147,14 +147,16 @@ def _reward_weights(seed: int) -> dict[str, torch.Tensor]:
 def _observed(log: list[tuple[int, ...]]) -> Iterator[None]:
     """Record the ranks of the process group of every gather torch.distributed runs for the
     collectives: the flat all-gather (torch's ``all_gather_into_tensor``) and the broadcasts
-    gloo's in-place form uses."""
+    gloo's in-place form uses. The control plane's rows (int64: the ranks' checks, over every
+    rank) are not gathers of parameters."""
     flat, broadcast = collectives._all_gather_tensor, dist.broadcast
 
     def ranks(group) -> tuple[int, ...]:
         return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
     def observed_flat(out, shard, group=None, async_op=False):
-        log.append(ranks(group))
+        if out.dtype != torch.int64:
+            log.append(ranks(group))
         return flat(out, shard, group=group, async_op=async_op)
 
     def observed_broadcast(*args, group=None, **kwargs):

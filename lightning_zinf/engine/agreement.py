@@ -105,7 +105,17 @@ class RankAgreement:
             self.tracer.begin_pass(kind)
             negotiation.begin_pass(kind, False, trusted=self.tracer.certified)
             return None
-        together = self.waypoint(PASS)
+        # What the checks below compare, sent with the meeting's flag when every rank follows its
+        # script (one exchange instead of three): whether this pass replays depends on whether the
+        # previous pass's recording is validated, so both answers go.
+        pending = self.tracer.pending()
+        code = zlib.crc32(repr(kind).encode())
+        payload = [_digest(self._issued), -1 if pending is None else pending,
+                   code if self.tracer.certifies(kind, True) else -1, code if self.tracer.certifies(kind, False) else -1,
+                   int(training is not None), training or 0]
+        together, rows = self.waypoint_with(PASS, payload)
+        if rows is not None:
+            return self._begin_met_pass(kind, rows, pending, training)
         if negotiation.departed:  # the pass that ends left its script, or diverged: recorded anew
             self.tracer.rerecord_kind(negotiation.kind)
             negotiation.forget(negotiation.kind)
@@ -113,9 +123,8 @@ class RankAgreement:
         if together:
             # Every rank is here: check the collectives since the last check and validate the recording.
             issued, self._issued = self._issued, []
-            digest = zlib.crc32(",".join(map(str, issued)).encode())
             with self._waiting(f"the agreement check at the start of a forward pass ({kind!r})"):
-                same_issued, same_pending = self.comm.all_equal_each([digest, -1 if pending is None else pending])
+                same_issued, same_pending = self.comm.all_equal_each([_digest(issued), -1 if pending is None else pending])
             if not same_issued:
                 self._explain_mismatch(issued, "the start of a forward pass")
             self.tracer.finish(same_pending and pending is not None)
@@ -125,7 +134,7 @@ class RankAgreement:
         replaying: Optional[bool] = None
         decision: Optional[bool] = None
         if together:  # one collective on every rank, certified or not, training or not
-            mine = zlib.crc32(repr(kind).encode()) if self.tracer.certified else -1
+            mine = code if self.tracer.certified else -1
             same_kind, all_training, same_flags = self.comm.all_equal_each(
                 [mine, int(training is not None), training or 0])
             replaying = same_kind and mine != -1
@@ -133,6 +142,21 @@ class RankAgreement:
                 decision = same_flags
         negotiation.begin_pass(kind, replaying)
         return decision
+
+    def _begin_met_pass(self, kind: Hashable, rows: list[tuple[int, ...]], pending: Optional[int],
+                        training: Optional[int]) -> Optional[bool]:
+        """:meth:`begin_pass` when the meeting's flag brought every rank's payload (``rows``): the
+        same checks, read from it."""
+        issued, self._issued = self._issued, []
+        same = [len({row[i] for row in rows}) == 1 for i in range(len(rows[0]))]
+        if not same[0]:
+            self._explain_mismatch(issued, "the start of a forward pass")
+        validated = same[1] and pending is not None
+        self.tracer.finish(validated)
+        self.tracer.begin_pass(kind, finished=True)
+        column = 2 if validated else 3  # this pass's code if it replays, on every rank
+        self.negotiation.begin_pass(kind, same[column] and rows[self.comm.rank][column] != -1)
+        return same[5] if same[4] and training is not None else None
 
     def waypoint(self, waypoint: int) -> bool:
         """This rank reached ``waypoint`` (:mod:`~lightning_zinf.engine.negotiation`'s codes): meet
@@ -144,8 +168,38 @@ class RankAgreement:
         Raises:
             RuntimeError: the ranks wait at different hard waypoints.
         """
+        return self.waypoint_with(waypoint, ())[0]
+
+    def waypoint_with(self, waypoint: int, payload: Sequence[int]) -> tuple[bool, Optional[list[tuple[int, ...]]]]:
+        """:meth:`waypoint`, sending ``payload`` (at most six signed 64-bit values) with the
+        meeting's check when every rank follows its script
+        (:meth:`Negotiation.waypoint_with <lightning_zinf.engine.negotiation.Negotiation.waypoint_with>`).
+
+        Returns:
+            Whether every rank is there together, and every rank's payload by rank, or ``None`` when
+            the meeting did not bring them (the caller then checks by itself).
+
+        Raises:
+            RuntimeError: the ranks wait at different hard waypoints.
+        """
         with self._waiting(f"the meeting of the ranks at {WAYPOINTS[waypoint]}"):
-            return self.negotiation.waypoint(waypoint)
+            return self.negotiation.waypoint_with(waypoint, payload)
+
+    def meet_and_verify(self, waypoint: int, where: str) -> None:
+        """Meet the other ranks at ``waypoint``, then :meth:`verify` (``where`` names it); when
+        every rank follows its script, both in one exchange.
+
+        Raises:
+            RuntimeError: the ranks wait at different hard waypoints, or their collectives since
+                the last check differ.
+        """
+        _, rows = self.waypoint_with(waypoint, [_digest(self._issued)])
+        if rows is None:
+            self.verify(where)
+            return
+        issued, self._issued = self._issued, []
+        if len({row[0] for row in rows}) > 1:
+            self._explain_mismatch(issued, where)
 
     def _elsewhere(self, what: str) -> None:
         """Another rank is in another control call than this rank's ``what``: every rank saw it, so
@@ -230,9 +284,8 @@ class RankAgreement:
         issued, self._issued = self._issued, []
         if self.comm.world_size == 1:
             return
-        digest = zlib.crc32(",".join(map(str, issued)).encode())
         with self._waiting(where):
-            agreed = self.comm.all_equal(digest)
+            agreed = self.comm.all_equal(_digest(issued))
         if not agreed:
             self._explain_mismatch(issued, where)
 
@@ -321,6 +374,11 @@ class RankAgreement:
 
     def _numel_of(self, code: int) -> int:
         return self.units[code].numel if code >= 0 else self.groups[-1 - code].numel
+
+
+def _digest(codes: list[int]) -> int:
+    """A CRC of a sequence of collectives' codes (what the ranks compare)."""
+    return zlib.crc32(",".join(map(str, codes)).encode())
 
 
 def _raise_if_elsewhere(entries: list[tuple[str, str, Any]]) -> None:

@@ -305,7 +305,7 @@ class ZeroEngine:
                                  states=self.states, tracer=self.tracer, comm=self.comm, pool=self.pool,
                                  prefetch=prefetch, mixed_precision=mixed_precision, param_offload=self.param_offload,
                                  read_ahead=offload.read_ahead, begin_pass=self.begin_pass if auto_pass else None,
-                                 meet=self.agreement.waypoint,
+                                 meet=self.agreement.waypoint_with,
                                  copy_ahead=offload.copy_ahead_bytes if offload.param == "cpu" else 0,
                                  hold_for_backward=sharding == "grad_op")
         if self.unit_size and not block_classes:

@@ -36,7 +36,7 @@ DDP.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Optional
+from typing import Callable, Hashable, Optional, Sequence
 
 from lightning_zinf.comm import Collectives
 
@@ -164,20 +164,36 @@ class Negotiation:
         Raises:
             RuntimeError: the ranks wait at different hard waypoints (every rank raises, naming each one's).
         """
+        return self.waypoint_with(waypoint, ())[0]
+
+    def waypoint_with(self, waypoint: int, payload: Sequence[int]) -> tuple[bool, Optional[list[tuple[int, ...]]]]:
+        """:meth:`waypoint`, sending ``payload`` (at most six signed 64-bit values: what the caller
+        would check with the other ranks right after meeting them) with the waypoint's flag in a
+        trace pass, so that one exchange does both.
+
+        Returns:
+            Whether every rank is here together, and every rank's payload, indexed by rank, when the
+            flag brought them (every rank followed the script to this waypoint); ``None`` otherwise
+            (a negotiated pass, or a rank left the script): the caller then checks by itself.
+
+        Raises:
+            RuntimeError: as :meth:`waypoint`.
+        """
         if self.comm.world_size == 1:
-            return True
+            return True, [tuple(payload)]
         if self._trusted:  # every rank is here in step: meet by rounds, which name a rank elsewhere
             self._trusted, self.negotiating = False, True
         if not self.negotiating:
             if self._follows(_scripted(waypoint)):
-                if not self._flag(False, waypoint):
-                    return True
+                anyone, rows = self._flag(False, waypoint, payload)
+                if not anyone:
+                    return True, rows
                 self._negotiate_from_here()
             else:
                 self._leave()
         together = self._rounds(_AT, waypoint)
         self._write(_scripted(waypoint))
-        return together
+        return together, None
 
     def _follows(self, code: int) -> bool:
         if self._position < len(self._script) and self._script[self._position] == code:
@@ -197,12 +213,16 @@ class Negotiation:
         self._flag(True, None)
         self._negotiate_from_here()
 
-    def _flag(self, departed: bool, waypoint: Optional[int]) -> bool:
-        """The flag every rank checks at a waypoint of the script: whether some rank left it."""
-        anyone = self.comm.any_flag(departed)
-        if anyone is None:
-            self.elsewhere(f"the check at {WAYPOINTS[waypoint]}" if waypoint else "the check after leaving the script")
-        return bool(anyone)
+    def _flag(self, departed: bool, waypoint: Optional[int],
+              payload: Sequence[int] = ()) -> tuple[bool, list[tuple[int, ...]]]:
+        """The flag every rank checks at a waypoint of the script: whether some rank left it; with
+        every rank's ``payload``."""
+        flagged = self.comm.flag_with(departed, payload)
+        if flagged is None:
+            what = f"the check at {WAYPOINTS[waypoint]}" if waypoint else "the check after leaving the script"
+            self.elsewhere(what)  # raises, naming every rank's place
+            raise RuntimeError(f"Ranks diverged: another rank is in another control call than {what}.")
+        return flagged
 
     def _negotiate_from_here(self) -> None:
         self.negotiating, self.departed = True, True

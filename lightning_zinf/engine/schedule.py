@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import itertools
 import weakref
-from typing import Any, Callable, Hashable, Iterator, Mapping, Optional
+from typing import Any, Callable, Hashable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -83,8 +84,8 @@ class Schedule:
             released after the forward and gathered again for backward.
         begin_pass: Called with ``(training, grad enabled)`` at every forward of ``module`` itself,
             or None (the driver calls it).
-        meet: Meets the other ranks at a waypoint (the end of backward:
-            :meth:`RankAgreement.waypoint <lightning_zinf.engine.agreement.RankAgreement.waypoint>`).
+        meet: Meets the other ranks at a waypoint (the end of backward), sending a payload:
+            :meth:`RankAgreement.waypoint_with <lightning_zinf.engine.agreement.RankAgreement.waypoint_with>`.
 
     Attributes:
         handles: The hook handles installed (removed by :meth:`remove`).
@@ -95,7 +96,8 @@ class Schedule:
     def __init__(self, module: nn.Module, units: list[Unit], uses: dict[nn.Module, list[Unit]], *,
                  states: UnitStates, tracer: Tracer, comm: Collectives, pool: BufferPool, prefetch: PrefetchConfig,
                  mixed_precision: MixedPrecisionConfig, param_offload: Optional[ParamOffload], read_ahead: int,
-                 begin_pass: Optional[Callable[[Hashable], None]], meet: Callable[[int], bool],
+                 begin_pass: Optional[Callable[[Hashable], None]],
+                 meet: Callable[[int, Sequence[int]], tuple[bool, Optional[list[tuple[int, ...]]]]],
                  copy_ahead: int = 0, hold_for_backward: bool = False) -> None:
         self.units = units
         self.groups = [g for u in units for g in u.groups]
@@ -553,27 +555,41 @@ class Schedule:
                 group.discard_grads(self.pool)
         self.states.drain_reduces()
         # Ranks that ran different modules meet here (serving each other's reduce-scatters), so the
-        # gradients every rank exposes are complete.
-        self._meet(BACKWARD_END)
+        # gradients every rank exposes are complete. When every rank follows its script, the
+        # meeting also tells whether every rank's parameters received the same gradients.
+        received = self._received()
+        _, rows = self._meet(BACKWARD_END, [_flags_digest(received)])
         self.states.drain_reduces()
         self.states.finish_host_grads()
         self.pool.release_free()
-        self._expose_grads()
+        same = rows is not None and len(set(rows)) == 1 and received == self._received()
+        self._expose_grads(received if same else None)
         for unit in self.units:
             unit.pending_backward = 0  # uses whose inputs' gradients were never needed
             if unit.held:
                 unit.held, unit.reduced_groups = False, 0
                 self.states.maybe_release(unit)
 
-    def _expose_grads(self) -> None:
-        """Agree with the other ranks which parameters received a gradient (one host-side
-        all-reduce of one flag per trainable parameter) and hand the optimizer gradients for those only."""
+    def _received(self) -> list[bool]:
+        """Per trainable parameter, group by group: whether it received a gradient on this rank."""
+        return [r for g in self.groups if g.trainable for r in g.received]
+
+    def _expose_grads(self, agreed: Optional[list[bool]]) -> None:
+        """Hand the optimizer gradients for the parameters that received one on some rank:
+        ``agreed`` when the ranks already know that (the same flags on every rank), else agreed
+        here (one host-side all-reduce of one flag per trainable parameter)."""
         trainable = [g for g in self.groups if g.trainable]
-        flags = self.comm.any_rank([r for g in trainable for r in g.received])
+        flags = agreed if agreed is not None else self.comm.any_rank(self._received())
         start = 0
         for group in trainable:
             group.expose_grads(flags[start : start + len(group.params)])
             start += len(group.params)
+
+
+def _flags_digest(flags: list[bool]) -> int:
+    """A 64-bit digest of a list of flags (signed, as the control plane sends it): the ranks whose
+    digests match have the same flags but for a chance of 2**-64."""
+    return int.from_bytes(hashlib.blake2b(bytes(flags), digest_size=8).digest(), "little", signed=True)
 
 
 class _OuterForwards:

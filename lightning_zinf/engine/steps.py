@@ -176,8 +176,8 @@ class OptimizerSteps:
     @phased("zinf.before_step")
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._settle()
-        self.agreement.waypoint(OPTIMIZER_STEP)  # ranks that ran different modules meet here
-        self.agreement.verify("the agreement check before an optimizer step")
+        # Ranks that ran different modules meet here, and check their collectives since the last check.
+        self.agreement.meet_and_verify(OPTIMIZER_STEP, "the agreement check before an optimizer step")
         if self.offload is not None:
             if self._shard_device != self.device:
                 self.transfers.host_wait_h2d()  # the step rewrites host-tier shards a gather may read

@@ -134,6 +134,18 @@ class Tracer:
                 self._adopt(trace, agreed)
         self._current = None
 
+    def certifies(self, kind: Hashable, agreed: bool) -> bool:
+        """Whether a pass of ``kind`` would be :attr:`certified` at its start if the pass in
+        progress were finished now with ``finish(agreed)``: what a rank sends before the ranks
+        know whether they validate its recording (:meth:`RankAgreement.begin_pass
+        <lightning_zinf.engine.agreement.RankAgreement.begin_pass>` checks both at once)."""
+        trace = self._traces.get(kind)
+        if trace is None:
+            return False  # its first pass records
+        if trace is self._current and trace.state == _RECORD and trace.recording:
+            return agreed  # finish() adopts the recording: replayed if agreed, off otherwise
+        return trace.state == _REPLAY
+
     def rerecord_kind(self, kind: Hashable) -> None:
         """Record ``kind``'s trace anew from its next pass (a pass of it left its script)."""
         trace = self._traces.get(kind)
