@@ -53,13 +53,28 @@ def _loss(model: nn.Module, kind: str, rank: int, world: int) -> torch.Tensor:
 
 
 def _count_gathers(fn) -> int:
-    """All-gathers gloo ran during ``fn()``, by torch's profiler."""
+    """All-gathers of parameters during ``fn()``: calls of the all-gather function the collectives
+    hand flat gathers to (``collectives._all_gather_tensor``, bound at import), less the control
+    plane's rows (int64: the ranks' checks); gloo's in-place form of large gathers (broadcasts,
+    seen by torch's profiler) must not be used here."""
     from torch.profiler import profile
 
-    with profile() as prof:
-        fn()
-    assert not any(e.name == "gloo:broadcast" for e in prof.events())  # gloo's in-place form of large gathers
-    return sum(e.name == "gloo:all_gather" for e in prof.events())
+    from lightning_zinf.comm import collectives
+
+    gather, count = collectives._all_gather_tensor, [0]
+
+    def counted(out, shard, *args, **kwargs):
+        count[0] += out.dtype != torch.int64
+        return gather(out, shard, *args, **kwargs)
+
+    collectives._all_gather_tensor = counted
+    try:
+        with profile() as prof:
+            fn()
+    finally:
+        collectives._all_gather_tensor = gather
+    assert not any(e.name == "gloo:broadcast" for e in prof.events())
+    return count[0]
 
 
 def _step_on_ranks(rank: int, world: int, kind: str, precision: str) -> dict:

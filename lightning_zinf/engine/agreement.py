@@ -10,9 +10,10 @@ NCCL hang. This part records each collective a rank issues (its code: a unit's i
   run different modules agree on each collective before it and serve each other, and a pass that
   replays an agreed trace only checks its script;
 - in user code (:meth:`RankAgreement.checked`: ``gathered()``, state dicts), each gather is checked
-  with every rank before it is issued (one all-reduce of a hash), and ranks that differ stop;
+  with every rank before it is issued (one exchange of a hash), and ranks that differ stop;
 - after the fact, at every pass boundary and before every optimizer step
-  (:meth:`RankAgreement.verify`: one all-reduce of a CRC of the sequence since the last check).
+  (:meth:`RankAgreement.verify`: one exchange of a CRC of the sequence since the last check; on a
+  pass's script, sent with the meeting's flag there, :meth:`RankAgreement.waypoint_with`).
 
 On a mismatch the sequences (or the next collective of each rank) are gathered as objects, only
 then, and every rank raises the same error naming each rank's collective (this project's own
@@ -48,7 +49,7 @@ class RankAgreement:
     """Records the collectives this rank issues and checks with the other ranks that they match.
 
     Args:
-        comm: The engine's collectives (its control-plane all-reduces carry the checks).
+        comm: The engine's collectives (its control-plane exchanges carry the checks).
         tracer: The engine's trace of unit gathers; while it certifies the order (a pass that
             follows the recorded one) gathers and reduce-scatters are not checked one by one.
         units: The engine's units, by index (for messages).
@@ -77,10 +78,12 @@ class RankAgreement:
     def begin_pass(self, kind: Hashable, check: bool, training: Optional[int] = None) -> Optional[bool]:
         """A pass of ``kind`` starts: the ranks meet at the start of a pass (a soft waypoint,
         :meth:`~lightning_zinf.engine.negotiation.Negotiation.waypoint`), then, if they are there
-        together, agree in one all-reduce that every rank issued the same collectives since the
-        last check (:meth:`verify`) and on the previous pass's trace recording, and in another
-        whether this pass replays an agreed trace of the same kind on every rank (checked against
-        its script) or is negotiated. ``check=False`` (the passes of a generation phase, which every
+        together, agree that every rank issued the same collectives since the last check
+        (:meth:`verify`), on the previous pass's trace recording, and on whether this pass replays
+        an agreed trace of the same kind on every rank (checked against its script) or is
+        negotiated: in one exchange with the meeting's flag when every rank followed its script to
+        here (the pass's mode depends on the recording's validation, so both answers go), else in
+        two exchanges after the meeting. ``check=False`` (the passes of a generation phase, which every
         rank runs in step): no meeting; the previous pass's recording is validated as a trace (a
         collective) and a pass replaying an agreed trace is trusted, not checked.
 
@@ -90,7 +93,7 @@ class RankAgreement:
             training: For a pass that may run backward, the digest of the parameters'
                 ``requires_grad`` flags and optimizer param groups
                 (:meth:`Freezing.prepare <lightning_zinf.engine.freezing.Freezing.prepare>`), agreed in
-                the same all-reduce as the mode; ``None`` for other passes.
+                the same exchange as the mode; ``None`` for other passes.
 
         Returns:
             ``None``, unless every rank is at a training pass together: then whether their
@@ -270,7 +273,7 @@ class RankAgreement:
 
     def verify(self, where: str = "an agreement check of the engine") -> None:
         """Check that every rank issued the same gathers and reduce-scatters, unit for unit, since
-        the last check (one all-reduce of two integers; the sequences travel only on a mismatch).
+        the last check (one exchange of an integer; the sequences travel only on a mismatch).
         Run at every pass boundary and before every optimizer step, so a rank whose control flow
         diverged (a different branch over units of the same size, which the collectives
         themselves cannot notice) stops training before a wrong update is applied.
@@ -337,7 +340,7 @@ class RankAgreement:
 
     def _agree_on(self, code: int) -> None:
         """Before issuing a collective the agreed trace does not certify: check with every rank
-        that it is about to issue the same one (one host-side all-reduce of a hash), so ranks that
+        that it is about to issue the same one (one host-side exchange of a hash), so ranks that
         diverged (a module run on some ranks only, units of other sizes, another order) raise this
         error instead of reaching the backend with mismatched collectives, which gloo answers by
         aborting the process and NCCL by hanging.
@@ -383,7 +386,7 @@ def _digest(codes: list[int]) -> int:
 
 def _raise_if_elsewhere(entries: list[tuple[str, str, Any]]) -> None:
     """The ranks' ``(kind, where, payload)`` of a failed agreement check: when they were at
-    different kinds of check (one at a pass boundary, another before a gather), the all-reduce
+    different kinds of check (one at a pass boundary, another before a gather), the exchange
     paired calls that do not correspond, so say where each rank was.
 
     Raises:

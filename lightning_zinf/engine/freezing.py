@@ -19,7 +19,7 @@ changed, brings the engine to what plain torch does with the new flags:
   (:class:`~lightning_zinf.engine.sharded.ShardedOptimizers`).
 
 Every rank must make the same changes: the flags (and the sharded optimizers' param groups) are
-agreed by one control all-reduce of their digest per pass boundary; on a mismatch every rank raises
+agreed by their digest in the pass boundary's control exchange; on a mismatch every rank raises
 an error naming the first parameter that differs, before any collective depends on them. Cases not
 supported yet are refused, on every rank, before anything changes: unfreezing a group stored as
 ``frozen_bits`` codes or in ``frozen_dtype`` (its exact values are gone), and unfreezing a group
@@ -74,7 +74,7 @@ class Freezing:
     def sync(self) -> None:
         """At a pass boundary (before a pass that may run backward): agree with the other ranks on
         every parameter's ``requires_grad`` and the sharded optimizers' param groups, and apply
-        what changed since the last call. One control all-reduce; costs nothing else when
+        what changed since the last call. One control exchange; costs nothing else when
         nothing changed.
 
         Param groups that reached a sharded optimizer without its intercepted ``add_param_group``

@@ -132,7 +132,7 @@ class Generation:
           ``("generation", qualified name of that module)`` (:meth:`Schedule.pass_per_outer_forward
           <lightning_zinf.engine.schedule.Schedule.pass_per_outer_forward>`), so each decode step
           replays one stable trace: after the first forward of each kind no gather is checked with
-          the other ranks one by one (a control all-reduce each, across nodes), and no pass
+          the other ranks one by one (a control exchange each, across nodes), and no pass
           boundary checks either; the ranks' collectives are verified once, on exit;
         - parameters may be frozen and unfrozen for a while (PEFT's ``disable_adapter()`` sets the
           adapters' ``requires_grad`` off): flags are read at the next training pass after it;
@@ -148,7 +148,7 @@ class Generation:
           for the phase.
 
         On exit the kept units are released, the kept rows dropped, the ranks' collectives verified
-        (one all-reduce) and, without ``auto_pass``, a pass of the kind begun before the phase
+        (one exchange) and, without ``auto_pass``, a pass of the kind begun before the phase
         (``"train"``) starts again, so the training forward and backward that follow replay their
         own trace: switching costs at most one gather more of each unit. A phase entered inside
         another is part of it.

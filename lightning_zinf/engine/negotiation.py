@@ -20,7 +20,7 @@ well. Here every rank keeps training, with DDP's result:
   pass checked round by round, recorded once). A rank that leaves the script (a collective or a
   waypoint the script does not have next) serves the rest of the script, which is what the other
   ranks are issuing, up to its next waypoint, where every rank checks one flag (one small
-  all-reduce per waypoint); if any rank left, the pass goes on negotiated from there, and the
+  exchange per waypoint, which also carries the checks made there); if any rank left, the pass goes on negotiated from there, and the
   next pass of that kind is recorded anew.
 
 The start of a pass is a *soft* waypoint: ranks may run different numbers of passes (each decode
@@ -153,7 +153,7 @@ class Negotiation:
         self._write(code)
 
     def waypoint(self, waypoint: int) -> bool:
-        """This rank reached ``waypoint``: in a trace pass, one all-reduce of a flag (a rank that
+        """This rank reached ``waypoint``: in a trace pass, one exchange of a flag (a rank that
         left the script says so) unless the script says otherwise; in a negotiated pass, rounds
         until every rank is at the same waypoint, serving their requests meanwhile.
 

@@ -556,14 +556,15 @@ class Schedule:
         self.states.drain_reduces()
         # Ranks that ran different modules meet here (serving each other's reduce-scatters), so the
         # gradients every rank exposes are complete. When every rank follows its script, the
-        # meeting also tells whether every rank's parameters received the same gradients.
+        # meeting also tells whether every rank's parameters received the same gradients; then it
+        # served nothing, so this rank's flags are final already (the choice below must be the
+        # same on every rank: it decides whether the flags' all-reduce runs).
         received = self._received()
         _, rows = self._meet(BACKWARD_END, [_flags_digest(received)])
         self.states.drain_reduces()
         self.states.finish_host_grads()
         self.pool.release_free()
-        same = rows is not None and len(set(rows)) == 1 and received == self._received()
-        self._expose_grads(received if same else None)
+        self._expose_grads(received if rows is not None and len(set(rows)) == 1 else None)
         for unit in self.units:
             unit.pending_backward = 0  # uses whose inputs' gradients were never needed
             if unit.held:
