@@ -11,7 +11,7 @@ exit, and branches that diverge only in some steps, after the ranks agreed on a 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -138,12 +138,16 @@ def _set(model: nn.Module, rank: int, step: int) -> None:
 
 
 def _zinf(rank: int, world: int, build: Callable[[], nn.Module], steps: int, prefetch: PrefetchConfig,
-          options: Optional[dict] = None) -> dict:
+          options: Optional[dict] = None, observe: Optional[Callable[[ZeroEngine, nn.Module], Callable[[], Any]]] = None
+          ) -> dict:
+    """Train ``build()`` under the engine; ``observe(engine, model)``, given, returns what to call
+    after each step to record something of it (``"records"``)."""
     torch.manual_seed(0)
     model = build()
     engine = ZeroEngine(model, prefetch=prefetch, **(options or {}))
     optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    losses = []
+    record = observe(engine, model) if observe is not None else None
+    losses, records = [], []
     for step in range(steps):
         _set(model, rank, step)
         x, y = _batch(rank, step)
@@ -152,9 +156,12 @@ def _zinf(rank: int, world: int, build: Callable[[], nn.Module], steps: int, pre
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if record is not None:
+            records.append(record())
     with engine.gathered():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "negotiated": engine.agreement.negotiation.departed_passes}
+    return {"losses": losses, "params": params, "negotiated": engine.agreement.negotiation.departed_passes,
+            "units": len(engine.units), "records": records}
 
 
 def _ddp_reference(build: Callable[[], nn.Module], steps: int) -> dict:
@@ -444,51 +451,39 @@ def test_a_step_on_the_trace_checks_nothing_per_collective_and_one_that_diverges
     assert 0 < diverged["rounds"] <= diverged["collectives"] + 3, steps
 
 
-def _moe_in_one_unit(rank: int, world: int) -> dict:
-    """``MoE`` as one unit (its class a block): every rank gathers
-    and reduce-scatters the same, so its passes replay the trace, while an expert that no token
-    chose gets no gradient on that rank only. Records per step the experts this rank ran and how
-    often the engine agreed on the received gradients by an all-reduce of their flags."""
-    torch.manual_seed(0)
-    model = MoE()
-    engine = ZeroEngine(model, block_classes=[MoE], prefetch=NO_PERSIST)
-    optimizer = engine.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    calls, any_rank = [0], engine.comm.any_rank
+def _experts_and_flag_reduces(engine: ZeroEngine, model: nn.Module) -> Callable[[], tuple[list[int], int]]:
+    """Per step: the experts this rank ran, and how often the engine agreed on the received
+    gradients by an all-reduce of their flags."""
+    calls, any_rank, ran = [0], engine.comm.any_rank, []
 
     def counted(flags: list) -> list:
         calls[0] += 1
         return any_rank(flags)
 
     engine.comm.any_rank = counted
-    ran: list[int] = []
     for e, expert in enumerate(model.experts):
         expert.register_forward_hook(lambda *_, e=e: ran.append(e))
-    losses, experts, flag_reduces = [], [], []
-    for step in range(STEPS):
+
+    def step() -> tuple[list[int], int]:
+        seen = (sorted(ran), calls[0])
         ran.clear()
         calls[0] = 0
-        _set(model, rank, step)
-        x, y = _batch(rank, step)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        experts.append(sorted(ran))
-        flag_reduces.append(calls[0])
-    with engine.gathered():
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "negotiated": engine.agreement.negotiation.departed_passes,
-            "units": len(engine.units), "experts": experts, "flag_reduces": flag_reduces}
+        return seen
+
+    return step
 
 
 def test_experts_unused_on_one_rank_inside_a_replayed_unit_get_the_other_ranks_gradient() -> None:
     """The end of backward agrees on which parameters received a gradient within its meeting's
     exchange when every rank's flags are the same, and by an all-reduce of the flags when they
-    differ: an expert that only some ranks ran, inside a unit every rank gathers (so the pass
-    stays on its trace), is stepped with the mean gradient on every rank, as under DDP."""
-    ranks = run_distributed(_moe_in_one_unit, WORLD, timeout=120)
+    differ: an expert that only some ranks ran, inside a unit every rank gathers (``MoE`` as one
+    unit, its class a block, so the pass stays on its trace), is stepped with the mean gradient
+    on every rank, as under DDP."""
+    ranks = run_distributed(_zinf, WORLD, MoE, STEPS, NO_PERSIST, {"block_classes": [MoE]},
+                            _experts_and_flag_reduces, timeout=120)
     want = _ddp_reference(MoE, STEPS)
+    for got in ranks:
+        got["experts"], got["flag_reduces"] = (list(column) for column in zip(*got["records"]))
     for rank, got in enumerate(ranks):
         assert got["units"] == 1 and got["negotiated"] == 0, got
         assert got["losses"] == pytest.approx(want["losses"][rank], rel=1e-5), rank

@@ -831,18 +831,17 @@ class Collectives:
         rows = self.exchange(self.ROUND, values)
         return [r[1:1 + len(values)] if r[0] == self.ROUND else None for r in rows]  # type: ignore[misc]
 
-    def any_flag(self, flag: bool) -> Optional[bool]:
-        """Whether ``flag`` is true on some rank (one :meth:`exchange`), or ``None`` when another
-        rank is in another control call."""
-        flagged = self.flag_with(flag, ())
-        return None if flagged is None else flagged[0]
-
     def flag_with(self, flag: bool, payload: Sequence[int]) -> Optional[tuple[bool, list[tuple[int, ...]]]]:
-        """:meth:`any_flag` carrying ``payload`` (at most six signed 64-bit values) in the same
-        :meth:`exchange`: whether ``flag`` is true on some rank, and every rank's payload, indexed by
-        rank (zeros where a rank sent a shorter one). ``None`` when another rank is in another
-        control call. What a waypoint's check and the checks that follow it send at once
-        (:meth:`Negotiation.waypoint_with <lightning_zinf.engine.negotiation.Negotiation.waypoint_with>`)."""
+        """Whether ``flag`` is true on some rank, and every rank's ``payload`` (at most six signed
+        64-bit values), in one :meth:`exchange`: what a waypoint's check and the checks that follow
+        it send at once (:meth:`Negotiation.waypoint_with
+        <lightning_zinf.engine.negotiation.Negotiation.waypoint_with>`).
+
+        Returns:
+            ``(flag on some rank, payloads)``, the payloads a list indexed by rank of tuples of
+            ``len(payload)`` ints (zeros where a rank sent a shorter one); ``None`` when another
+            rank is in another control call (its tag differs).
+        """
         rows = self.exchange(self.FLAG, [int(flag), *payload])
         if any(r[0] != self.FLAG for r in rows):
             return None

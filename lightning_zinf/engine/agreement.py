@@ -83,9 +83,9 @@ class RankAgreement:
         an agreed trace of the same kind on every rank (checked against its script) or is
         negotiated: in one exchange with the meeting's flag when every rank followed its script to
         here (the pass's mode depends on the recording's validation, so both answers go), else in
-        two exchanges after the meeting. ``check=False`` (the passes of a generation phase, which every
-        rank runs in step): no meeting; the previous pass's recording is validated as a trace (a
-        collective) and a pass replaying an agreed trace is trusted, not checked.
+        two exchanges after the meeting. ``check=False`` (the passes of a generation phase, which
+        every rank runs in step): no meeting; the previous pass's recording is validated as a trace
+        (a collective) and a pass replaying an agreed trace is trusted, not checked.
 
         Args:
             kind: The pass's kind.
@@ -196,6 +196,9 @@ class RankAgreement:
             RuntimeError: the ranks wait at different hard waypoints, or their collectives since
                 the last check differ.
         """
+        if self.comm.world_size == 1:
+            self._issued = []  # nothing to compare with (as verify())
+            return
         _, rows = self.waypoint_with(waypoint, [_digest(self._issued)])
         if rows is None:
             self.verify(where)

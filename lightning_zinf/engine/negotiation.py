@@ -20,8 +20,8 @@ well. Here every rank keeps training, with DDP's result:
   pass checked round by round, recorded once). A rank that leaves the script (a collective or a
   waypoint the script does not have next) serves the rest of the script, which is what the other
   ranks are issuing, up to its next waypoint, where every rank checks one flag (one small
-  exchange per waypoint, which also carries the checks made there); if any rank left, the pass goes on negotiated from there, and the
-  next pass of that kind is recorded anew.
+  exchange per waypoint, which also carries the checks made there); if any rank left, the pass
+  goes on negotiated from there, and the next pass of that kind is recorded anew.
 
 The start of a pass is a *soft* waypoint: ranks may run different numbers of passes (each decode
 step of ``generate()`` under a per-forward pass), so a rank there goes on while the others wait at

@@ -273,8 +273,21 @@ class Tracer:
 
 
 def reuse_costs(order: list[int], sizes: Sequence[int]) -> list[Optional[int]]:
-    """:meth:`Tracer.reuse_cost` for each position of ``order`` (unit indices), with ``sizes`` the
-    elements each unit's gather brings in, by index (0: persistent)."""
+    """:meth:`Tracer.reuse_cost` for each position of a trace (the prefetch bucket's share that
+    keeping a unit gathered until its next request holds; DeepSpeed's ``stage3_max_reuse_distance``
+    measured in elements). O(L log L) in the trace's length L.
+
+    Args:
+        order: The trace: unit indices in the order of their gather requests.
+        sizes: Elements each unit's gather brings in, by unit index (0: persistent or kept
+            gathered, gathering nothing).
+
+    Returns:
+        Per position of ``order``, in elements: 0 when the next request that gathers is the same
+        unit's; else the unit's elements plus those of the distinct units gathered before its next
+        request, but the first of them; ``None`` where the unit is not requested again or
+        gathers nothing.
+    """
     gaps = _gaps(order, sizes)
     costs: list[Optional[int]] = [None] * len(order)
     following: Optional[int] = None  # the first position after this one whose unit gathers

@@ -142,6 +142,9 @@ def unit_gathers(inventory: Inventory, sharding: str = "full",
     within ``bucket_size``; ``None``: prefetch is off, which keeps nothing for reuse), or, under
     ``sharding="grad_op"``, unless its output needs a gradient (a trainable unit, or any after the
     first trainable one): then it is held until its backward.
+
+    Returns:
+        Gathers per step, by unit index (units never gathered absent: a ``Counter`` reads 0).
     """
     sizes: dict[int, int] = {}
     trainable: set[int] = set()
