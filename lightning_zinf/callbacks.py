@@ -5,7 +5,8 @@
 - ``zinf/gathered_bytes``: bytes this rank received in parameter all-gathers during the step;
 - ``zinf/reduce_scattered_bytes``: bytes it sent in gradient reduce-scatters;
 - ``zinf/all_reduced_bytes``: under hybrid sharding, bytes it sent in the all-reduces of its
-  gradient shards across the shard groups (as a ring sends them; 0 in the other modes);
+  gradient shards across the shard groups (as a ring sends them, codes with qgZ; 0 in the other
+  modes);
 - ``zinf/intra_node_bytes`` and ``zinf/inter_node_bytes``: of those, the bytes exchanged with ranks
   on its own node and on other nodes (see :class:`~lightning_zinf.ZeroPPConfig`);
 - ``zinf/resident_bytes_{device,cpu,nvme}``: training state it holds on each tier

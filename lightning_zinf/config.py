@@ -368,7 +368,11 @@ class ZeroPPConfig:
             the mean of their own partition. Across nodes travels 1/``nodes`` of what a
             reduce-scatter sends, in ``qgz_bits`` codes. The result carries the quantization error
             (about 18% relative L2 per reduction with INT4, 1% with INT8, on independent Gaussian
-            gradients); the error of successive steps averages out in training.
+            gradients); the error of successive steps averages out in training. Under
+            ``sharding="hybrid"`` the reduce-scatter stays within the shard group at full precision
+            and the all-reduce of each gradient shard across the groups moves the codes instead
+            (a reduce-scatter and an all-gather of codes, two quantizations; every group
+            dequantizes the same codes, so the groups' copies stay equal).
         qgz_bits: 4 (ZeRO++'s choice) or 8.
         frozen_bits: Store the shards of frozen parameters (``requires_grad=False``: the base model
             of a LoRA fine-tuning) as blockwise INT8 (8) or INT4 (4) codes with one fp32 scale per

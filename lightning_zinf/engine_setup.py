@@ -21,7 +21,7 @@ from lightning_zinf.config import MixedPrecisionConfig
 from lightning_zinf.engine import ZeroEngine
 from lightning_zinf.heap import keep_within
 from lightning_zinf.options import ZeroOptions
-from lightning_zinf.engine.grouping import unit_size_for
+from lightning_zinf.engine.grouping import auto_blocks, unit_size_for
 from lightning_zinf.engine.partition import matches_classes, resolve_block_classes
 from lightning_zinf.planning import Inventory, MemoryPlan, plan_memory
 from lightning_zinf.planning.activations import ActivationPlan
@@ -124,8 +124,11 @@ def build_engine(
     if options.sharding == "hybrid":
         comm = engine.comm
         rank_zero_info(f"lightning_zinf: hybrid sharding: {comm.replicas} groups of {comm.shard_size} consecutive ranks"
-                       + (" (one group of every rank: the same as sharding='full'; set shard_group_size, or the "
-                          "ranks per node, below the world size)" if comm.replicas == 1 else
+                       + (" (one group of every rank: the same as sharding='full'"
+                          + (", and qgZ has nothing to quantize: it quantizes only what crosses between groups"
+                             if options.zero_pp.qgz else "")
+                          + "; set shard_group_size, or the ranks per node, below the world size)"
+                          if comm.replicas == 1 else
                           ", each holding the sharded state; gradient shards all-reduced across the groups"))
     # Host memory under a budget: the heap keeps no more free memory than the budget leaves.
     if plan is not None and not plan.accelerator:
@@ -205,7 +208,11 @@ def _auto_sharding(module: nn.Module, options: ZeroOptions, device: torch.device
 def _auto_choice(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
                  world: int, per_node: int, distributed: bool,
                  timeout: Optional[timedelta]) -> tuple[ZeroOptions, ShardingChoice]:
-    profile = _example_profile(module, options, device, precision, distributed) if world // per_node > 1 else None
+    # The compute is timed on blocks: without block_classes, on the modules the units are made of.
+    timing = options if options.block_classes else dataclasses.replace(options, block_classes=_unit_classes(module,
+                                                                                                             options))
+    profile = _example_profile(module, timing, device, precision, distributed, at_once=True) \
+        if world // per_node > 1 else None
     compute = (3 * profile.flops * profile.seconds_per_flop  # backward is two forwards
                if profile is not None and profile.seconds_per_flop is not None else None)
     choice = auto_sharding(module, world=world, ranks_per_node=per_node, device=device,
@@ -218,8 +225,16 @@ def _auto_choice(module: nn.Module, options: ZeroOptions, device: torch.device, 
                            compute=compute, timeout=timeout)
     rank_zero_info(f"lightning_zinf: {choice.describe()}")
     zero_pp = dataclasses.replace(options.zero_pp, hpz=choice.zero_pp.hpz, qwz=choice.zero_pp.qwz,
-                                  qgz=choice.zero_pp.qgz)
+                                  qgz=choice.zero_pp.qgz, qgz_bits=choice.zero_pp.qgz_bits)
     return dataclasses.replace(options, sharding=choice.sharding, zero_pp=zero_pp), choice
+
+
+def _unit_classes(module: nn.Module, options: ZeroOptions) -> list[type]:
+    """The classes of the modules the engine groups into units when no ``block_classes`` are
+    given (:func:`~lightning_zinf.engine.grouping.auto_blocks`), in module order: blocks to time
+    the step's compute on. Empty without grouping (``unit_size`` 0)."""
+    size = _unit_size(options)
+    return list(dict.fromkeys(type(m) for run in auto_blocks(module, size) for m in run)) if size else []
 
 
 def _unit_size(options: ZeroOptions) -> int:
@@ -233,10 +248,10 @@ def _plans_activations(module: nn.Module, options: ZeroOptions) -> bool:
 
 
 def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.device, precision: MixedPrecisionConfig,
-                     distributed: bool) -> Optional[ForwardProfile]:
+                     distributed: bool, at_once: bool = False) -> Optional[ForwardProfile]:
     """The forward on ``module.example_input_array`` (Lightning's convention), profiled on every rank
     with fake tensors and timed (one block of each class run for real: on a CPU device by rank 0
-    alone, on an accelerator by every rank at once, the slowest rank's rates), or ``None`` without an example
+    alone unless ``at_once``, on an accelerator by every rank at once, the slowest rank's rates), or ``None`` without an example
     or when its forward needs real values (:func:`~lightning_zinf.planning.profile.profile_forward`).
     Every rank plans with rank 0's profile, or with none if any rank has none (an example on some
     ranks only, or one that ran on fake tensors on some only): the plans must agree, and examples
@@ -270,7 +285,7 @@ def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.devi
             return None, None
         return measured.seconds_per_flop, measured.recompute_seconds_per_flop
 
-    if device.type == "cpu":
+    if device.type == "cpu" and not at_once:
         # On a CPU device rank 0 times alone, the others waiting: ranks timing at once on shared
         # cores measured a recompute of 1.1 forwards, where training showed 0.5 (its recompute
         # fills the backward's waits on gloo) and rank 0 alone 0.65, its plain rate within 5% of a
@@ -278,7 +293,9 @@ def _example_profile(module: nn.Module, options: ZeroOptions, device: torch.devi
         rates = _on_rank_0(timed, distributed, "timing a block")
     else:
         # On accelerators every rank times at once: a block with a collective inside
-        # (SyncBatchNorm) finds every rank there. The slowest rank's rates count.
+        # (SyncBatchNorm) finds every rank there. The slowest rank's rates count. So does
+        # sharding="auto"'s plain rate on a CPU device: the ranks compute at once in training, and
+        # the cores a machine's ranks share (the two-node testbed: 4 ranks on 2 cores) slow each.
         rates = timed()
         if distributed and dist.get_world_size() > 1:
             every: list[tuple[Optional[float], Optional[float]]] = [(None, None)] * dist.get_world_size()

@@ -93,11 +93,10 @@ class ZeroOptions:
         if coerced["sharding"] == "auto" and (coerced["zero_pp"].hpz or coerced["zero_pp"].qwz or coerced["zero_pp"].qgz):
             raise ValueError("sharding='auto' chooses ZeRO++'s hpz, qwz and qgz from the measured links: leave them "
                              "unset, or choose the sharding mode yourself.")
-        if coerced["sharding"] == "hybrid" and (coerced["zero_pp"].hpz or coerced["zero_pp"].qgz):
-            raise ValueError("sharding='hybrid' does not combine with ZeroPPConfig(hpz=True) or (qgz=True): a hybrid "
-                             "group gathers and reduce-scatters within itself already (hpZ's copy within a node and "
-                             "qgZ's quantized inter-node leg have nothing to serve). Drop them, or use sharding='full' "
-                             "with them.")
+        if coerced["sharding"] == "hybrid" and coerced["zero_pp"].hpz:
+            raise ValueError("sharding='hybrid' does not combine with ZeroPPConfig(hpz=True): a hybrid group gathers "
+                             "within itself already (hpZ's copy within a node has nothing to serve). Drop hpz, or use "
+                             "sharding='full' with it.")
         if size is not None and coerced["sharding"] != "hybrid":
             raise ValueError(f"shard_group_size={size} sets the groups of hybrid sharding: give sharding='hybrid' "
                              "with it (Lightning's 'HYBRID_SHARD'), or drop it.")

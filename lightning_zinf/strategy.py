@@ -149,7 +149,8 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
             those of a world of ``shard_group_size`` ranks and load in any mode and world size.
             ``"auto"``: at setup the ranks measure the links within and between nodes (and the
             step's compute from ``example_input_array``) and run as ``"full"`` or ``"hybrid"``,
-            with or without ZeRO++'s hpZ, qwZ and qgZ, whichever is predicted fastest
+            ``"full"`` with ZeRO++'s hpZ, qwZ and qgZ, or ``"hybrid"`` with qgZ (the all-reduce
+            across the groups as codes), whichever is predicted fastest
             (:mod:`lightning_zinf.planning.sharding`; logged, and kept as
             ``engine.sharding_choice``). Lightning's names are accepted in any case. A
             ``memory_budget`` plans with the held units and the one gather a step (``grad_op``),

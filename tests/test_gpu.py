@@ -48,7 +48,7 @@ TOLERANCE = {"fp32": 2e-3, "offload_cpu": 2e-3, "offload_nvme": 2e-3, "tiling": 
              "zero_pp": 3e-2, "qgz_two_nodes": 3e-2, "lora_frozen_int8": 3e-2, "zero_offload_bf16": 3e-2,
              "param_cpu_device_optimizer_bf16": 3e-2, "offload_cpu_sync_step": 2e-3, "zero_offload_nvme_bf16": 3e-2,
              "activation_plan": 2e-3, "device_bytes_bf16": 3e-2, "grad_op_bf16": 3e-2, "grad_op_offload_cpu_bf16": 3e-2,
-             "hybrid": 2e-3}
+             "hybrid": 2e-3, "hybrid_qgz": 3e-2}
 #: Blocks of the GPT per feature (2 unless named): the per-block plan keeps one block's activations,
 #: offloads the next two and checkpoints the last.
 LAYERS = {"activation_plan": 4}
@@ -94,6 +94,9 @@ def _engine_kwargs(feature: str, nvme_path: str) -> dict:
         # Hybrid sharding (issue 41) over two ranks: a shard group per rank, gradients all-reduced
         # across them (on NCCL on the side stream, behind the reduce-scatter).
         "hybrid": {"sharding": "hybrid", "shard_group_size": 1},
+        # The same with qgZ: the all-reduce as INT8 codes (Triton's kernels on the device; on two
+        # GPUs with NCCL the chain queued on the side stream, here with no reduce-scatter before it).
+        "hybrid_qgz": {"sharding": "hybrid", "shard_group_size": 1, "zero_pp": ZeroPPConfig(qgz=True, qgz_bits=8)},
     }.get(feature, {})
 
 
@@ -167,7 +170,7 @@ def test_every_feature_on_one_gpu_matches_the_cpu(feature: str, tmp_path: Path) 
 
 
 @pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "offload_cpu_bf16", "activation_offload", "zero_pp",
-                                     "qgz_two_nodes", "activation_plan", "grad_op_bf16", "hybrid"])
+                                     "qgz_two_nodes", "activation_plan", "grad_op_bf16", "hybrid", "hybrid_qgz"])
 def test_two_ranks_sharing_one_gpu_through_gloo_match_two_cpu_ranks(feature: str, tmp_path: Path) -> None:
     """Two processes on one GPU, joined by gloo with CUDA tensors: real concurrency between each
     rank's copy stream, the collectives and compute, with gathers prefetched along the trace."""
@@ -359,7 +362,8 @@ def test_nvme_staging_is_page_locked_memory_of_its_own(tmp_path: Path, monkeypat
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "zero_pp", "qgz_two_nodes", "hybrid"])
+@pytest.mark.parametrize("feature", ["fp32", "bf16", "offload_cpu", "zero_pp", "qgz_two_nodes", "hybrid",
+                                     "hybrid_qgz"])
 def test_two_gpus_with_nccl_match_two_cpu_ranks(feature: str, tmp_path: Path) -> None:
     """Two ranks on two GPUs in an NCCL group: NCCL's stream semantics (``wait()`` orders the
     stream, not the host), the gloo control group beside it."""

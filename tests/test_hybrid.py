@@ -33,8 +33,9 @@ RTOL = {"fp32": 1e-6, "bf16": 2e-2}
 
 
 class _Observer:
-    """Records the world ranks of the group and the bytes of every float collective issued
-    through ``torch.distributed`` while installed (the control plane's integer rows are left out)."""
+    """Records the world ranks of the group and the bytes of every float collective, and of every
+    gather or all-to-all of codes (uint8), issued through ``torch.distributed`` while installed (the
+    control plane's integer rows and uint8 flags are left out)."""
 
     NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single",
              "broadcast", "isend", "irecv", "all_reduce", "all_to_all_single")
@@ -57,7 +58,8 @@ class _Observer:
         def call(*args: Any, **kwargs: Any) -> Any:
             tensor = args[0] if args else next(iter(kwargs.values()))
             group = kwargs.get("group")
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            if isinstance(tensor, torch.Tensor) and (tensor.is_floating_point()
+                                                     or (name != "all_reduce" and tensor.dtype == torch.uint8)):
                 ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
                     tuple(range(dist.get_world_size()))
                 self.calls.append((name, ranks, tensor.numel() * tensor.element_size()))
@@ -161,6 +163,83 @@ def test_hybrid_keeps_traffic_in_the_group_and_a_group_of_the_state() -> None:
         assert r["bytes"]["inter_node"] <= 0.5 * full[rank]["bytes"]["inter_node"]
         for key, value in r["state"].items():
             assert value == two[rank % 2]["state"][key] > full[rank]["state"][key], key
+
+
+def _replica_mean(rank: int, world: int, group_size: int, bits: int, n: int) -> dict:
+    from lightning_zinf.comm.collectives import Collectives
+
+    comm = Collectives(ranks_per_node=group_size, qgz_bits=bits, block=256, shard_group_size=group_size)
+    full = torch.randn(group_size * n, generator=torch.Generator().manual_seed(100 + rank))
+    # The reference, outside the engine: the mean over every rank in float64, this rank's slice.
+    exact = full.double()
+    dist.all_reduce(exact)
+    got = torch.empty(n)
+    comm.reduce_scatter_mean(got, full.clone())
+    return {"got": got, "exact": exact[comm.shard_rank * n:][:n] / world, "shard_rank": comm.shard_rank,
+            "bytes": dict(vars(comm.bytes)), "qgz_bits": comm.qgz_bits}
+
+
+@pytest.mark.parametrize("world, group_size, n", [(4, 2, 3001), (4, 2, 3000), (3, 1, 3001), (6, 2, 2999), (4, 2, 20),
+                                                   (2, 2, 3001)],
+                         ids=["2x2-odd", "2x2-whole", "3x1", "3x2", "2x2-tiny", "one-group"])
+@pytest.mark.parametrize("bits, band", [(4, (0.10, 0.30)), (8, (0.004, 0.02))])
+def test_qgz_under_hybrid_quantizes_the_replicas_all_reduce(world: int, group_size: int, n: int, bits: int,
+                                                            band: tuple) -> None:
+    """qgZ under hybrid sharding: the gradient shard's all-reduce across the groups moves INT4/INT8
+    codes and a scale per block: a reduce-scatter and an all-gather of rows of ``ceil(n / R)`` elements,
+    ``2 (R - 1)`` rows a rank sends across, counted as such. The result is the float64 mean over every
+    rank within the codes' error band (the mean, not a sum: off by R times), and the ranks holding the
+    same shard in different groups hold the same values, bit for bit (their weights would drift
+    apart otherwise). The reduce-scatter within the group stays unquantized. A shard so small that
+    its rows, padded to whole blocks, would send more than the fp32 ring (20 elements) is
+    all-reduced unquantized; one group of every rank quantizes nothing."""
+    from triton_kernels import PackedRows
+
+    ranks = run_distributed(_replica_mean, world, group_size, bits, n)
+    replicas = world // group_size
+    part = -(-n // replicas)  # each replica's partition, quantized in whole blocks of 256
+    coded, plain = 2 * PackedRows.of(-(-part // 256) * 256, bits, 256).row_bytes, 2 * n * 4 // replicas
+    for rank, got in enumerate(ranks):
+        err = float((got["got"].double() - got["exact"]).norm() / got["exact"].norm())
+        quantized = replicas > 1 and coded < plain
+        assert band[0] < err < band[1] if quantized else err < 1e-6, (rank, err)
+        assert got["bytes"]["all_reduced"] == got["bytes"]["inter_node"] == (replicas - 1) * (coded if quantized
+                                                                                              else plain)
+        assert got["bytes"]["reduce_scattered"] == (group_size - 1) * n * 4 and got["qgz_bits"] is None
+        same = [r["got"] for r in ranks if r["shard_rank"] == got["shard_rank"]]
+        assert len(same) == replicas and all(torch.equal(s, got["got"]) for s in same)
+
+
+def test_qgz_under_hybrid_trains_close_to_full_sharding_with_codes_across_the_nodes() -> None:
+    """Hybrid sharding with qgZ (INT8 codes) on two nodes of two: the losses within 2% of ``full``
+    sharding's in fp32, every replica with the same weights, bit for bit. Seen from outside the
+    engine, what crosses between the nodes is the codes' all-to-all and all-gather over the ranks
+    with this rank's place in its node (and the clipping norm's scalar; and an fp32 all-reduce of
+    the shards so small that their rows, padded to a block, would be larger), a quarter of hybrid's
+    fp32 all-reduce bytes or less; the gathers and reduce-scatters stay within the node, in fp32."""
+    from triton_kernels import PackedRows
+
+    codes = {"zero_pp": ZeroPPConfig(ranks_per_node=2, qgz=True, qgz_bits=8)}
+    row = PackedRows.of(256, 8, 256).row_bytes  # a partition of at most one block
+    full = run_distributed(_train, 4, "full")
+    plain = run_distributed(_train, 4, "hybrid", "sgd", None, "", True)
+    hybrid = run_distributed(_train, 4, "hybrid", "sgd", codes, "", True)
+    node_of = {0: 0, 1: 0, 2: 1, 3: 1}
+    for rank, (h, f, p) in enumerate(zip(hybrid, full, plain)):
+        assert h["losses"] != f["losses"]  # the gradients were quantized...
+        torch.testing.assert_close(torch.tensor(h["losses"]), torch.tensor(f["losses"]), rtol=0.02, atol=0)
+        crossing = [c for c in h["calls"] if len({node_of[x] for x in c[1]}) > 1]
+        norms = [c for c in crossing if c[2] == 4]
+        legs = [c for c in crossing if c not in norms]
+        assert len(norms) == STEPS and legs, crossing
+        small = [c for c in legs if c[0] == "all_reduce" and c[2] <= 2 * row]  # two replicas: a shard of 2 rows
+        odd = [c for c in legs if c not in small and c[0] not in ("all_to_all_single", "all_gather_into_tensor",
+                                                                  "all_gather_single")
+               or c[1] != (rank % 2, rank % 2 + 2)]
+        assert not odd and len(small) < len(legs) / 2, (odd, small)
+        assert h["bytes"]["inter_node"] == h["bytes"]["all_reduced"] <= 0.27 * p["bytes"]["all_reduced"]
+    for name, value in hybrid[0]["weights"].items():
+        assert all(torch.equal(h["weights"][name], value) for h in hybrid[1:]), name
 
 
 def _composition(feature: str) -> tuple[dict, str]:
@@ -314,7 +393,7 @@ def _refused(rank: int, world: int, cases: list[dict]) -> list[str]:
 def test_what_hybrid_sharding_refuses() -> None:
     """Lightning's and torch's names are accepted (NO_SHARD and _HYBRID_SHARD_ZERO2 are told what
     to use instead, a misspelling the nearest name); a group size that does not divide the world,
-    one given without hybrid sharding, and hpZ or qgZ with it are refused on every rank, each
+    one given without hybrid sharding, and hpZ with it are refused on every rank, each
     message naming the option and the fix."""
     from torch.distributed.fsdp import ShardingStrategy
 
@@ -328,7 +407,8 @@ def test_what_hybrid_sharding_refuses() -> None:
         ZeroOptions(sharding="hybird")
     # Refused at construction, before any process starts, as the engine refuses them too.
     with pytest.raises(ValueError, match="sharding='hybrid' does not combine with ZeroPPConfig"):
-        ZeroOptions(sharding="hybrid", zero_pp={"qgz": True})
+        ZeroOptions(sharding="hybrid", zero_pp={"hpz": True})
+    assert ZeroOptions(sharding="hybrid", zero_pp={"qgz": True}).zero_pp.qgz  # the replicas' all-reduce as codes
     with pytest.raises(ValueError, match="shard_group_size=2 sets the groups of hybrid sharding"):
         ZeroOptions(shard_group_size=2)
     with pytest.raises(ValueError, match="shard_group_size=0: give a positive number"):
@@ -336,8 +416,7 @@ def test_what_hybrid_sharding_refuses() -> None:
     cases = [({"sharding": "hybrid", "shard_group_size": 3}, "shard_group_size=3 must be a positive divisor of the "
                                                                "world size 4"),
              ({"sharding": "full", "shard_group_size": 2}, "give sharding='hybrid' with it"),
-             ({"sharding": "hybrid", "zero_pp": ZeroPPConfig(hpz=True)}, r"hpz=True\) does not combine"),
-             ({"sharding": "hybrid", "zero_pp": ZeroPPConfig(qgz=True)}, r"qgz=True\) does not combine")]
+             ({"sharding": "hybrid", "zero_pp": ZeroPPConfig(hpz=True)}, r"hpz=True\) does not combine")]
     for texts in run_distributed(_refused, 4, [kwargs for kwargs, _ in cases]):
         for (kwargs, message), text in zip(cases, texts):
             assert re.search(message, text), (kwargs, text)

@@ -21,7 +21,9 @@ from tests.harness import run_distributed
 
 GPT = dict(d=64, layers=4, vocab=64, heads=2)
 CANDIDATE_OPTIONS = {"full": {}, "hybrid": {"sharding": "hybrid"},
-                     "zero_pp": {"zero_pp": ZeroPPConfig(ranks_per_node=2, hpz=True, qwz=True, qgz=True)}}
+                     "zero_pp": {"zero_pp": ZeroPPConfig(ranks_per_node=2, hpz=True, qwz=True, qgz=True)},
+                   "hybrid_qgz8": {"sharding": "hybrid", "zero_pp": ZeroPPConfig(ranks_per_node=2, qgz=True, qgz_bits=8)},
+                   "hybrid_qgz": {"sharding": "hybrid", "zero_pp": ZeroPPConfig(ranks_per_node=2, qgz=True)}}
 
 
 def _counted(rank: int, world: int, candidate: str) -> tuple[int, int]:
@@ -41,15 +43,16 @@ def _counted(rank: int, world: int, candidate: str) -> tuple[int, int]:
     return engine.comm.bytes.intra_node, engine.comm.bytes.inter_node
 
 
-@pytest.mark.parametrize("candidate", ["full", "hybrid", "zero_pp"])
+@pytest.mark.parametrize("candidate", ["full", "hybrid", "zero_pp", "hybrid_qgz8", "hybrid_qgz"])
 def test_the_cost_model_counts_the_bytes_the_engine_moves(candidate: str) -> None:
     """:func:`step_bytes` against the engine's own count of a steady step (4 ranks, two nodes of
-    two): a rank's intra-node bytes and its node's inter-node bytes within 2% (ZeRO++: 10%, whose
-    rows carry alignment padding and whose backward gathers of persistent units are exact)."""
+    two): a rank's intra-node bytes and its node's inter-node bytes within 2% (the quantized
+    candidates: 10%, whose rows carry padding to whole blocks and alignment, and ZeRO++'s backward
+    gathers of persistent units are exact)."""
     counted = run_distributed(_counted, 4, candidate)
     inventory = Inventory.of(models.GPT(**GPT), world=4, block_classes=["Block"], persistence_threshold=0)
     intra, inter = step_bytes(inventory, 4, 2, candidate)
-    tolerance = 0.1 if candidate == "zero_pp" else 0.02
+    tolerance = 0.1 if candidate in ("zero_pp", "hybrid_qgz8", "hybrid_qgz") else 0.02
     assert counted[0][0] == pytest.approx(intra, rel=tolerance)
     assert counted[0][1] + counted[1][1] == pytest.approx(inter, rel=tolerance)
 
@@ -67,8 +70,11 @@ def test_the_choice_follows_the_links() -> None:
       sharding, no quantization (neither would save anything);
     - on a CPU device, a link between nodes as fast as within them: hybrid sharding (fewer bytes
       on both links), ZeRO++'s quantization left off where it costs more than it saves;
-    - a slow link between nodes (100 Mbit/s): ZeRO++;
-    - the same with hybrid's state too large for the free memory: never hybrid;
+    - a slow link between nodes (100 Mbit/s): hybrid with qgZ's INT4 codes (the fewest bytes
+      across), or, where hybrid's state does not fit, ZeRO++;
+    - a link of 1 Gbit/s: hybrid with INT8 codes, since INT4 would save less than 10% of its step;
+    - a link as fast as within the node but with hybrid's state too large for the free memory:
+      never hybrid;
     - host memory too small for hybrid's offloaded state: not hybrid;
     - without the step's compute: never ZeRO++ (on an accelerator or a CPU)."""
     inventory = _inventory()
@@ -83,14 +89,26 @@ def test_the_choice_follows_the_links() -> None:
     assert (fast.sharding, fast.zero_pp.qgz) == ("hybrid", False), fast.describe()
     slow = choose_sharding(inventory, 4, 2, Links(1e9, 12.5e6), state_bytes=states, free_bytes=10**6, compute=0.1,
                            quantization=1e-8)
-    assert (slow.sharding, slow.zero_pp) == ("full", ZeroPPConfig(hpz=True, qwz=True, qgz=True)), slow.describe()
+    assert (slow.sharding, slow.zero_pp) == ("hybrid", ZeroPPConfig(qgz=True)), slow.describe()
+    assert "hybrid with qgZ (the all-reduce across nodes as INT4 codes)" in slow.describe()
+    assert slow.steps["hybrid_qgz"] < 0.9 * slow.steps["hybrid_qgz8"] < slow.steps["zero_pp"]
+    medium = choose_sharding(inventory, 4, 2, Links(1e9, 125e6), state_bytes=states, free_bytes=10**6, compute=0.1,
+                             quantization=1e-8)
+    assert (medium.sharding, medium.zero_pp) == ("hybrid", ZeroPPConfig(qgz=True, qgz_bits=8)), medium.describe()
+    assert 0.9 * medium.steps["hybrid_qgz8"] < medium.steps["hybrid_qgz"] < medium.steps["hybrid_qgz8"]
+    crowded = choose_sharding(inventory, 4, 2, Links(1e9, 12.5e6), state_bytes=states, free_bytes=250, compute=0.1,
+                              quantization=1e-8)
+    assert (crowded.sharding, crowded.zero_pp) == ("full", ZeroPPConfig(hpz=True, qwz=True, qgz=True)), \
+        crowded.describe()
+    assert not crowded.fits["hybrid_qgz"] and not crowded.fits["hybrid_qgz8"]
     tight = choose_sharding(inventory, 4, 2, Links(1e9, 1e9), state_bytes=states, free_bytes=250, compute=0.1,
                             quantization=1e-8)
     assert tight.sharding == "full" and not tight.fits["hybrid"] and "does not fit" in tight.describe()
     # On an accelerator whose offloaded state lives in host memory, the host must hold hybrid's too.
     host = choose_sharding(inventory, 4, 2, Links(1e9, 12.5e6), state_bytes=states, free_bytes=10**6, compute=0.1,
                            quantization=1e-8, accelerator=True, host_bytes={"full": 100, "hybrid": 900}, free_host=1000)
-    assert not host.fits["hybrid"] and host.fits["zero_pp"]
+    assert not host.fits["hybrid"] and not host.fits["hybrid_qgz"] and host.fits["zero_pp"]
+    assert (host.sharding, host.zero_pp.hpz) == ("full", True), host.describe()
     # Without the step's compute an accelerator may hide the collectives: no quantization then.
     unknown = choose_sharding(inventory, 4, 2, Links(1e9, 12.5e6), state_bytes=states, free_bytes=10**6,
                               quantization=1e-8, accelerator=True)
@@ -140,20 +158,21 @@ def _auto(rank: int, world: int, sharding: str) -> dict:
     engine = trainer.strategy.engine
     choice = engine.sharding_choice
     return {"losses": lit.train_losses, "mode": engine.comm.replicas > 1 and "hybrid" or "full",
-            "qgz": engine.comm.qgz_bits is not None,
-            "choice": None if choice is None else (choice.sharding, choice.zero_pp.qgz, choice.describe())}
+            "bits": engine.comm.qgz_bits or engine.comm.replica_bits,  # the gradients' codes, if any
+            "choice": None if choice is None else (choice.sharding, choice.zero_pp.qgz_bits if choice.zero_pp.qgz
+                                                   else None, choice.describe())}
 
 
 def test_auto_under_a_trainer_chooses_alike_on_every_rank_and_trains_as_its_choice() -> None:
     """``ZeroInfinityStrategy(sharding="auto")`` on 4 ranks in two simulated nodes: every rank
     makes the same choice, the engine runs it, and the losses are those of a run given that mode
-    (and ZeRO++ switches) by hand."""
+    (and ZeRO++ switches, the gradients' code width included) by hand."""
     auto = run_distributed(_auto, 4, "auto", init_pg=False)
     choices = {r["choice"][:2] for r in auto}
     assert len(choices) == 1 and "sharding='auto' chose" in auto[0]["choice"][2], choices
-    (mode, quantized), = choices
-    assert all((r["mode"], r["qgz"]) == (mode, quantized) for r in auto)
-    if not quantized:
+    (mode, bits), = choices
+    assert all((r["mode"], r["bits"]) == (mode, bits) for r in auto)
+    if bits is None:
         fixed = run_distributed(_auto, 4, mode, init_pg=False)
         assert fixed[0]["losses"] == auto[0]["losses"]
 
@@ -191,3 +210,20 @@ def test_choosing_leaves_the_random_state_as_it_was() -> None:
     is the one before (dropout masks and later initialisations the same)."""
     for same, described in run_distributed(_random_state_after_choosing, 4):
         assert same, described
+
+
+def test_the_engine_runs_the_code_width_auto_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The options ``auto`` hands the engine carry every ZeRO++ switch of its choice, the width of
+    the gradients' codes included (hybrid with INT8 codes is not qgZ's default INT4)."""
+    from lightning_zinf import MixedPrecisionConfig
+    from lightning_zinf import engine_setup
+    from lightning_zinf.planning.sharding import QUANTIZED, ShardingChoice
+
+    for sharding, switches in QUANTIZED.values():
+        chosen = ShardingChoice(sharding, switches)
+        monkeypatch.setattr(engine_setup, "auto_sharding", lambda *args, **kwargs: chosen)
+        options, choice = engine_setup._auto_choice(models.GPT(**GPT), ZeroOptions(sharding="auto"), torch.device("cpu"),
+                                                    MixedPrecisionConfig(), 1, 1, False, None)
+        assert choice is chosen and options.sharding == sharding
+        assert (options.zero_pp.hpz, options.zero_pp.qwz, options.zero_pp.qgz, options.zero_pp.qgz_bits) == \
+            (switches.hpz, switches.qwz, switches.qgz, switches.qgz_bits)

@@ -4,7 +4,11 @@ the other, with the validation loss before training, at step 100 and at step 200
 
   - ``zero3``: ``ZeroInfinityStrategy(zero_pp=ZeroPPConfig(ranks_per_node=2))``: plain ZeRO-3, the
     nodes set only so that the bytes crossing nodes are counted;
-  - ``zero_pp``: the same with ``hpz``, ``qwz`` and ``qgz`` (INT4 gradients, INT8 weights).
+  - ``zero_pp``: the same with ``hpz``, ``qwz`` and ``qgz`` (INT4 gradients, INT8 weights);
+  - ``hybrid``: ``sharding="hybrid"`` (a node per shard group), unquantized: how far rounding
+    alone (the two-level mean's order of additions) moves this schedule's losses;
+  - ``hybrid_qgz`` / ``hybrid_qgz8``: the same with ``qgz``: the gradient shards' all-reduce
+    across the nodes as INT4 / INT8 codes.
 
 Per-rank batch 8 (global 32 sequences of 128 bytes, as the main job's 2 x 16), AdamW with the main
 job's schedule, seed 0. Reported: both validation curves, the final validation loss ratio (the
@@ -13,6 +17,7 @@ issue's target: within 1%), the inter-node bytes per step that the engine counte
 Results go to ``results/zero_pp_quality.json``; the runs' metrics stay under ``--root``.
 
     python examples/benchmarks/zero_pp_quality.py [--steps 200] [--root /tmp/zero_pp_quality]
+        [--contenders zero3 zero_pp hybrid hybrid_qgz hybrid_qgz8]
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
-CONTENDERS = {"zero3": {}, "zero_pp": {"hpz": True, "qwz": True, "qgz": True}}
+#: Per contender, the strategy's sharding mode and ZeRO++ switches.
+CONTENDERS = {"zero3": ("full", {}), "zero_pp": ("full", {"hpz": True, "qwz": True, "qgz": True}),
+              "hybrid": ("hybrid", {}), "hybrid_qgz": ("hybrid", {"qgz": True}),
+              "hybrid_qgz8": ("hybrid", {"qgz": True, "qgz_bits": 8})}
 
 
 def train(name: str, steps: int, root: Path) -> None:
@@ -42,8 +50,9 @@ def train(name: str, steps: int, root: Path) -> None:
     from lightning_zinf.callbacks import ZeroMonitor
 
     L.seed_everything(0)
+    sharding, switches = CONTENDERS[name]
     trainer = L.Trainer(
-        strategy=ZeroInfinityStrategy(zero_pp=ZeroPPConfig(ranks_per_node=2, **CONTENDERS[name])),
+        strategy=ZeroInfinityStrategy(sharding=sharding, zero_pp=ZeroPPConfig(ranks_per_node=2, **switches)),
         accelerator="cpu",
         devices=4,
         max_steps=steps,
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--root", type=Path, default=Path("/tmp/zero_pp_quality"))
     parser.add_argument("--out", type=Path, default=HERE / "results" / "zero_pp_quality.json")
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=["zero3", "zero_pp"],
+                        help="run one after the other; zero3 first, the others' ratios are to it")
     parser.add_argument("--run", choices=list(CONTENDERS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run:
@@ -82,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     results = {}
-    for name in CONTENDERS:
+    if args.contenders[0] != "zero3":
+        parser.error("--contenders: give zero3 first (the others' ratios are to it)")
+    for name in args.contenders:
         began = time.perf_counter()
         cmd = [sys.executable, __file__, "--run", name, "--steps", str(args.steps), "--root", str(args.root)]
         subprocess.run(cmd, check=True, cwd=HERE.parents[1])
@@ -97,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"{name}: validation loss {[round(v, 4) for _, v in metrics['val_loss']]}, "
               f"{results[name]['inter_node_bytes_per_step'] / 1e6:.2f} MB across nodes per step, {seconds:.0f} s", flush=True)
-    a, b = results["zero3"], results["zero_pp"]
-    final = b["val_loss"][-1][1] / a["val_loss"][-1][1]
-    inter = b["inter_node_bytes_per_step"] / a["inter_node_bytes_per_step"]
-    print(f"final validation loss ZeRO++ / ZeRO-3: {final:.4f} ({(final - 1) * 100:+.2f}%, target within 1%)")
-    print(f"inter-node bytes per step ZeRO++ / ZeRO-3: {inter:.3f} (target <= 0.27)")
-    print(f"wall time ZeRO++ / ZeRO-3 (no network limit, 2 cores): {b['wall_s'] / a['wall_s']:.2f}")
+    a = results["zero3"]
+    for name in args.contenders[1:]:
+        b = results[name]
+        final = b["final_val_ratio"] = b["val_loss"][-1][1] / a["val_loss"][-1][1]
+        inter = b["inter_ratio"] = b["inter_node_bytes_per_step"] / a["inter_node_bytes_per_step"]
+        print(f"{name}: final validation loss / ZeRO-3's: {final:.4f} ({(final - 1) * 100:+.2f}%, target within 1%); "
+              f"inter-node bytes per step / ZeRO-3's: {inter:.3f}; wall time / ZeRO-3's (no network limit, 2 cores): "
+              f"{b['wall_s'] / a['wall_s']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": args.steps, **results, "final_val_ratio": final, "inter_ratio": inter}, indent=1))
+    args.out.write_text(json.dumps({"steps": args.steps, **results}, indent=1))
     return 0
 
 

@@ -156,7 +156,8 @@ class CommBytes:
         reduce_scattered: Bytes sent by gradient reduce-scatters (the full flat gradient minus
             this rank's own shard).
         all_reduced: Bytes sent by hybrid sharding's all-reduce of gradient shards across the
-            replicas, as a ring sends them (``2 (R - 1) / R`` times the shard for ``R`` replicas).
+            replicas, as a ring sends them (``2 (R - 1) / R`` times the shard for ``R`` replicas;
+            with qgZ, ``2 (R - 1)`` packed rows of codes and scales).
         intra_node: Of all three, the bytes exchanged with ranks on this rank's node.
         inter_node: Of all three, the bytes exchanged with ranks on other nodes (what ZeRO++ and
             hybrid sharding reduce).
@@ -279,7 +280,10 @@ class Collectives:
             ranks (:meth:`all_gather_secondary`). ``None``: no hpZ.
         qwz_block: Elements per scale of :meth:`all_gather_quantized` (qwZ); ``None``: no qwZ.
         qgz_bits: Code width of :meth:`reduce_scatter_mean_quantized` (qgZ), 4 or 8; ``None``: no
-            qgZ. Builds the intra- and inter-node groups.
+            qgZ. Builds the intra- and inter-node groups. Under hybrid sharding (``shard_group_size``
+            given) the reduce-scatter stays within the shard group at full precision and the
+            all-reduce across the replicas moves these codes instead (:meth:`reduce_scatter_mean`;
+            :attr:`replica_bits`); with one group nothing is quantized.
         block: Elements per scale of the qgZ codes.
         timeout: How long the collectives of the control, hpZ and qgZ groups wait for other ranks;
             pass the world group's (``None``: torch's default for a new group, 30 minutes for gloo,
@@ -299,6 +303,9 @@ class Collectives:
         shard_rank: This rank's index in its shard group (its shard of every flat group).
         replicas: How many shard groups hold the sharded state (1 unless hybrid).
         replica: This rank's shard group.
+        replica_bits: Hybrid sharding over two groups or more with qgZ: the code width of the
+            quantized all-reduce across the replicas (under hybrid sharding :attr:`qgz_bits` is
+            ``None``: no reduce-scatter is quantized).
         control_group: A gloo group over the same ranks (control plane), ``None`` on one rank.
         topology: The :class:`~lightning_zinf.comm.topology.Topology` of nodes.
         hpz: The topology of the hpZ partition groups (a "node" is one group), or ``None``.
@@ -307,7 +314,7 @@ class Collectives:
 
     Raises:
         ValueError: a size that does not divide the world size; hpZ, qgZ or hybrid sharding over a
-            group other than the world; hpZ or qgZ with hybrid sharding.
+            group other than the world; hpZ with hybrid sharding.
     """
 
     def __init__(
@@ -355,9 +362,14 @@ class Collectives:
             # Their groups are built from world ranks.
             raise ValueError("hpZ, qgZ and hybrid sharding need the engine to partition over the world group "
                              "(group=None).")
-        if hybrid and hierarchical:
-            raise ValueError("hpZ and qgZ do not combine with hybrid sharding (shard_group_size): its gathers and "
-                             "reduce-scatters stay within a shard group already.")
+        if hybrid and hpz_partition_size is not None:
+            raise ValueError("hpZ does not combine with hybrid sharding (shard_group_size): its gathers stay within a "
+                             "shard group already.")
+        # Hybrid: qgZ's codes cross between the groups in the replicas' all-reduce, never in a
+        # reduce-scatter, which stays within the group (with one group, nothing is quantized).
+        self.replica_bits: Optional[int] = qgz_bits if hybrid else None
+        if shard_group_size is not None:
+            self.qgz_bits = qgz_bits = None
         # hpZ's, qgZ's and hybrid sharding's groups, one per rank set (on NCCL, one communicator per set).
         self.rank_set_groups = RankSetGroups(timeout) if (hierarchical or hybrid) and self.world_size > 1 else None
         self._shard_group: Optional[dist.ProcessGroup] = self.group
@@ -590,7 +602,8 @@ class Collectives:
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """Average ``full`` over ranks and keep this rank's slice in ``out``. Under hybrid
         sharding, the mean over the shard group's ranks by a reduce-scatter, then over the replicas
-        by an all-reduce of the slice (a sum, then a division by the replicas: gloo has no mean).
+        by an all-reduce of the slice (a sum, then a division by the replicas: gloo has no mean);
+        with :attr:`replica_bits`, by the quantized all-reduce of :meth:`_all_reduce_mean_quantized`.
 
         Args:
             out: 1-D tensor of ``n`` elements: receives ``mean_over_ranks(full)[r*n:(r+1)*n]``
@@ -614,11 +627,20 @@ class Collectives:
             if work is not None and not async_op:
                 work.wait()
             return work if work is not None and async_op else _Done()
-        replicas, group = self.replicas, self._replica_group
-        self.bytes.all_reduced += 2 * (replicas - 1) * nbytes // replicas
-        self.bytes.add_split(self.topology.split_bytes(self._replica_peers, 2 * nbytes // replicas))
+        replicas, group, bits = self.replicas, self._replica_group, self.replica_bits
+        per_peer = 2 * nbytes // replicas
+        if bits is not None:
+            # Codes only where they send fewer bytes: a shard of a few elements pads each partition
+            # to whole blocks. The same choice on every replica (it depends on n, R and the dtype).
+            coded = 2 * self._replica_layout(out).packed().row_bytes
+            bits, per_peer = (bits, coded) if coded < per_peer else (None, per_peer)
+        self.bytes.all_reduced += (replicas - 1) * per_peer
+        self.bytes.add_split(self.topology.split_bytes(self._replica_peers, per_peer))
 
         def across_replicas() -> None:
+            if bits is not None:
+                self._all_reduce_mean_quantized(out, group)
+                return
             # gloo has no mean: a sum, divided first where a 16-bit float's range could overflow.
             if out.dtype == torch.float16:
                 out.div_(replicas)
@@ -626,7 +648,23 @@ class Collectives:
             if out.dtype != torch.float16:
                 out.div_(replicas)
 
-        if self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl":
+        if self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl" and bits:
+            # NCCL, quantized: the whole chain (reduce-scatter's wait, quantize, both legs,
+            # dequantize) is queued at once on the side stream; its NCCL calls wait on the device
+            # only. ``wait()`` orders the compute stream after the chain's last kernel, which wrote
+            # ``out``; the chain's buffers are allocated on the side stream and used only there.
+            self._chain.wait_stream(torch.accelerator.current_stream(self._device))
+            with self._chain:
+                if work is not None:
+                    work.wait()
+                across_replicas()
+            chained = torch.Event(device=self._device)
+            chained.record(self._chain)
+            # ``out`` comes from the compute stream: kept to the wait, then recorded on the stream
+            # that waits, whatever the caller does with it.
+            handle: Handle = _Then([], lambda: torch.accelerator.current_stream(self._device).wait_event(chained),
+                                   keep=(out,))
+        elif self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl":
             # NCCL: the all-reduce is queued at once on the side stream, behind the reduce-scatter
             # on the device (the side stream waits for the compute stream, then for the
             # reduce-scatter), so it overlaps the next units' backward as the reduce-scatter does;
@@ -637,7 +675,7 @@ class Collectives:
                 if work is not None:
                     work.wait()
                 reduced = dist.all_reduce(out, op=dist.ReduceOp.AVG, group=group, async_op=True)
-            handle: Handle = _Then([reduced], lambda: None)
+            handle = _Then([reduced], lambda: None)
         elif out.device.type == "cpu":
             # gloo: the reduce-scatter's wait and the all-reduce on the sequence's thread.
             def chain() -> None:
@@ -654,6 +692,55 @@ class Collectives:
         if not async_op:
             handle.wait()
         return handle
+
+    def _replica_layout(self, shard: torch.Tensor) -> QgzLayout:
+        """The quantized all-reduce's cut of a gradient shard into one partition per replica."""
+        assert self.replica_bits is not None
+        return QgzLayout(shard.numel(), 1, self.replicas, bits=self.replica_bits, block=self.block)
+
+    def _all_reduce_mean_quantized(self, shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+        """Hybrid sharding with qgZ: the mean of ``shard`` over the replicas, in place, moving
+        blockwise codes (``replica_bits``, ``block``) instead of the shard's dtype. ZeRO++'s
+        quantized reduce (Wang et al. 2023, §3.3) carried over to MiCS's replica all-reduce
+        (Zhang et al. 2022, §3): an all-reduce is a reduce-scatter then an all-gather, and both
+        move codes.
+
+        1. quantize the shard into one partition per replica (``_replica_layout``);
+        2. all-to-all among the replicas: each receives every replica's codes of its partition;
+        3. dequantize, sum in fp32 in replica order, times 1/replicas, requantize;
+        4. all-gather the requantized partitions;
+        5. dequantize every partition, this rank's own included, into ``shard``.
+
+        Every replica dequantizes the same codes in step 5, so the replicas' shards stay equal,
+        bit for bit, and their weights do not drift apart. The result carries two quantizations'
+        error (steps 1 and 3), as qgZ's two legs do. A rank sends ``2 (R - 1)`` packed rows of
+        ``ceil(n / R)`` elements' codes and scales, where the unquantized ring sends
+        ``2 (R - 1) / R`` of the shard. Non-finite values come out as NaN in their blocks.
+
+        Blocking on the host for gloo; on NCCL, called with the side stream current, it queues
+        everything on the device and returns.
+
+        Args:
+            shard: 1-D fp32/fp16/bf16 tensor of ``n`` elements, this rank's gradient shard (the
+                mean over its shard group).
+            group: The replica group (taken when the reduce was issued).
+        """
+        layout, replicas = self._replica_layout(shard), self.replicas
+        packed = layout.packed()
+        send = packed.empty(replicas, shard.device)
+        reorder_quantize(shard, layout, nonfinite="propagate", out=packed.views(send))
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        mine = packed.empty(1, shard.device)
+        dequantize_reduce_requantize(*packed.views(received.view(replicas, 1, -1)), layout, multiplier=1 / replicas,
+                                     out=packed.views(mine))
+        rows = send  # step 1's rows are sent: their buffer takes the gathered ones
+        _all_gather_tensor(rows.view(-1), mine.view(-1), group=group)
+        whole = layout.part_numel * replicas == shard.numel()
+        values = shard.view(replicas, -1) if whole else shard.new_empty(replicas, layout.part_numel)
+        dequantize_reduce(*packed.views(rows.view(1, replicas, -1)), layout, dtype=shard.dtype, out=values)
+        if not whole:
+            shard.copy_(values.view(-1)[:shard.numel()])
 
     def reduce_scatter_mean_quantized(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """qgZ (ZeRO++ §3.3): the mean over ranks of ``full``, this rank's slice into ``out``, by a

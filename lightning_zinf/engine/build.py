@@ -242,7 +242,7 @@ def hybrid_group_size(sharding: str, shard_group_size: Optional[int], zero_pp: Z
 
     Raises:
         ValueError: ``shard_group_size`` without ``sharding="hybrid"``; one that does not divide
-            ``world``; hybrid sharding with hpZ or qgZ (the message says why they do not combine).
+            ``world``; hybrid sharding with hpZ (the message says why they do not combine).
     """
     if sharding != "hybrid":
         if shard_group_size is not None:
@@ -258,12 +258,6 @@ def hybrid_group_size(sharding: str, shard_group_size: Optional[int], zero_pp: Z
         raise ValueError("ZeroPPConfig(hpz=True) does not combine with sharding='hybrid': hpZ keeps a copy of the "
                          "weights within each node for backward's gathers, and a hybrid shard group gathers within "
                          "itself already (a node by default). Drop hpz, or use sharding='full' with it.")
-    if zero_pp.qgz:
-        raise ValueError("ZeroPPConfig(qgz=True) does not combine with sharding='hybrid': qgZ quantizes the "
-                         "inter-node leg of the gradient reduce-scatter, and under hybrid sharding the reduce-scatter "
-                         "stays within the shard group; what crosses between groups is an all-reduce of each "
-                         "gradient shard, 1/shard_group_size of the gradients, which qgZ does not quantize. Drop "
-                         "qgz, or use sharding='full' with it.")
     return size
 
 

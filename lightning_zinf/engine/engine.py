@@ -187,7 +187,7 @@ class ZeroEngine:
             ``zero_pp.ranks_per_node``, (with hpZ) ``zero_pp.hpz_partition_size`` or (hybrid)
             ``shard_group_size`` does not divide the world size (the message names the option, its
             value and the divisors allowed); ``shard_group_size`` without hybrid sharding; hybrid
-            sharding with hpZ or qgZ, or over a ``group`` other than the world.
+            sharding with hpZ, or over a ``group`` other than the world.
         SwapError: with ``param="nvme"``, the parameter shards' swap files would not fit in the
             free space at ``nvme_path`` (checked on every rank before anything is materialised or
             written: :func:`~lightning_zinf.offload.preflight.ensure_space`), or the swap folder

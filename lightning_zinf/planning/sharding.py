@@ -19,6 +19,8 @@ plus, for ZeRO++, its quantizing and dequantizing. The candidates:
 - ``full`` with ZeRO++ (hpZ, qwZ, qgZ; Wang et al. 2023, §3): forward gathers as INT8 codes over
   all ranks, backward gathers from the node's secondary partition, gradients as INT4 codes in a
   hierarchical all-to-all.
+- ``hybrid`` with qgZ (``hybrid_qgz8``, ``hybrid_qgz``): ``hybrid``, its all-reduce across the
+  nodes moving INT8 or INT4 codes (a reduce-scatter and an all-gather of codes).
 
 What shows of the collectives (the timing model of
 :mod:`~lightning_zinf.planning.timing`): on a CPU device all of them (gloo shares the cores with
@@ -30,10 +32,14 @@ show in full. A candidate that costs more than ``full`` must earn it:
   in 60% of the free memory every rank sees (device, and host where tiers are offloaded) and it
   saves at least 3% of the predicted step;
 - ZeRO++'s quantization changes the values that cross the link (weights to about 0.7% relative
-  error, gradients to about 18% relative L2 per reduction with INT4 codes): taken only where it
-  saves at least 10% of the best unquantized candidate's predicted step, never on a link fast
-  enough that the step hides the collectives, and not without the step's compute (against the
-  collectives alone, probe noise clears the bar).
+  error, gradients to about 18% relative L2 per reduction with INT4 codes, 1% with INT8): a
+  quantized candidate (the fastest that fits) is taken only where it saves at least 10% of the
+  best unquantized candidate's predicted step, never on a link fast enough that the step hides
+  the collectives, and not without the step's compute (against the collectives alone, probe
+  noise clears the bar). INT4 gradient codes (``hybrid_qgz``, and ZeRO++'s) likewise must save
+  10% of the step of hybrid's INT8 codes, where those fit: on the main job
+  (``zero_pp_quality.py``) INT8 left the final validation loss within 0.33% of ZeRO-3's, INT4
+  2.4% below it.
 
 The byte model counts what a rank sends each peer (the engine's counts, gloo's in-place forms);
 with NCCL, gathers and reduce-scatters over every rank go round a ring, which crosses a node's
@@ -82,7 +88,13 @@ QUANTIZATION_GAIN = 0.10
 MEMORY_SHARE = 0.6
 #: ZeRO++ as ``auto`` switches it on: hpZ, qwZ and qgZ with their defaults.
 ZERO_PP = ZeroPPConfig(hpz=True, qwz=True, qgz=True)
-CANDIDATES = ("full", "hybrid", "zero_pp")
+CANDIDATES = ("full", "hybrid", "zero_pp", "hybrid_qgz8", "hybrid_qgz")
+#: Each quantized candidate's sharding mode and ZeRO++ switches.
+QUANTIZED = {"zero_pp": ("full", ZERO_PP), "hybrid_qgz8": ("hybrid", ZeroPPConfig(qgz=True, qgz_bits=8)),
+             "hybrid_qgz": ("hybrid", ZeroPPConfig(qgz=True))}
+#: A quantized candidate whose codes round more than another's (INT4 gradients against INT8):
+#: taken over it, where the other fits, only where it saves ``QUANTIZATION_GAIN`` of its step.
+COARSER = {"hybrid_qgz": "hybrid_qgz8", "zero_pp": "hybrid_qgz8"}
 
 
 @dataclass(frozen=True)
@@ -106,9 +118,10 @@ class ShardingChoice:
 
     Attributes:
         sharding: ``"full"`` or ``"hybrid"``.
-        zero_pp: The ZeRO++ switches to run with (all off, or hpZ, qwZ and qgZ).
+        zero_pp: The ZeRO++ switches to run with (all off; hpZ, qwZ and qgZ with ``"full"``; qgZ
+            with ``"hybrid"``).
         links: The measured rates.
-        steps: Per candidate weighed (``"full"``, ``"hybrid"``, ``"zero_pp"``), the predicted
+        steps: Per candidate weighed (:data:`CANDIDATES`), the predicted
             seconds of a step's compute (0 where not known) and of what shows of its collectives
             and quantization.
         fits: Per candidate, whether its predicted state fits the free memory.
@@ -124,7 +137,8 @@ class ShardingChoice:
 
     def describe(self) -> str:
         """The choice, the rates and the predicted steps, one line."""
-        mode = self.sharding + (" with ZeRO++ (hpZ, qwZ, qgZ)" if self.zero_pp.qgz else "")
+        mode = self.sharding + ("" if not self.zero_pp.qgz else " with ZeRO++ (hpZ, qwZ, qgZ)" if self.zero_pp.hpz
+                                else f" with qgZ (the all-reduce across nodes as INT{self.zero_pp.qgz_bits} codes)")
         rates = ", ".join(f"{name} {rate / 1e6:.0f} MB/s" for name, rate in
                           (("within a node", self.links.intra), ("between nodes", self.links.inter)) if rate)
         steps = ", ".join(f"{name} {t * 1e3:.0f} ms" + ("" if self.fits.get(name, True) else " (does not fit)")
@@ -143,7 +157,7 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         inventory: The model's flat groups (at any world size: only elements and dtypes are read).
         world: Ranks in all.
         ranks_per_node: Ranks per node (D); ``world // D`` nodes (N).
-        candidate: ``"full"``, ``"hybrid"`` or ``"zero_pp"`` (module docstring).
+        candidate: One of :data:`CANDIDATES` (module docstring).
         block: Elements per quantization scale (ZeRO++).
         ring: Gathers and reduce-scatters over every rank go round a ring (NCCL), which crosses a
             node's link once with ``(W - 1) / W`` of the buffer, instead of each rank sending each
@@ -174,9 +188,11 @@ def step_bytes(inventory: Inventory, world: int, ranks_per_node: int, candidate:
         if candidate == "full":
             intra += (d - 1) / world * (gathers * params + grads)
             inter += across * (gathers * params + grads)
-        elif candidate == "hybrid":
+        elif candidate in ("hybrid", "hybrid_qgz8", "hybrid_qgz"):
             intra += (d - 1) / d * (gathers * params + grads)
-            inter += 2 * (n - 1) / n * grads  # d ranks, each all-reducing its 1/d shard
+            # d ranks, each all-reducing its 1/d shard (under qgZ INT8 or INT4 codes, a scale per block)
+            code = {"hybrid_qgz8": 1, "hybrid_qgz": 0.5}.get(candidate)
+            inter += 2 * (n - 1) / n * (grads if code is None or not g.trainable else g.numel * (code + 4 / block))
         elif candidate == "zero_pp":
             codes = g.numel * (1 + 4 / block)  # INT8 and a scale per block
             # The forward gather as codes over every rank; backward's from the node's secondary.
@@ -205,7 +221,7 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
         links: The measured rates.
         state_bytes: Predicted bytes of this rank's state on the compute device (with host and
             device apart, an accelerator's) per candidate; one without an entry counts as
-            ``"full"``'s.
+            ``"full"``'s, but hybrid's quantized candidates, which hold ``"hybrid"``'s.
         free_bytes: Memory free for it on every rank (``None``: not known; then only candidates
             no larger than ``"full"`` are taken).
         compute: Seconds of a step's forward and backward (``None``: not known, counted as 0;
@@ -235,8 +251,16 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
             # qwZ's forward gathers dequantize every element, qgZ quantizes and dequantizes each
             # trainable one: about two passes of both per element a step.
             seconds += 2 * quantization * sum(g.numel for g in inventory.groups)
+        elif candidate in ("hybrid_qgz8", "hybrid_qgz"):
+            # Each rank quantizes its 1/d shard and dequantizes it twice (the n operands of its
+            # partition, then every partition), and requantizes its 1/n partition: counted as
+            # 2 + 1/n passes of both.
+            nodes = world // ranks_per_node
+            seconds += ((2 + 1 / nodes) * quantization * sum(g.numel for g in inventory.groups if g.trainable)
+                        / ranks_per_node)
         steps[candidate] = work + seconds
-        fits[candidate] = _fits(candidate, state_bytes, free_bytes) and _fits(candidate, host_bytes or {}, free_host)
+        fits[candidate] = (fits["hybrid"] if candidate.startswith("hybrid_qgz")  # the same state
+                           else _fits(candidate, state_bytes, free_bytes) and _fits(candidate, host_bytes or {}, free_host))
     best = "full"
     if not fits["hybrid"]:
         reason = "hybrid sharding's state (a node's share of the model) does not fit the free memory"
@@ -246,16 +270,27 @@ def choose_sharding(inventory: Inventory, world: int, ranks_per_node: int, links
                   "fits")
     else:
         reason = f"hybrid sharding would save less than {MORE_MEMORY_GAIN:.0%} of the step"
-    saved = 1 - steps["zero_pp"] / steps[best]
     if compute is None:
         return ShardingChoice(best, ZeroPPConfig(), links, steps, fits,
                               reason + "; ZeRO++'s quantization is not weighed without the step's compute (give the "
                               "LightningModule an example_input_array): against the collectives alone, its 10% bar "
                               "would be cleared by probe noise")
-    if fits["zero_pp"] and saved >= QUANTIZATION_GAIN:
-        return ShardingChoice("full", ZERO_PP, links, steps, fits,
-                              f"ZeRO++'s quantized collectives save {saved:.0%} of {best} sharding's predicted step "
-                              f"(at least {QUANTIZATION_GAIN:.0%} must, for their rounding)")
+    # The fastest quantized candidate that fits (ZeRO++ on a tie: it holds less), but the finer
+    # codes where the coarser save too little over them.
+    quantized = min((c for c in QUANTIZED if fits[c]), key=lambda c: steps[c], default=None)
+    finer = COARSER.get(quantized or "")
+    coarser = ""
+    if finer is not None and fits[finer] and steps[quantized] > (1 - QUANTIZATION_GAIN) * steps[finer]:
+        coarser = (f"; {quantized}'s coarser codes would save {1 - steps[quantized] / steps[finer]:.0%} of its step, "
+                   f"under the {QUANTIZATION_GAIN:.0%} they must")
+        quantized = finer
+    saved = 0.0 if quantized is None else 1 - steps[quantized] / steps[best]
+    if quantized is not None and saved >= QUANTIZATION_GAIN:
+        what = ("ZeRO++'s quantized collectives" if quantized == "zero_pp"
+                else "hybrid sharding with qgZ's quantized all-reduce across nodes")
+        return ShardingChoice(*QUANTIZED[quantized], links, steps, fits,
+                              f"{what} save {saved:.0%} of {best} sharding's predicted step "
+                              f"(at least {QUANTIZATION_GAIN:.0%} must, for their rounding){coarser}")
     return ShardingChoice(best, ZeroPPConfig(), links, steps, fits,
                           reason + f"; ZeRO++'s quantization would save {max(0.0, saved):.0%} of the step, under the "
                           f"{QUANTIZATION_GAIN:.0%} it must")

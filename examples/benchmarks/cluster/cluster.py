@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="train: the main job's training (train.py); rlhf: the RLHF example's GRPO step (rlhf_train.py)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--contenders", nargs="+", default=["zero3", "zero_pp"],
-                        choices=["zero3", "zero_pp", "grad_op", "hybrid", "fsdp2", "fsdp2_hsdp", "auto", "compute"],
+                        choices=["zero3", "zero_pp", "grad_op", "hybrid", "hybrid_qgz", "hybrid_qgz8", "fsdp2",
+                                 "fsdp2_hsdp", "auto", "compute"],
                         help="train: train.py's contenders, in this order at each rate (zero3 first for the ratios)")
     parser.add_argument("--repeats", type=int, default=1, help="train: runs per contender and rate (the median is kept)")
     parser.add_argument("--width", type=int, default=256, help="rlhf: the actor's width (the reward model's is half)")

@@ -8,6 +8,8 @@ The main job's byte-level GPT (examples/pretrain.py, d_model 256, 4 layers) on t
   grad_op     sharding="grad_op" (ZeRO-2: gathered once a step, kept from forward to backward)
   hybrid      sharding="hybrid" (ZeRO-3 within each node, replicated across the two; gradient
               shards all-reduced across nodes)
+  hybrid_qgz  the same with qgZ: the all-reduce across nodes moves INT4 codes (qgz_bits=4)
+  hybrid_qgz8 the same with INT8 codes
   fsdp2       Lightning's ModelParallelStrategy with torch's fully_shard on each block and the
               root over the 4 ranks (FSDP2's ZeRO-3)
   fsdp2_hsdp  the same over a 2-D mesh (replicate across nodes, shard within each): FSDP2's HSDP
@@ -25,7 +27,7 @@ per step the bytes the engine counted across nodes (summed over the ranks of nod
 ``ZeroMonitor``-style counters read around each step; 0 for FSDP2, which has no such count: the
 veth's counters in cluster.py are the observer common to all).
 
-    python train.py {zero3,zero_pp,grad_op,hybrid,fsdp2,fsdp2_hsdp,auto,compute} --steps 30 --out result.json
+    python train.py {zero3,zero_pp,grad_op,hybrid,hybrid_qgz,hybrid_qgz8,fsdp2,fsdp2_hsdp,auto,compute} --steps 30 --out result.json
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from lightning_zinf import ZeroInfinityStrategy, ZeroPPConfig  # noqa: E402
 CONTENDERS: dict[str, dict[str, Any]] = {
     "zero3": {}, "zero_pp": {"zero_pp": ZeroPPConfig(hpz=True, qwz=True, qgz=True)},
     "grad_op": {"sharding": "grad_op"}, "hybrid": {"sharding": "hybrid"}, "auto": {"sharding": "auto"},
+    "hybrid_qgz": {"sharding": "hybrid", "zero_pp": ZeroPPConfig(qgz=True)},
+    "hybrid_qgz8": {"sharding": "hybrid", "zero_pp": ZeroPPConfig(qgz=True, qgz_bits=8)},
 }
 MICRO_BATCH = 8
 FSDP2 = ("fsdp2", "fsdp2_hsdp")
