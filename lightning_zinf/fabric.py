@@ -234,12 +234,13 @@ class ZeroInfinityFabricStrategy(RankLayout, ParallelStrategy, _Sharded):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return  # torchrun, SLURM, or the test harness started the processes
-        if _IS_INTERACTIVE:
+        if _IS_INTERACTIVE and not self.cluster_environment.creates_processes_externally:
             # A notebook cannot re-run sys.argv: fork, as Fabric's own notebook strategies do.
             self._launcher = _MultiProcessingLauncher(self, start_method="fork")
         else:
+            # Also where torchrun, SLURM, the launching rank or the test harness started this
+            # process: the launcher starts nothing then, but gives it its share of the CPU threads,
+            # as Fabric's DDP does (ZeroInfinityStrategy._configure_launcher).
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             mark_script_launcher(self._launcher)  # they exit 0 after a preemption save (exit_preempted)
 

@@ -383,12 +383,14 @@ class ZeroInfinityStrategy(RankLayout, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
-        if _IS_INTERACTIVE:
+        if _IS_INTERACTIVE and not self.cluster_environment.creates_processes_externally:
             # Re-running sys.argv is impossible in a notebook; fork is Lightning's interactive launcher.
             self._launcher = NotebookLauncher(self)
         else:
+            # Also in a process that torchrun, SLURM or the launching rank started: the launcher
+            # then starts nothing, but gives this process its share of the CPU threads (the cores
+            # over the ranks per node), as Lightning's DDP does. Without it such a rank ran as many
+            # threads as the machine has cores, beside the other ranks.
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
             mark_script_launcher(self._launcher)  # they exit 0 after a preemption save (preemption_exit_status)
 
