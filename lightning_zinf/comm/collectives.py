@@ -260,6 +260,52 @@ def _reduce_scatter_mean_flat(out: torch.Tensor, full: torch.Tensor, group: Opti
     return handle
 
 
+def _all_reduce_mean_quantized(shard: torch.Tensor, layout: QgzLayout, group: Optional[dist.ProcessGroup]) -> None:
+    """Hybrid sharding with qgZ: the mean of ``shard`` over the replicas, in place, moving
+    blockwise codes (``layout.bits``, ``layout.block``) instead of the shard's dtype. ZeRO++'s
+    quantized reduce (Wang et al. 2023, §3.3) carried over to MiCS's replica all-reduce
+    (Zhang et al. 2022, §3): an all-reduce is a reduce-scatter then an all-gather, and both
+    move codes.
+
+    1. quantize the shard into one partition per replica (``layout``: ``QgzLayout(n, 1, R)``);
+    2. all-to-all among the replicas: each receives every replica's codes of its partition;
+    3. dequantize, sum in fp32 in replica order, times 1/replicas, requantize;
+    4. all-gather the requantized partitions;
+    5. dequantize every partition, this rank's own included, into ``shard``.
+
+    Every replica dequantizes the same codes in step 5, so the replicas' shards stay equal,
+    bit for bit, and their weights do not drift apart. The result carries two quantizations'
+    error (steps 1 and 3), as qgZ's two legs do. A rank sends ``2 (R - 1)`` packed rows of
+    ``ceil(n / R)`` elements' codes and scales, where the unquantized ring sends
+    ``2 (R - 1) / R`` of the shard. Non-finite values come out as NaN in their blocks.
+
+    Blocking on the host for gloo; on NCCL, called with the side stream current, it queues
+    everything on the device and returns.
+
+    Args:
+        shard: 1-D fp32/fp16/bf16 tensor of ``n`` elements, this rank's gradient shard (the
+            mean over its shard group).
+        layout: ``QgzLayout(n, 1, R)`` with the codes' bits and block, ``R`` the replicas.
+        group: The replica group (taken when the reduce was issued).
+    """
+    replicas = layout.world
+    packed = layout.packed()
+    send = packed.empty(replicas, shard.device)
+    reorder_quantize(shard, layout, nonfinite="propagate", out=packed.views(send))
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    mine = packed.empty(1, shard.device)
+    dequantize_reduce_requantize(*packed.views(received.view(replicas, 1, -1)), layout, multiplier=1 / replicas,
+                                 out=packed.views(mine))
+    rows = send  # step 1's rows are sent: their buffer takes the gathered ones
+    _all_gather_tensor(rows.view(-1), mine.view(-1), group=group)
+    whole = layout.part_numel * replicas == shard.numel()
+    values = shard.view(replicas, -1) if whole else shard.new_empty(replicas, layout.part_numel)
+    dequantize_reduce(*packed.views(rows.view(1, replicas, -1)), layout, dtype=shard.dtype, out=values)
+    if not whole:
+        shard.copy_(values.view(-1)[:shard.numel()])
+
+
 class Collectives:
     """Collectives over one data-parallel process group, sharded over all of it or (hybrid
     sharding) over groups of its ranks.
@@ -603,7 +649,7 @@ class Collectives:
         """Average ``full`` over ranks and keep this rank's slice in ``out``. Under hybrid
         sharding, the mean over the shard group's ranks by a reduce-scatter, then over the replicas
         by an all-reduce of the slice (a sum, then a division by the replicas: gloo has no mean);
-        with :attr:`replica_bits`, by the quantized all-reduce of :meth:`_all_reduce_mean_quantized`.
+        with :attr:`replica_bits`, by the quantized all-reduce of :func:`_all_reduce_mean_quantized`.
 
         Args:
             out: 1-D tensor of ``n`` elements: receives ``mean_over_ranks(full)[r*n:(r+1)*n]``
@@ -627,19 +673,21 @@ class Collectives:
             if work is not None and not async_op:
                 work.wait()
             return work if work is not None and async_op else _Done()
-        replicas, group, bits = self.replicas, self._replica_group, self.replica_bits
+        replicas, group = self.replicas, self._replica_group
         per_peer = 2 * nbytes // replicas
-        if bits is not None:
+        layout = None
+        if self.replica_bits is not None:
             # Codes only where they send fewer bytes: a shard of a few elements pads each partition
             # to whole blocks. The same choice on every replica (it depends on n, R and the dtype).
-            coded = 2 * self._replica_layout(out).packed().row_bytes
-            bits, per_peer = (bits, coded) if coded < per_peer else (None, per_peer)
+            layout = QgzLayout(out.numel(), 1, replicas, bits=self.replica_bits, block=self.block)
+            coded = 2 * layout.packed().row_bytes
+            layout, per_peer = (layout, coded) if coded < per_peer else (None, per_peer)
         self.bytes.all_reduced += (replicas - 1) * per_peer
         self.bytes.add_split(self.topology.split_bytes(self._replica_peers, per_peer))
 
         def across_replicas() -> None:
-            if bits is not None:
-                self._all_reduce_mean_quantized(out, group)
+            if layout is not None:
+                _all_reduce_mean_quantized(out, layout, group)
                 return
             # gloo has no mean: a sum, divided first where a 16-bit float's range could overflow.
             if out.dtype == torch.float16:
@@ -648,7 +696,8 @@ class Collectives:
             if out.dtype != torch.float16:
                 out.div_(replicas)
 
-        if self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl" and bits:
+        on_nccl = self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl"
+        if on_nccl and layout is not None:
             # NCCL, quantized: the whole chain (reduce-scatter's wait, quantize, both legs,
             # dequantize) is queued at once on the side stream; its NCCL calls wait on the device
             # only. ``wait()`` orders the compute stream after the chain's last kernel, which wrote
@@ -664,7 +713,7 @@ class Collectives:
             # that waits, whatever the caller does with it.
             handle: Handle = _Then([], lambda: torch.accelerator.current_stream(self._device).wait_event(chained),
                                    keep=(out,))
-        elif self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl":
+        elif on_nccl:
             # NCCL: the all-reduce is queued at once on the side stream, behind the reduce-scatter
             # on the device (the side stream waits for the compute stream, then for the
             # reduce-scatter), so it overlaps the next units' backward as the reduce-scatter does;
@@ -692,55 +741,6 @@ class Collectives:
         if not async_op:
             handle.wait()
         return handle
-
-    def _replica_layout(self, shard: torch.Tensor) -> QgzLayout:
-        """The quantized all-reduce's cut of a gradient shard into one partition per replica."""
-        assert self.replica_bits is not None
-        return QgzLayout(shard.numel(), 1, self.replicas, bits=self.replica_bits, block=self.block)
-
-    def _all_reduce_mean_quantized(self, shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-        """Hybrid sharding with qgZ: the mean of ``shard`` over the replicas, in place, moving
-        blockwise codes (``replica_bits``, ``block``) instead of the shard's dtype. ZeRO++'s
-        quantized reduce (Wang et al. 2023, §3.3) carried over to MiCS's replica all-reduce
-        (Zhang et al. 2022, §3): an all-reduce is a reduce-scatter then an all-gather, and both
-        move codes.
-
-        1. quantize the shard into one partition per replica (``_replica_layout``);
-        2. all-to-all among the replicas: each receives every replica's codes of its partition;
-        3. dequantize, sum in fp32 in replica order, times 1/replicas, requantize;
-        4. all-gather the requantized partitions;
-        5. dequantize every partition, this rank's own included, into ``shard``.
-
-        Every replica dequantizes the same codes in step 5, so the replicas' shards stay equal,
-        bit for bit, and their weights do not drift apart. The result carries two quantizations'
-        error (steps 1 and 3), as qgZ's two legs do. A rank sends ``2 (R - 1)`` packed rows of
-        ``ceil(n / R)`` elements' codes and scales, where the unquantized ring sends
-        ``2 (R - 1) / R`` of the shard. Non-finite values come out as NaN in their blocks.
-
-        Blocking on the host for gloo; on NCCL, called with the side stream current, it queues
-        everything on the device and returns.
-
-        Args:
-            shard: 1-D fp32/fp16/bf16 tensor of ``n`` elements, this rank's gradient shard (the
-                mean over its shard group).
-            group: The replica group (taken when the reduce was issued).
-        """
-        layout, replicas = self._replica_layout(shard), self.replicas
-        packed = layout.packed()
-        send = packed.empty(replicas, shard.device)
-        reorder_quantize(shard, layout, nonfinite="propagate", out=packed.views(send))
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
-        mine = packed.empty(1, shard.device)
-        dequantize_reduce_requantize(*packed.views(received.view(replicas, 1, -1)), layout, multiplier=1 / replicas,
-                                     out=packed.views(mine))
-        rows = send  # step 1's rows are sent: their buffer takes the gathered ones
-        _all_gather_tensor(rows.view(-1), mine.view(-1), group=group)
-        whole = layout.part_numel * replicas == shard.numel()
-        values = shard.view(replicas, -1) if whole else shard.new_empty(replicas, layout.part_numel)
-        dequantize_reduce(*packed.views(rows.view(1, replicas, -1)), layout, dtype=shard.dtype, out=values)
-        if not whole:
-            shard.copy_(values.view(-1)[:shard.numel()])
 
     def reduce_scatter_mean_quantized(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """qgZ (ZeRO++ §3.3): the mean over ranks of ``full``, this rank's slice into ``out``, by a
