@@ -157,8 +157,10 @@ def test_state_kept_in_host_memory_leaves_the_disk_and_changes_no_bit(tmp_path: 
     for rank, nvme in zip(runs[250_000], runs[0]):
         named = {key for _, key, _ in rank["requests"]}
         assert named and not named & set(gone), sorted(named & set(gone))
-        moved = sum(n for _, _, n in rank["requests"])
-        assert 0 < moved < sum(n for _, _, n in nvme["requests"])
+        # Every other file moves as before. (Counted by file, not by request: how many times the
+        # read-ahead asks for a file depends on the timing of the I/O threads.)
+        assert named == {key for _, key, _ in nvme["requests"]} - set(gone), \
+            sorted(named ^ ({key for _, key, _ in nvme["requests"]} - set(gone)))
         # The ledger counts what stays in host memory: at most the budget (plus Adam's step counters).
         host = rank["memory"]["shards_cpu"] + rank["memory"]["optimizer"] - nvme["memory"]["shards_cpu"] - nvme["memory"]["optimizer"]
         assert 0 < host <= 250_000, rank["memory"]
