@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_zinf.engine.ledger import MemoryLedger
+from lightning_zinf.heap import advise_huge_pages
 
 __all__ = ["BufferPool"]
 
@@ -73,6 +74,8 @@ class BufferPool:
                 self.ledger.add("pooled", -small.numel())
             self._free = [b for b in self._free if b.numel() >= need]
             buffer = torch.empty(need, dtype=torch.uint8, device=self.device)
+            if self.device.type == "cpu":  # fresh pages, faulted in at every backward (heap.py)
+                advise_huge_pages(buffer.data_ptr(), need)
         tensor = buffer[:need].view(dtype)
         self._handed[id(tensor)] = (buffer, category)
         self.ledger.add(category, buffer.numel())
@@ -162,6 +165,8 @@ class GatherPool:
         else:
             self._trim(max(self._high) - self.in_use - nbytes)  # kept memory of other sizes first
             storage.resize_(nbytes)
+            if self.device.type == "cpu":
+                advise_huge_pages(storage.data_ptr(), nbytes)
         self.in_use += nbytes
         self._high[1] = max(self._high[1], self.in_use)
 
