@@ -7,6 +7,8 @@ unless said otherwise): ``raise`` (user code raises), ``stuck`` (sleeps forever 
 ``killed`` (SIGKILL to itself; ``killed_quiet``: while rank 0 sleeps outside any collective;
 ``killed_in_reduce``: under ``sharding="hybrid"`` with a group per rank, in backward, once the last
 layer's gradient went to the all-reduce across the groups;
+``raise_in_quantized_reduce``: under ``sharding="hybrid"`` with a group per rank and qgZ, the quantized
+all-reduce across the groups raises on rank 1's thread of it, in backward;
 ``killed_zero``: rank 0, which hosts the rendezvous store, is killed instead; ``killed_zero_quiet``:
 while rank 1 sleeps outside any collective), ``rank_only_first`` / ``rank_only_later`` (a module that rank 0
 alone runs, from the first step / from step 2), ``rank_only_validation`` / ``rank_only_predict``
@@ -70,6 +72,8 @@ class Lit(L.LightningModule):
         if SCENARIO == "killed_in_reduce" and self.global_rank == 1 and self.global_step == 2 and self.training:
             # Fires in backward after b's gradient, whose all-reduce across the groups is under way.
             h.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+        if SCENARIO == "raise_in_quantized_reduce":
+            _QuantizedReduce.armed = self.global_rank == 1 and self.global_step == 2 and self.training
         if extra:
             h = torch.tanh(self.extra(h))
         return self.b(h)
@@ -122,6 +126,24 @@ class _FailingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+class _QuantizedReduce:
+    """The quantized all-reduce's middle kernel (dequantize, sum, requantize), raising while
+    ``armed``: on rank 1's all-reduce thread, between the two collectives of that all-reduce."""
+
+    armed = False
+
+    def __init__(self) -> None:
+        from lightning_zinf.comm import collectives
+
+        self.module, self.kernel = collectives, collectives.dequantize_reduce_requantize
+        collectives.dequantize_reduce_requantize = self
+
+    def __call__(self, *args, **kwargs):
+        if self.armed:
+            raise ValueError("boom in rank 1's quantized all-reduce")
+        return self.kernel(*args, **kwargs)
+
+
 def fabric_main() -> None:
     """``fabric_raise``: a Fabric loop whose rank 1 raises at step 2 (no Trainer: the uncaught
     exception reaches the watch's ``sys.excepthook``); ``fabric_rank0_forward``: at step 2 rank 0
@@ -151,12 +173,15 @@ def fabric_main() -> None:
 
 def main() -> None:
     (OUT / f"pid{os.environ.get('LOCAL_RANK', '0')}").write_text(str(os.getpid()))
+    if SCENARIO == "raise_in_quantized_reduce":
+        _QuantizedReduce()
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 8))
     trainer = L.Trainer(
         strategy=ZeroInfinityStrategy(timeout=timedelta(seconds=20), prefetch={"persistence_threshold": 0},
                                       offload={"optimizer": "cpu"} if SCENARIO == "step_raise" else None,
                                       **({"sharding": "hybrid", "shard_group_size": 1}
-                                         if SCENARIO == "killed_in_reduce" else {})),
+                                         if SCENARIO in ("killed_in_reduce", "raise_in_quantized_reduce") else {}),
+                                      **({"zero_pp": {"qgz": True}} if SCENARIO == "raise_in_quantized_reduce" else {})),
         accelerator="cpu", devices=2, max_steps=4 if SCENARIO != "save" else 2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=2 if SCENARIO == "rank_only_validation" else 0, val_check_interval=2,

@@ -15,7 +15,8 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -120,3 +121,27 @@ def fill_disk(folder: str) -> None:
     except OSError:  # ENOSPC: the disk is full
         pass
     os.close(fd)
+
+
+@contextmanager
+def buffers_made(made: list[int]) -> Iterator[None]:
+    """Record the bytes of every buffer the collectives make for themselves, on any thread: packed
+    rows of codes (``PackedRows.empty``), their copies (``torch.empty_like``) and a dequantized
+    shard (``Tensor.new_empty``). (The CPU references' own temporaries, ``torch.empty``, are the
+    kernels' scratch, which Triton's kernels do not have.)"""
+    from triton_kernels import PackedRows
+
+    saved = PackedRows.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def recorded(make):
+        def wrapper(*args, **kwargs):
+            out = make(*args, **kwargs)
+            made.append(out.numel() * out.element_size())
+            return out
+        return wrapper
+
+    PackedRows.empty, torch.empty_like, torch.Tensor.new_empty = map(recorded, saved)
+    try:
+        yield
+    finally:
+        PackedRows.empty, torch.empty_like, torch.Tensor.new_empty = saved

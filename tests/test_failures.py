@@ -174,6 +174,20 @@ def test_a_rank_dead_in_hybrid_shardings_all_reduce_ends_the_survivor_naming_it(
     assert wall < 20 + 5 + 20
 
 
+def test_an_exception_in_the_quantized_all_reduce_on_one_rank_ends_every_rank_with_its_message(tmp_path: Path) -> None:
+    """Hybrid sharding with qgZ, a group per rank: the all-reduce across the groups moves codes in
+    two collectives on a thread of its own. Its middle kernel raises on rank 1 alone, between
+    them: rank 1 raises it at its wait, and rank 0, blocked in the second collective or the next,
+    is ended with the message rather than left to the backend's timeout."""
+    results, wall = _run_ranks("raise_in_quantized_reduce", tmp_path)
+    for code, err in results:
+        assert code == 1
+        assert "ValueError: boom in rank 1's quantized all-reduce" in err, err[-3000:]
+    assert "_all_reduce_mean_quantized" in results[1][1], results[1][1][-3000:]  # where it was raised
+    assert "lightning_zinf: the run failed first: rank 1: ValueError: boom" in results[0][1], results[0][1][-3000:]
+    assert wall < 45
+
+
 def test_a_dead_rank_is_noticed_without_a_collective(tmp_path: Path) -> None:
     """Rank 1 is killed while rank 0 computes (no collective breaks to tell it, as a peer's death
     leaves an NCCL collective hanging): rank 0's watch sees rank 1's beats stop and ends it, well

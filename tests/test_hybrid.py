@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning_zinf import MixedPrecisionConfig, OffloadConfig, PrefetchConfig, TilingConfig, ZeroEngine, ZeroPPConfig
 from lightning_zinf.options import ZeroOptions
 from tests import models
-from tests.harness import run_distributed
+from tests.harness import buffers_made, run_distributed
 
 GPT = dict(d=64, layers=4, vocab=64, heads=2)
 STEPS, BATCH, ACCUMULATE = 3, 8, 2
@@ -173,10 +173,12 @@ def _replica_mean(rank: int, world: int, group_size: int, bits: int, n: int) -> 
     # The reference, outside the engine: the mean over every rank in float64, this rank's slice.
     exact = full.double()
     dist.all_reduce(exact)
-    got = torch.empty(n)
-    comm.reduce_scatter_mean(got, full.clone())
+    got, made, full = torch.empty(n), [], full.clone()
+    with buffers_made(made):
+        comm.reduce_scatter_mean(got, full)
     return {"got": got, "exact": exact[comm.shard_rank * n:][:n] / world, "shard_rank": comm.shard_rank,
-            "bytes": dict(vars(comm.bytes)), "qgz_bits": comm.qgz_bits}
+            "bytes": dict(vars(comm.bytes)), "qgz_bits": comm.qgz_bits, "made": sum(made),
+            "accounted": comm.reduce_transient_nbytes(n, torch.float32)}
 
 
 @pytest.mark.parametrize("world, group_size, n", [(4, 2, 3001), (4, 2, 3000), (3, 1, 3001), (6, 2, 2999), (4, 2, 20),
@@ -208,6 +210,8 @@ def test_qgz_under_hybrid_quantizes_the_replicas_all_reduce(world: int, group_si
         assert got["bytes"]["reduce_scattered"] == (group_size - 1) * n * 4 and got["qgz_bits"] is None
         same = [r["got"] for r in ranks if r["shard_rank"] == got["shard_rank"]]
         assert len(same) == replicas and all(torch.equal(s, got["got"]) for s in same)
+        # What the engine's ledger adds for the reduce is what the collectives made.
+        assert got["accounted"] == got["made"] and (got["made"] > 0) == quantized, got
 
 
 def test_qgz_under_hybrid_trains_close_to_full_sharding_with_codes_across_the_nodes() -> None:

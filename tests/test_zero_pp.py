@@ -24,7 +24,7 @@ from lightning_zinf import OffloadConfig, PrefetchConfig, ZeroEngine, ZeroPPConf
 from lightning_zinf.checkpoint import load_sharded, save_sharded
 from lightning_zinf.comm import Collectives, Topology
 from tests import models
-from tests.harness import run_distributed
+from tests.harness import buffers_made, run_distributed
 
 BATCH, ACCUMULATE, STEPS = 8, 2, 4
 
@@ -170,8 +170,11 @@ def _quantized_reduce(rank: int, world: int, ranks_per_node: int, bits: int) -> 
     comm.reduce_scatter_mean(exact, full.clone())
     exact_bytes = (comm.bytes.intra_node, comm.bytes.inter_node)
     comm.bytes.reset()
-    comm.reduce_scatter_mean_quantized(got, full, async_op=True).wait()
-    return {"exact": exact, "got": got, "exact_bytes": exact_bytes, "bytes": (comm.bytes.intra_node, comm.bytes.inter_node)}
+    made: list[int] = []
+    with buffers_made(made):
+        comm.reduce_scatter_mean_quantized(got, full, async_op=True).wait()
+    return {"exact": exact, "got": got, "exact_bytes": exact_bytes, "bytes": (comm.bytes.intra_node, comm.bytes.inter_node),
+            "made": sum(made), "accounted": comm.reduce_transient_nbytes(n, torch.float32)}
 
 
 @pytest.mark.parametrize("nodes, ranks_per_node", [(1, 2), (2, 2), (3, 1), (3, 2)])
@@ -190,6 +193,8 @@ def test_qgz_reduce_scatter_gives_the_mean_within_the_band(nodes: int, ranks_per
         assert inter == (nodes - 1) * row and intra == (ranks_per_node - 1) * nodes * row
         if nodes > 1:
             assert inter / exact_inter == pytest.approx(row / 4 / 3001 / ranks_per_node, rel=1e-6)
+        # What the engine's ledger adds for the reduce is what the collectives made.
+        assert got["accounted"] == got["made"] > 0, got
 
 
 def test_all_three_train_close_to_zero3_with_a_quarter_of_the_inter_node_bytes(tmp_path: Path) -> None:

@@ -674,14 +674,8 @@ class Collectives:
                 work.wait()
             return work if work is not None and async_op else _Done()
         replicas, group = self.replicas, self._replica_group
-        per_peer = 2 * nbytes // replicas
-        layout = None
-        if self.replica_bits is not None:
-            # Codes only where they send fewer bytes: a shard of a few elements pads each partition
-            # to whole blocks. The same choice on every replica (it depends on n, R and the dtype).
-            layout = QgzLayout(out.numel(), 1, replicas, bits=self.replica_bits, block=self.block)
-            coded = 2 * layout.packed().row_bytes
-            layout, per_peer = (layout, coded) if coded < per_peer else (None, per_peer)
+        layout = self._replica_layout(out.numel(), out.element_size())
+        per_peer = 2 * layout.packed().row_bytes if layout is not None else 2 * nbytes // replicas
         self.bytes.all_reduced += (replicas - 1) * per_peer
         self.bytes.add_split(self.topology.split_bytes(self._replica_peers, per_peer))
 
@@ -741,6 +735,42 @@ class Collectives:
         if not async_op:
             handle.wait()
         return handle
+
+    def _replica_layout(self, n: int, itemsize: int) -> Optional[QgzLayout]:
+        # The quantized all-reduce's layout for a shard of n elements, or None for the unquantized
+        # one: codes only where they send fewer bytes (a shard of a few elements pads each
+        # partition to whole blocks). The same choice on every replica (it depends on n, R and the
+        # dtype).
+        if self.replica_bits is None:
+            return None
+        layout = QgzLayout(n, 1, self.replicas, bits=self.replica_bits, block=self.block)
+        return layout if 2 * layout.packed().row_bytes < 2 * n * itemsize // self.replicas else None
+
+    def reduce_transient_nbytes(self, n: int, dtype: torch.dtype) -> int:
+        """Bytes the collectives allocate themselves for one gradient reduce of a shard of ``n``
+        elements of ``dtype`` (:meth:`reduce_scatter_mean` or :meth:`reduce_scatter_mean_quantized`,
+        as the engine calls them), alive until its ``wait()``, beyond its ``out`` and ``full``:
+        qgZ's packed rows (the rows quantized, received and reduced on each leg), or under hybrid
+        sharding with :attr:`replica_bits` the quantized all-reduce's (``2 R + 1`` rows, and a
+        shard of ``R`` whole partitions where ``n`` is not one); 0 for the unquantized collectives,
+        which work in place."""
+        if self.qgz_bits is not None:
+            topo = self.topology
+            layout = QgzLayout(n * self.world_size, topo.nodes, topo.ranks_per_node, bits=self.qgz_bits,
+                               block=self.block, part_numel=n)
+            nodes = topo.nodes
+            intra = self._nodes is not None and self._nodes.intra is not None
+            inter = self._nodes is not None and self._nodes.inter is not None
+            rows = layout.world * (1 + intra) + nodes * (1 + inter)
+            return rows * layout.packed().row_bytes
+        if self._replica_group is None:
+            return 0
+        layout = self._replica_layout(n, dtype.itemsize)
+        if layout is None:
+            return 0
+        rows = (2 * self.replicas + 1) * layout.packed().row_bytes
+        whole = layout.part_numel * self.replicas == n  # else dequantized into a buffer of its own
+        return rows + (0 if whole else self.replicas * layout.part_numel * dtype.itemsize)
 
     def reduce_scatter_mean_quantized(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Handle:
         """qgZ (ZeRO++ §3.3): the mean over ranks of ``full``, this rank's slice into ``out``, by a

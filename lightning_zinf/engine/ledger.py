@@ -19,7 +19,8 @@ CATEGORIES = {
     "secondary": "hpZ secondary partitions, and the qwZ-quantized rows of shards a generation phase keeps",
     "grad_buffers": "full flat gradients that autograd is accumulating into (one per unit in backward); for "
                     "gradients cast for the reduce-scatter, autograd's own per-parameter gradients until then",
-    "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output)",
+    "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output; "
+                      "qgZ's codes, and those of hybrid sharding's quantized all-reduce)",
     "staged": "device copies of host-side shards (and frozen codes) that gathers read: copied ahead of the gather "
               "(OffloadConfig.copy_ahead_bytes) or by it, alive until the gather is waited for",
     "pooled": "free gradient buffers kept for reuse (CPU only; the caching allocator pools on accelerators)",

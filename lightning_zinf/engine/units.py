@@ -196,7 +196,8 @@ class UnitStates:
         self._ahead: dict[int, Unit] = {}  # prefetched and not asked for yet
         self.exposure: Optional[GatherExposure] = None  # set by the engine
         self._ahead_numel = 0  # their elements (read at every acquire: not a sum over them)
-        self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup]] = []  # reduce-scatters in flight
+        # Reduce-scatters in flight, each with the bytes of its collectives' own buffers.
+        self._pending: list[tuple[Handle, list[Tensor], list[bool], FlatGroup, int]] = []
         self._in_transit: list[FlatGroup] = []  # gradient slices on their way to host-side shards
         self.copies = DeviceCopies(ledger)
 
@@ -401,10 +402,7 @@ class UnitStates:
 
     def _serve_reduce(self, group: FlatGroup) -> None:
         self.drain_reduces()  # one reduce-scatter in flight at most, as in reduce()
-        handle, buffers, got = group.start_reduce_zeros(self.pool)
-        self._pending.append((handle, buffers, got, group))
-        if not self.overlap_reduce:
-            self.drain_reduces()
+        self._start_reduce(group, zeros=True)
 
     def wait_gather(self, unit: Unit) -> None:
         """Wait for ``unit``'s gather if it is in flight (it is then gathered); hand its swapped-in
@@ -618,8 +616,14 @@ class UnitStates:
         # this one takes its buffers, so one unit's reduce buffers (a full-size cast to the reduce
         # dtype under mixed precision) are alive at a time.
         self.drain_reduces()
-        handle, buffers, got = group.start_reduce(self.pool)
-        self._pending.append((handle, buffers, got, group))
+        self._start_reduce(group, zeros=False)
+
+    def _start_reduce(self, group: FlatGroup, zeros: bool) -> None:
+        handle, buffers, got = group.start_reduce_zeros(self.pool) if zeros else group.start_reduce(self.pool)
+        # The collectives' own buffers (quantized codes), accounted until the wait.
+        transient = self.comm.reduce_transient_nbytes(group.shard_numel, group.reduce_dtype)
+        self.ledger.add("reduce_pending", transient)
+        self._pending.append((handle, buffers, got, group, transient))
         if not self.overlap_reduce:
             self.drain_reduces()
 
@@ -636,9 +640,12 @@ class UnitStates:
             group.finish_host_grads()
         self._in_transit = []
 
-    def _finish_reduce(self, pending: tuple[Handle, list[Tensor], list[bool], FlatGroup]) -> None:
-        handle, buffers, got, group = pending
-        handle.wait()
+    def _finish_reduce(self, pending: tuple[Handle, list[Tensor], list[bool], FlatGroup, int]) -> None:
+        handle, buffers, got, group, transient = pending
+        try:
+            handle.wait()
+        finally:
+            self.ledger.add("reduce_pending", -transient)
         index = self._group_index[id(group)]
         if self.offload is not None:
             self.offload.before_accumulate(index)
