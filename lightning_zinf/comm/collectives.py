@@ -260,7 +260,8 @@ def _reduce_scatter_mean_flat(out: torch.Tensor, full: torch.Tensor, group: Opti
     return handle
 
 
-def _all_reduce_mean_quantized(shard: torch.Tensor, layout: QgzLayout, group: Optional[dist.ProcessGroup]) -> None:
+def _all_reduce_mean_quantized(shard: torch.Tensor, layout: QgzLayout,
+                               group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, ...]:
     """Hybrid sharding with qgZ: the mean of ``shard`` over the replicas, in place, moving
     blockwise codes (``layout.bits``, ``layout.block``) instead of the shard's dtype. ZeRO++'s
     quantized reduce (Wang et al. 2023, §3.3) carried over to MiCS's replica all-reduce
@@ -287,6 +288,10 @@ def _all_reduce_mean_quantized(shard: torch.Tensor, layout: QgzLayout, group: Op
             mean over its shard group).
         layout: ``QgzLayout(n, 1, R)`` with the codes' bits and block, ``R`` the replicas.
         group: The replica group (taken when the reduce was issued).
+
+    Returns:
+        The buffers it made (:meth:`Collectives.reduce_transient_nbytes` counts them), for a caller
+        on NCCL to keep until its wait, as the memory ledger does.
     """
     replicas = layout.world
     packed = layout.packed()
@@ -304,6 +309,7 @@ def _all_reduce_mean_quantized(shard: torch.Tensor, layout: QgzLayout, group: Op
     dequantize_reduce(*packed.views(rows.view(1, replicas, -1)), layout, dtype=shard.dtype, out=values)
     if not whole:
         shard.copy_(values.view(-1)[:shard.numel()])
+    return (send, received, mine) if whole else (send, received, mine, values)
 
 
 class Collectives:
@@ -679,16 +685,16 @@ class Collectives:
         self.bytes.all_reduced += (replicas - 1) * per_peer
         self.bytes.add_split(self.topology.split_bytes(self._replica_peers, per_peer))
 
-        def across_replicas() -> None:
+        def across_replicas() -> tuple[torch.Tensor, ...]:
             if layout is not None:
-                _all_reduce_mean_quantized(out, layout, group)
-                return
+                return _all_reduce_mean_quantized(out, layout, group)
             # gloo has no mean: a sum, divided first where a 16-bit float's range could overflow.
             if out.dtype == torch.float16:
                 out.div_(replicas)
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
             if out.dtype != torch.float16:
                 out.div_(replicas)
+            return ()
 
         on_nccl = self._chain is not None and out.device.type != "cpu" and dist.get_backend(group) == "nccl"
         if on_nccl and layout is not None:
@@ -700,13 +706,14 @@ class Collectives:
             with self._chain:
                 if work is not None:
                     work.wait()
-                across_replicas()
+                made = across_replicas()
             chained = torch.Event(device=self._device)
             chained.record(self._chain)
             # ``out`` comes from the compute stream: kept to the wait, then recorded on the stream
-            # that waits, whatever the caller does with it.
+            # that waits, whatever the caller does with it. The chain's own buffers are kept to the
+            # wait too, so the allocator holds them as long as the memory ledger counts them.
             handle: Handle = _Then([], lambda: torch.accelerator.current_stream(self._device).wait_event(chained),
-                                   keep=(out,))
+                                   keep=(out, *made))
         elif on_nccl:
             # NCCL: the all-reduce is queued at once on the side stream, behind the reduce-scatter
             # on the device (the side stream waits for the compute stream, then for the
@@ -752,8 +759,9 @@ class Collectives:
         as the engine calls them), alive until its ``wait()``, beyond its ``out`` and ``full``:
         qgZ's packed rows (the rows quantized, received and reduced on each leg), or under hybrid
         sharding with :attr:`replica_bits` the quantized all-reduce's (``2 R + 1`` rows, and a
-        shard of ``R`` whole partitions where ``n`` is not one); 0 for the unquantized collectives,
-        which work in place."""
+        shard of ``R`` whole partitions where ``n`` is not one). 0 for the unquantized collectives;
+        of their scratch, gloo's within one node (``(W - 1) n`` elements received for a shard of
+        1 MiB and more, :func:`_reduce_scatter_mean_flat`) is not counted here yet."""
         if self.qgz_bits is not None:
             topo = self.topology
             layout = QgzLayout(n * self.world_size, topo.nodes, topo.ranks_per_node, bits=self.qgz_bits,
