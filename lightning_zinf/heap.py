@@ -25,10 +25,11 @@ is not glibc. Setup runs on one thread (the depth counter has no lock).
 Blocks above 32 MiB (a unit's flat gradient: 40 MB at the default bucket of 10M fp32 elements) are
 mapped whatever the threshold (glibc refuses a larger one), so every backward faults their pages in
 afresh, 4 KiB at a time: 26 ms for 40 MB on this project's CPU machine against 3 ms to zero memory
-already faulted in, about 0.13 s a step for a 48M-parameter T5 on 2 ranks. :func:`advise_huge_pages`
-asks the kernel to back such a block with transparent huge pages (``madvise(MADV_HUGEPAGE)``, where
-the system leaves huge pages to that advice, Linux's ``madvise`` mode): one fault per 2 MiB, 5 ms
-for the same 40 MB, with no memory kept between steps.
+already faulted in. :func:`advise_huge_pages` asks the kernel to back such a block with transparent
+huge pages (``madvise(MADV_HUGEPAGE)``, madvise(2), where the system leaves huge pages to that
+advice, Linux's ``madvise`` mode): one fault per 2 MiB, 5 ms for the same 40 MB, with no memory
+kept between steps. On a 48M-parameter T5 on 2 ranks, 5-8 times fewer minor faults a step, about
+0.03 s less system time (RESULTS.md, "Issue 42, session 34").
 """
 
 from __future__ import annotations
@@ -61,9 +62,13 @@ _BASE_PAGE = 4096
 _state = {"depth": 0, "mmap": TRAINING_MMAP_THRESHOLD, "trim": TRAINING_TRIM_THRESHOLD}
 
 
+def _switched_off() -> bool:
+    return os.environ.get("LIGHTNING_ZINF_HEAP", "on").lower() in ("off", "0", "false")
+
+
 @functools.cache
 def _glibc() -> Optional[ctypes.CDLL]:
-    if os.environ.get("LIGHTNING_ZINF_HEAP", "on").lower() in ("off", "0", "false"):
+    if _switched_off():
         return None
     if any(name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
         return None  # the user tunes the allocator already
@@ -127,7 +132,7 @@ def keep_within(room: int) -> None:
 def _madvise() -> Optional[ctypes.CDLL]:
     # Only where the advice changes something: Linux with huge pages in ``madvise`` mode (``always``
     # gives them without advice, ``never`` ignores it).
-    if os.environ.get("LIGHTNING_ZINF_HEAP", "on").lower() in ("off", "0", "false") or platform.system() != "Linux":
+    if _switched_off() or platform.system() != "Linux":
         return None
     try:
         with open(_THP_MODE) as f:

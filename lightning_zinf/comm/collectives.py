@@ -753,6 +753,12 @@ class Collectives:
         layout = QgzLayout(n, 1, self.replicas, bits=self.replica_bits, block=self.block)
         return layout if 2 * layout.packed().row_bytes < 2 * n * itemsize // self.replicas else None
 
+    def _qgz_layout(self, n: int) -> QgzLayout:
+        # qgZ's cut of a flat gradient of world_size * n elements into one partition per rank.
+        topo = self.topology
+        return QgzLayout(n * self.world_size, topo.nodes, topo.ranks_per_node, bits=self.qgz_bits,
+                         block=self.block, part_numel=n)
+
     def reduce_transient_nbytes(self, n: int, dtype: torch.dtype) -> int:
         """Bytes the collectives allocate themselves for one gradient reduce of a shard of ``n``
         elements of ``dtype`` (:meth:`reduce_scatter_mean` or :meth:`reduce_scatter_mean_quantized`,
@@ -763,13 +769,10 @@ class Collectives:
         of their scratch, gloo's within one node (``(W - 1) n`` elements received for a shard of
         1 MiB and more, :func:`_reduce_scatter_mean_flat`) is not counted here yet."""
         if self.qgz_bits is not None:
-            topo = self.topology
-            layout = QgzLayout(n * self.world_size, topo.nodes, topo.ranks_per_node, bits=self.qgz_bits,
-                               block=self.block, part_numel=n)
-            nodes = topo.nodes
+            layout = self._qgz_layout(n)
             intra = self._nodes is not None and self._nodes.intra is not None
             inter = self._nodes is not None and self._nodes.inter is not None
-            rows = layout.world * (1 + intra) + nodes * (1 + inter)
+            rows = layout.world * (1 + intra) + self.topology.nodes * (1 + inter)
             return rows * layout.packed().row_bytes
         if self._replica_group is None:
             return 0
@@ -814,8 +817,7 @@ class Collectives:
         if self.qgz_bits is None:
             raise RuntimeError("reduce_scatter_mean_quantized needs Collectives(qgz_bits=...).")
         topo = self.topology
-        layout = QgzLayout(full.numel(), topo.nodes, topo.ranks_per_node, bits=self.qgz_bits, block=self.block,
-                           part_numel=out.numel())
+        layout = self._qgz_layout(out.numel())
         packed = layout.packed()
         send = packed.empty(layout.world, full.device)  # [W] rows in slot order: codes, then scales
         reorder_quantize(full, layout, nonfinite="propagate", out=packed.views(send))
