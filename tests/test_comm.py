@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zinf.comm import Collectives
-from tests.harness import run_distributed
+from tests.harness import buffers_made, run_distributed
 
 
 def _control_plane(rank: int, world: int) -> dict:
@@ -62,11 +62,13 @@ def _data_plane(rank: int, world: int, n: int, dtype: torch.dtype, ranks_per_nod
     comm.reduce_scatter_mean(mine, full.clone(), async_op=True).wait()
     # What this rank wrote to its sockets for one reduce-scatter (the kernel's count, outside torch).
     comm.barrier()
-    before = _bytes_written()
-    comm.reduce_scatter_mean(torch.empty(n, dtype=dtype), full.clone())
+    before, made, full = _bytes_written(), [], full.clone()
+    with buffers_made(made):
+        comm.reduce_scatter_mean(torch.empty(n, dtype=dtype), full)
     sent = _bytes_written() - before
     comm.barrier()
-    return {"gathered": gathered, "mine": mine, "sent": sent}
+    return {"gathered": gathered, "mine": mine, "sent": sent, "made": sum(made),
+            "accounted": comm.reduce_transient_nbytes(n, dtype)}
 
 
 def _bytes_written() -> int:
@@ -85,7 +87,9 @@ def test_gather_and_reduce_scatter_on_gloo_against_the_definition(world: int, n:
     messages (one node) or in-place reduces (several); below, with its flat collectives: all must
     give what the definitions say, rank by rank. Above 1 MiB on one node a reduce-scatter sends
     each rank's peers their slices and nothing more, ``(W - 1) * n`` elements (gloo's own sends
-    twice that, W in-place reduces 2.2 times)."""
+    twice that, W in-place reduces 2.2 times), and receives its peers' copies of its slice into
+    ``(W - 1) * n`` elements of its own: what the memory ledger counts for the reduce
+    (``reduce_transient_nbytes``) equals what an observer of the buffers made counts."""
     out = run_distributed(_data_plane, world, n, dtype, ranks_per_node)
     expected_gather = torch.cat([torch.arange(n, dtype=torch.float64).mul_(world).add_(r) for r in range(world)])
     full = torch.linspace(-1, 1, world * n, dtype=torch.float64)
@@ -94,9 +98,11 @@ def test_gather_and_reduce_scatter_on_gloo_against_the_definition(world: int, n:
         assert torch.equal(result["gathered"].double(), expected_gather.to(dtype).double())
         torch.testing.assert_close(result["mine"].double(), mean[rank * n:(rank + 1) * n],
                                    rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+        assert result["made"] == result["accounted"], (rank, result["made"], result["accounted"])
         if n * dtype.itemsize >= 1 << 20 and ranks_per_node == world:
             least = (world - 1) * n * dtype.itemsize
             assert least <= result["sent"] <= 1.05 * least, (result["sent"], least)
+            assert result["made"] == least
 
 
 def _one_rank_run(rank: int, world: int, forced: bool, feature: str) -> dict:

@@ -139,8 +139,11 @@ def _measure(cell: Cell, depth: int, rank: int, world: int) -> dict:
         opt.zero_grad()
     memory = engine.memory()
     unit = max(sum(g.full.numel() * g.full.element_size() for g in u.groups) for u in engine.units)
-    # One group's reduce-scatter buffers: the flat gradient in the reduce dtype and this rank's slice.
-    one_reduce = max(g.reduce_dtype.itemsize * (g.padded_numel + g.shard_numel) for g in engine.groups if g.trainable)
+    # One group's reduce-scatter buffers: the flat gradient in the reduce dtype, this rank's slice,
+    # and the collective's own (gloo's copies of the slice received from the peers, qgZ's codes).
+    one_reduce = max(g.reduce_dtype.itemsize * (g.padded_numel + g.shard_numel)
+                     + engine.comm.reduce_transient_nbytes(g.shard_numel, g.reduce_dtype)
+                     for g in engine.groups if g.trainable)
     engine.release_all()
     return {"gathered": memory["gathered"][1], "kept": kept, "unit": unit, "loss": loss.item(),
             "one_reduce": one_reduce, "pooled_after_step": memory["pooled"][0],

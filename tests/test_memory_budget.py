@@ -74,7 +74,8 @@ NVME = dict(staging_bytes=8 << 20)
 # prefetch bucket that ends mid-model (qkv, proj, up, down: backward's window at up, proj and qkv ahead,
 # is larger than any of forward's); and most units persistent, re-gathered together after each step
 # (their transient buffers outgrow the window); and the odd sizes grouped into units of at most the
-# bucket, as without block_classes by default (runs of a block's layers, the embedding alone).
+# bucket, as without block_classes by default (runs of a block's layers, the embedding alone); and
+# blocks wide enough for gloo's in-place reduce-scatter (1 MiB and more), only for its own test.
 LEDGER_MODELS = {
     "gpt": (dict(d=128, layers=4, vocab=256, seq=16), ["Block"], PrefetchConfig()),
     "lora": (dict(d=128, layers=4, vocab=256, seq=16, lora_rank=4), ["Block"], PrefetchConfig()),
@@ -83,6 +84,7 @@ LEDGER_MODELS = {
     "persistent-units": (dict(d=128, layers=4, vocab=1024, seq=16), [], PrefetchConfig(unit_size=0)),
     "auto-units": (dict(d=100, layers=3, vocab=400, heads=2, seq=16), [],
                    PrefetchConfig(bucket_size=50_000, persistence_threshold=1_000)),
+    "wide": (dict(d=256, layers=3, vocab=256, seq=16), ["Block"], PrefetchConfig()),
 }
 
 
@@ -106,7 +108,7 @@ def test_prediction_bounds_the_ledger_under_grad_op(model_name: str, offload: di
     dict(param="nvme", optimizer="nvme", **NVME),
     dict(optimizer="nvme", host_bytes=2 << 20, **NVME), dict(param="nvme", optimizer="nvme", host_bytes=3 << 20, **NVME),
 ], ids=["device", "zero-offload", "zero-offload-split", "cpu", "nvme", "optimizer-nvme-kept", "nvme-kept"])
-@pytest.mark.parametrize("model_name", list(LEDGER_MODELS))
+@pytest.mark.parametrize("model_name", [m for m in LEDGER_MODELS if m != "wide"])
 def test_prediction_bounds_every_ledger_category(model_name: str, offload: dict, bf16: bool, tmp_path) -> None:
     for result in run_distributed(_ledger_against_prediction, 2, model_name, offload, bf16, str(tmp_path)):
         measured, predicted = result["measured"], result["predicted"]
@@ -118,6 +120,19 @@ def test_prediction_bounds_every_ledger_category(model_name: str, offload: dict,
         # buffers is 4x what it keeps (the measured case: auto-units, cpu, bf16 at 0.41 of the prediction).
         tight = 0.7 if model_name in ("gpt", "lora") else 0.4 if model_name == "auto-units" else 0.5
         assert measured["device_total"] >= tight * result["device"], (measured["device_total"], result["device"])
+
+
+@pytest.mark.parametrize("offload", [{}, dict(optimizer="cpu")], ids=["device", "zero-offload"])
+def test_prediction_bounds_the_ledger_with_gloo_receiving_copies(offload: dict, tmp_path) -> None:
+    """Blocks of 3 MB: gloo's reduce-scatter within a node receives the peer's copy of this rank's
+    gradient slice (1.6 MB) into a buffer of its own, counted in ``reduce_pending`` and in the
+    device total. The prediction bounds both (it fell 0.6% short of the total before it counted
+    the copies), and stays within 10% of the total."""
+    for result in run_distributed(_ledger_against_prediction, 2, "wide", offload, False, str(tmp_path)):
+        measured, predicted = result["measured"], result["predicted"]
+        over = {k: (v, predicted.get(k, 0)) for k, v in measured.items() if v > predicted.get(k, 0)}
+        assert not over, f"ledger peaks above the prediction (measured, predicted): {over}"
+        assert measured["device_total"] >= 0.9 * result["device"], (measured["device_total"], result["device"])
 
 
 #: The sweep's model: a GPT of 28 blocks of width 384, 50.0M parameters (the issue's "about 50M").

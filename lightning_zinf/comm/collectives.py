@@ -43,7 +43,7 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # Below this many bytes gloo's staging copies cost less than the extra collectives of the in-place
 # forms below (one per rank instead of one): small units keep the flat collective.
-_GLOO_IN_PLACE_BYTES = 1 << 20
+GLOO_IN_PLACE_BYTES = 1 << 20
 
 
 class Handle(Protocol):
@@ -190,13 +190,13 @@ def real_collectives_forced() -> bool:
     return os.environ.get(REAL_COLLECTIVES_ENV) == "1"
 
 
-def _gloo_in_place(group: Optional[dist.ProcessGroup], full: torch.Tensor, one_node: bool) -> bool:
-    """The in-place forms below serve gloo on host tensors of 1 MiB and more when every rank of
-    ``group`` is on this machine. They send each peer its bytes directly, which crosses a link
+def _gloo_in_place(group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int, one_node: bool) -> bool:
+    """The in-place forms below serve gloo on host tensors (``device``) of ``nbytes`` (the gathered
+    or reduced whole) of 1 MiB and more when every rank of ``group`` is on this machine. They send each peer its bytes directly, which crosses a link
     between nodes once per remote peer where gloo's ring forms cross it once per node pair
     (``cluster/cluster.py``, ZeRO-3 on 2 nodes of 2 ranks: 85 vs 77 MB over the link per step);
     an accelerator uses NCCL, which gathers and reduce-scatters in place already."""
-    return (one_node and full.device.type == "cpu" and full.numel() * full.element_size() >= _GLOO_IN_PLACE_BYTES
+    return (one_node and device.type == "cpu" and nbytes >= GLOO_IN_PLACE_BYTES
             and dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1)
 
 
@@ -211,7 +211,7 @@ def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dis
     a step), and the broadcasts move the same bytes without those copies (2 ranks, one 14 MB
     shard: 7.7 vs 17.9 ms, medians of 6). Other backends (NCCL) gather in place already.
     """
-    if not _gloo_in_place(group, out, one_node):
+    if not _gloo_in_place(group, out.device, out.numel() * out.element_size(), one_node):
         return _all_gather_tensor(out, shard, group=group, async_op=async_op)
     n, world = shard.numel(), dist.get_world_size(group)
     out[dist.get_rank(group) * n:][:n].copy_(shard)
@@ -236,7 +236,7 @@ def _reduce_scatter_mean_flat(out: torch.Tensor, full: torch.Tensor, group: Opti
     in-place reduce per rank's slice 2.2 times that (2 ranks, a 14 MB slice, /proc/self/io's
     wchar per call: 1.0x vs 2.0x vs 2.2x the slice; 11.0 vs 28.1 vs 18.8 ms).
     """
-    if not _gloo_in_place(group, full, one_node):
+    if not _gloo_in_place(group, full.device, full.numel() * full.element_size(), one_node):
         return _reduce_scatter_flat(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     n, world, me = out.numel(), dist.get_world_size(group), dist.get_rank(group)
     received = full.new_empty((world - 1) * n)
@@ -765,9 +765,23 @@ class Collectives:
         as the engine calls them), alive until its ``wait()``, beyond its ``out`` and ``full``:
         qgZ's packed rows (the rows quantized, received and reduced on each leg), or under hybrid
         sharding with :attr:`replica_bits` the quantized all-reduce's (``2 R + 1`` rows, and a
-        shard of ``R`` whole partitions where ``n`` is not one). 0 for the unquantized collectives;
-        of their scratch, gloo's within one node (``(W - 1) n`` elements received for a shard of
-        1 MiB and more, :func:`_reduce_scatter_mean_flat`) is not counted here yet."""
+        shard of ``R`` whole partitions where ``n`` is not one). The unquantized reduce-scatter
+        within one node on gloo receives its peers' copies of this rank's slice into ``(W - 1) n``
+        elements of its own where ``W n`` elements are 1 MiB and more
+        (:func:`_reduce_scatter_mean_flat`). Not counted: what gloo and NCCL allocate inside their
+        own libraries (gloo's flat reduce-scatter across nodes copies its whole input there)."""
+        return self._scratch_nbytes(n, dtype) + self._codes_nbytes(n, dtype)
+
+    def _scratch_nbytes(self, n: int, dtype: torch.dtype) -> int:
+        # The shard group's unquantized reduce-scatter (qgZ replaces it; one rank has none).
+        if self.qgz_bits is not None or self.local or self._shard_group is None:
+            return 0
+        device = self._device or torch.device("cpu")
+        if not _gloo_in_place(self._shard_group, device, self.shard_size * n * dtype.itemsize, self._shard_one_node):
+            return 0
+        return (self.shard_size - 1) * n * dtype.itemsize
+
+    def _codes_nbytes(self, n: int, dtype: torch.dtype) -> int:
         if self.qgz_bits is not None:
             layout = self._qgz_layout(n)
             intra = self._nodes is not None and self._nodes.intra is not None

@@ -20,7 +20,8 @@ CATEGORIES = {
     "grad_buffers": "full flat gradients that autograd is accumulating into (one per unit in backward); for "
                     "gradients cast for the reduce-scatter, autograd's own per-parameter gradients until then",
     "reduce_pending": "buffers of gradient reduce-scatters in flight (the cast to reduce dtype and the output; "
-                      "qgZ's codes, and those of hybrid sharding's quantized all-reduce)",
+                      "qgZ's codes, those of hybrid sharding's quantized all-reduce, and on gloo the peers' copies of "
+                      "this rank's slice that a reduce-scatter of 1 MiB and more receives within a node)",
     "staged": "device copies of host-side shards (and frozen codes) that gathers read: copied ahead of the gather "
               "(OffloadConfig.copy_ahead_bytes) or by it, alive until the gather is waited for",
     "pooled": "free gradient buffers kept for reuse (CPU only; the caching allocator pools on accelerators)",

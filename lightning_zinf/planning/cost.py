@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from lightning_zinf.comm.collectives import GLOO_IN_PLACE_BYTES
 from lightning_zinf.engine.buffers import SLACK
 from lightning_zinf.engine.units import COALESCE_BYTES
 from lightning_zinf.offload.aligned import ALIGNMENT
@@ -486,12 +487,17 @@ def _moving(inventory: Inventory, bucket_size: int, accelerator: bool, param: st
     regathered = _regathered(inventory, accelerator, param)
     largest = max((u.grad_bytes for u in order), default=0)
     pool = _largest_request(inventory)
-    reduce = 0  # one group's reduce-scatter at a time: its input (a cast to reduce_dtype) and output shard
+    # One group's reduce-scatter at a time: its input (a cast to reduce_dtype) and output shard, and
+    # on the CPU (gloo) the peers' copies of the shard that a large one receives within a node (a
+    # bound across nodes, where gloo keeps its copy inside its library).
+    reduce = received = 0
     for g in inventory.groups:
         if g.trainable:
             flat = g.shard_numel * inventory.world * inventory.reduce_bytes
             shard = g.shard_numel * inventory.reduce_bytes if inventory.world > 1 else 0
-            reduce = max(reduce, flat + shard if accelerator else _served(flat, pool) + _served(shard, pool))
+            copies = 0 if accelerator or flat < GLOO_IN_PLACE_BYTES else (inventory.world - 1) * shard
+            received = max(received, copies)
+            reduce = max(reduce, flat + shard if accelerator else _served(flat, pool) + _served(shard, pool) + copies)
     out = {
         "gathered": held - window + max(window, regathered),
         "grad_buffers": sum(u.grad_bytes for u in persistent) + largest,
@@ -512,4 +518,4 @@ def _moving(inventory: Inventory, bucket_size: int, accelerator: bool, param: st
     out["gathers_kept"] = window + sum(u.nbytes for u in persistent if not u.persistent)
     out["pooled"] = _pool_held(inventory, units)
     loose = sum(u.loose_bytes for u in persistent) + max((u.loose_bytes for u in order), default=0)
-    return out, held + max(out["pooled"] + loose, regathered)
+    return out, held + max(out["pooled"] + loose + received, regathered)
