@@ -251,7 +251,7 @@ def _composition(feature: str) -> tuple[dict, str]:
         "offload_cpu": ({"offload": {"param": "cpu", "optimizer": "cpu"}}, "fp32"),
         "offload_nvme": ({"offload": {"param": "nvme", "optimizer": "nvme"}}, "fp32"),
         "bf16": ({"mixed_precision": MixedPrecisionConfig(param_dtype="bf16")}, "bf16"),
-        "tiling": ({"tiling": TilingConfig(tile_numel=1024)}, "fp32"),
+        "tiling": ({"tiling": TilingConfig(tile_numel=4096)}, "fp32"),
         "checkpointing": ({"activation_checkpointing": [models.Block]}, "fp32"),
         "lora_frozen_int8": ({"lora": True, "zero_pp": ZeroPPConfig(ranks_per_node=2, frozen_bits=8)}, "fp32"),
         "qwz": ({"zero_pp": ZeroPPConfig(ranks_per_node=2, qwz=True)}, "bf16"),
