@@ -191,11 +191,12 @@ def real_collectives_forced() -> bool:
 
 
 def _gloo_in_place(group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int, one_node: bool) -> bool:
-    """The in-place forms below serve gloo on host tensors (``device``) of ``nbytes`` (the gathered
-    or reduced whole) of 1 MiB and more when every rank of ``group`` is on this machine. They send each peer its bytes directly, which crosses a link
-    between nodes once per remote peer where gloo's ring forms cross it once per node pair
-    (``cluster/cluster.py``, ZeRO-3 on 2 nodes of 2 ranks: 85 vs 77 MB over the link per step);
-    an accelerator uses NCCL, which gathers and reduce-scatters in place already."""
+    """The in-place forms below serve gloo on host tensors (``device``) whose gathered or reduced
+    whole is 1 MiB and more (``nbytes``) when every rank of ``group`` is on this machine. They send
+    each peer its bytes directly, which crosses a link between nodes once per remote peer where
+    gloo's ring forms cross it once per node pair (``cluster/cluster.py``, ZeRO-3 on 2 nodes of 2
+    ranks: 85 vs 77 MB over the link per step); an accelerator uses NCCL, which gathers and
+    reduce-scatters in place already."""
     return (one_node and device.type == "cpu" and nbytes >= GLOO_IN_PLACE_BYTES
             and dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1)
 
