@@ -277,8 +277,9 @@ def _copied(value: Any) -> Any:
 
 
 def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dtype: Optional[torch.dtype],
-                  checkpointed: bool = False, repeats: int = 5) -> float:
-    """Seconds of one forward and backward of ``block`` for real on ``device``.
+                  repeats: int = 5) -> tuple[float, float]:
+    """Seconds of one forward and backward of ``block`` for real on ``device``, and what running
+    its forward under activation checkpointing adds (backward recomputes it).
 
     Args:
         block: The block; its parameters are copied to ``device`` in ``dtype`` (random ones if on
@@ -289,15 +290,17 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             copy of the other objects (a cache the block appends to starts as the forward gave it).
         device: The compute device.
         dtype: The compute dtype of floating parameters, or ``None`` for theirs.
-        checkpointed: Run the forward under non-reentrant activation checkpointing (backward
-            recomputes it).
-        repeats: Runs timed after one warm-up; their median is returned (a run the machine's
-            other work disturbed moves it less than a mean, and a difference of two times is
-            sensitive to that; the fastest run would be optimistic for a step that shares the
-            machine with other ranks).
+        repeats: Pairs of runs timed after one warm-up of each kind: a plain run, then one under
+            non-reentrant checkpointing. Medians are returned (a run the machine's other work
+            disturbed moves them less than a mean; the fastest run would be optimistic for a
+            step that shares the machine with other ranks), and the added time is the median of
+            each pair's difference: the kinds alternate so that a machine whose speed drifts
+            slows both alike (two separate medians differed by less than nothing on a shared
+            2-core VM, which priced recomputation at zero).
 
     Returns:
-        The median run's wall-clock seconds (the device synchronized before and after each).
+        ``(seconds, added)``: the median plain run's wall-clock seconds (the device synchronized
+        before and after each) and the median of what checkpointing added, at least 0.
 
     Raises:
         Exception: whatever the block's forward or backward raises on these inputs (a block whose
@@ -321,35 +324,37 @@ def block_seconds(block: nn.Module, arguments: Any, *, device: torch.device, dty
             # must not change the model's by being timed.
             parameters[name] = torch.zeros(b.shape, dtype=b.dtype, device=device) if b.is_meta else \
                 b.to(device, copy=True)
-    calls = [tree_map(real, arguments) for _ in range(repeats + 1)]
+    calls = [tree_map(real, arguments) for _ in range(2 * (repeats + 1))]
 
-    def run(args: tuple, kwargs: dict) -> None:
+    def run(args: tuple, kwargs: dict, checkpointed: bool) -> float:
         def forward(*positional: Any) -> Any:
             return functional_call(block, parameters, positional, kwargs)
 
-        out = checkpoint(forward, *args, use_reentrant=False) if checkpointed else forward(*args)
-        outputs = [t for t in tensors_in(out) if t.requires_grad]
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-
-    run(*calls[0])
-    times = []
-    for args, kwargs in calls[1:]:
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
         start = time.perf_counter()
-        run(args, kwargs)
+        out = checkpoint(forward, *args, use_reentrant=False) if checkpointed else forward(*args)
+        outputs = [t for t in tensors_in(out) if t.requires_grad]
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
         if device.type != "cpu":
             torch.accelerator.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    run(*calls[0], checkpointed=False)
+    run(*calls[1], checkpointed=True)
+    plain, added = [], []
+    for i in range(1, repeats + 1):
+        plain.append(run(*calls[2 * i], checkpointed=False))
+        added.append(run(*calls[2 * i + 1], checkpointed=True) - plain[-1])
+    return statistics.median(plain), max(0.0, statistics.median(added))
 
 
 def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *, device: torch.device,
                 dtype: Optional[torch.dtype]) -> ForwardProfile:
     """``profile`` with its rates measured: the first block of each class run for real
-    (:func:`block_seconds`), plainly and checkpointed. ``seconds_per_flop``: their plain time over
-    their FLOPs (forward and backward: three forwards'); ``recompute_seconds_per_flop``: what
-    checkpointing added over their forward FLOPs. Unchanged when no block has FLOPs to time.
+    (:func:`block_seconds`), plainly and checkpointed in turn. ``seconds_per_flop``: their plain
+    time over their FLOPs (forward and backward: three forwards'); ``recompute_seconds_per_flop``:
+    what checkpointing added over their forward FLOPs. Unchanged when no block has FLOPs to time.
 
     Args:
         profile: :func:`profile_forward`'s result on this process (its blocks' ``arguments``).
@@ -361,16 +366,15 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
         Exception: as :func:`block_seconds`.
     """
     modules = dict(blocks)
-    plain = checkpointed = flops = 0.0
+    plain = added = flops = 0.0
     timed: set[str] = set()
     for b in profile.blocks:
         if b.cls in timed or not b.flops:
             continue
         timed.add(b.cls)
         with _in_training_mode(modules[b.name]):
-            plain += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
-            checkpointed += block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype, checkpointed=True)
-        flops += b.flops
+            seconds, recompute = block_seconds(modules[b.name], b.arguments, device=device, dtype=dtype)
+        plain, added, flops = plain + seconds, added + recompute, flops + b.flops
     if device.type != "cpu":
         # The timed blocks' parameters and activations are free now: give the cached blocks back
         # (only this rank ran them, and memory the driver holds for torch is not free for NCCL).
@@ -378,4 +382,4 @@ def time_blocks(profile: ForwardProfile, blocks: list[tuple[str, nn.Module]], *,
     if not flops:
         return profile
     return dataclasses.replace(profile, seconds_per_flop=plain / (3 * flops),
-                               recompute_seconds_per_flop=max(0.0, checkpointed - plain) / flops)
+                               recompute_seconds_per_flop=added / flops)
