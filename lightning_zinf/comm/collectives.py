@@ -43,7 +43,7 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # Below this many bytes gloo's staging copies cost less than the extra collectives of the in-place
 # forms below (one per rank instead of one): small units keep the flat collective.
-GLOO_IN_PLACE_BYTES = 1 << 20
+_GLOO_IN_PLACE_BYTES = 1 << 20
 
 
 class Handle(Protocol):
@@ -197,8 +197,25 @@ def _gloo_in_place(group: Optional[dist.ProcessGroup], device: torch.device, nby
     gloo's ring forms cross it once per node pair (``cluster/cluster.py``, ZeRO-3 on 2 nodes of 2
     ranks: 85 vs 77 MB over the link per step); an accelerator uses NCCL, which gathers and
     reduce-scatters in place already."""
-    return (one_node and device.type == "cpu" and nbytes >= GLOO_IN_PLACE_BYTES
+    return (one_node and device.type == "cpu" and nbytes >= _GLOO_IN_PLACE_BYTES
             and dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1)
+
+
+def gloo_received_nbytes(world: int, shard_nbytes: int) -> int:
+    """Bytes gloo's in-place reduce-scatter within one node (:func:`_reduce_scatter_mean_flat`)
+    receives into a buffer of its own: the ``world - 1`` peers' copies of this rank's slice of
+    ``shard_nbytes`` bytes, where the reduced whole (``world * shard_nbytes``) is 1 MiB and more
+    and ``world > 1``; else 0. The memory ledger (:meth:`Collectives.reduce_transient_nbytes`) and
+    the planner (:mod:`lightning_zinf.planning.cost`) count it the same way.
+
+    Args:
+        world: Ranks of the reduce-scatter's group.
+        shard_nbytes: Bytes of one rank's slice (``n`` elements times their size).
+
+    Returns:
+        Bytes, an int >= 0.
+    """
+    return (world - 1) * shard_nbytes if world > 1 and world * shard_nbytes >= _GLOO_IN_PLACE_BYTES else 0
 
 
 def _all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group: Optional[dist.ProcessGroup], one_node: bool,
@@ -780,7 +797,7 @@ class Collectives:
         device = self._device or torch.device("cpu")
         if not _gloo_in_place(self._shard_group, device, self.shard_size * n * dtype.itemsize, self._shard_one_node):
             return 0
-        return (self.shard_size - 1) * n * dtype.itemsize
+        return gloo_received_nbytes(self.shard_size, n * dtype.itemsize)
 
     def _codes_nbytes(self, n: int, dtype: torch.dtype) -> int:
         if self.qgz_bits is not None:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from lightning_zinf.comm.collectives import GLOO_IN_PLACE_BYTES
+from lightning_zinf.comm.collectives import gloo_received_nbytes
 from lightning_zinf.engine.buffers import SLACK
 from lightning_zinf.engine.units import COALESCE_BYTES
 from lightning_zinf.offload.aligned import ALIGNMENT
@@ -495,7 +495,7 @@ def _moving(inventory: Inventory, bucket_size: int, accelerator: bool, param: st
         if g.trainable:
             flat = g.shard_numel * inventory.world * inventory.reduce_bytes
             shard = g.shard_numel * inventory.reduce_bytes if inventory.world > 1 else 0
-            copies = 0 if accelerator or flat < GLOO_IN_PLACE_BYTES else (inventory.world - 1) * shard
+            copies = 0 if accelerator else gloo_received_nbytes(inventory.world, shard)
             received = max(received, copies)
             reduce = max(reduce, flat + shard if accelerator else _served(flat, pool) + _served(shard, pool) + copies)
     out = {
