@@ -413,15 +413,6 @@ class Collectives:
         # real collectives (every engine feature through NCCL on a single GPU).
         self.local = self.world_size == 1 and not (self.distributed and real_collectives_forced())
         self.bytes = CommBytes()
-        self.control_group: Optional[dist.ProcessGroup] = None
-        if self.world_size > 1:
-            # Over the world every rank calls this, so the group's name comes from the global count.
-            # Over a sub-group only its ranks do (engines over different sub-groups need not build
-            # their control groups in one global order); then every rank must have created the
-            # same number of groups before, since a locally synchronised group is named after it.
-            subgroup = self.group is not dist.group.WORLD
-            self.control_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
-                                                timeout=timeout, use_local_synchronization=subgroup)
         self.topology = Topology(self.world_size, self.rank, ranks_per_node or self.world_size)
         self.hpz: Optional[Topology] = None
         self._hpz_group: Optional[dist.ProcessGroup] = None
@@ -435,6 +426,25 @@ class Collectives:
         if hybrid and hpz_partition_size is not None:
             raise ValueError("hpZ does not combine with hybrid sharding (shard_group_size): its gathers stay within a "
                              "shard group already.")
+        if hybrid:
+            require_divisor("shard_group_size", shard_group_size, self.world_size,
+                            "each group of that many consecutive ranks holds one copy of the sharded state",
+                            "Pass one of those (normally the ranks per node).")
+        if hpz_partition_size is not None:
+            require_divisor("hpz_partition_size", hpz_partition_size, self.world_size,
+                            "hpZ's secondary partitions are held by groups of that many consecutive ranks",
+                            "Pass one of those (normally the ranks per node).")
+        # Every argument is checked before the first group is made: a rank that raised would
+        # otherwise leave its peers waiting in (or torn out of) that group's rendezvous.
+        self.control_group: Optional[dist.ProcessGroup] = None
+        if self.world_size > 1:
+            # Over the world every rank calls this, so the group's name comes from the global count.
+            # Over a sub-group only its ranks do (engines over different sub-groups need not build
+            # their control groups in one global order); then every rank must have created the
+            # same number of groups before, since a locally synchronised group is named after it.
+            subgroup = self.group is not dist.group.WORLD
+            self.control_group = dist.new_group(dist.get_process_group_ranks(self.group), backend="gloo",
+                                                timeout=timeout, use_local_synchronization=subgroup)
         # Hybrid: qgZ's codes cross between the groups in the replicas' all-reduce, never in a
         # reduce-scatter, which stays within the group (with one group, nothing is quantized).
         self.replica_bits: Optional[int] = qgz_bits if hybrid else None
@@ -449,9 +459,6 @@ class Collectives:
         self._replica_peers = [self.rank]  # world ranks holding this rank's shards
         if hybrid:
             assert shard_group_size is not None
-            require_divisor("shard_group_size", shard_group_size, self.world_size,
-                            "each group of that many consecutive ranks holds one copy of the sharded state",
-                            "Pass one of those (normally the ranks per node).")
             shards = Topology(self.world_size, self.rank, shard_group_size)
             groups = NodeGroups(shards, groups=self.rank_set_groups)
             self._shard_group, self._replica_group = groups.intra, groups.inter
@@ -465,9 +472,6 @@ class Collectives:
         #: The shard group is on one node (gloo's in-place forms then apply).
         self._shard_one_node = len({r // self.topology.ranks_per_node for r in self._shard_peers}) == 1
         if hpz_partition_size is not None:
-            require_divisor("hpz_partition_size", hpz_partition_size, self.world_size,
-                            "hpZ's secondary partitions are held by groups of that many consecutive ranks",
-                            "Pass one of those (normally the ranks per node).")
             self.hpz = Topology(self.world_size, self.rank, hpz_partition_size)
             if self.world_size > 1:
                 self._hpz_group = NodeGroups(self.hpz, with_inter=False, groups=self.rank_set_groups).intra
